@@ -1,0 +1,46 @@
+"""The device-side description of one forward step, shared by the engine and every model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    """One step over ``B`` requests whose new tokens are laid out back to back (``T`` in all).
+
+    Decode requests (one new token each, ``num_decodes`` of them) come first, then the prefill
+    chunks, so layers with separate decode and prefill kernels can slice the batch once.
+    """
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, position of each token in its request
+    cu_seqlens: torch.Tensor  # [B + 1] int32, token offsets of the requests
+    seq_lens: torch.Tensor  # [B] int32, tokens in the cache after this step
+    page_table: torch.Tensor  # [B, max_pages] int32, unused entries point at page 0
+    slot_mapping: torch.Tensor  # [T] int64, flat cache slot (page * page_size + offset) of each token
+    state_slots: torch.Tensor  # [B] int32, recurrent-state slot of each request
+    logits_indices: torch.Tensor  # [N] int64, tokens whose logits are wanted (a request's last token)
+    num_decodes: int  # requests (and tokens) at the front that are single-token decodes
+    max_query_len: int  # most new tokens of one request
+    query_lens: list[int]  # new tokens per request (host copy)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def has_prefill(self) -> bool:
+        return self.num_decodes < self.num_requests
+
+    def prefill_part(self) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """``(first token, cu_seqlens, state_slots)`` of the prefill requests, offsets rebased to 0."""
+        first = self.num_decodes
+        cu = self.cu_seqlens[first:] - self.cu_seqlens[first]
+        return first, cu, self.state_slots[first:]

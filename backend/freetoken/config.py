@@ -1,0 +1,55 @@
+"""Engine options. Each field is a keyword argument of ``LLM`` and a CLI flag (``max_prefill_length``
+is ``--max-prefill-length``); the help text lives beside the field."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+DType = Literal["auto", "bfloat16", "float16", "float32"]
+Device = Literal["auto", "cuda", "cpu"]
+KernelBackendName = Literal["auto", "torch", "triton"]
+
+
+def _opt(default: Any, help: str, **extra: Any) -> Any:
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = _opt(None, "Hugging Face model directory; none serves/uses the embedded demo model")
+    tokenizer: str | None = _opt(None, "tokenizer directory (default: the model directory)")
+    dtype: DType = _opt("auto", "weights and activations dtype; auto takes the checkpoint's (bf16 if unset)")
+    device: Device = _opt("auto", "cuda if a GPU is visible, else cpu")
+    kernel_backend: KernelBackendName = _opt(
+        "auto", "ops implementation: triton on CUDA and torch on CPU by default; triton on CPU runs the interpreter"
+    )
+    max_prefill_length: int = _opt(
+        8192, "prompt tokens computed per forward (chunked prefill); not a limit on prompt length"
+    )
+    max_running_requests: int = _opt(64, "requests decoded together (also the Gated DeltaNet state slots)")
+    max_model_len: int | None = _opt(None, "longest prompt + output in tokens (default: the model's)")
+    page_size: int = _opt(16, "tokens per KV-cache page")
+    num_pages: int | None = _opt(None, "KV-cache pages (default: sized from free memory)")
+    gpu_memory_fraction: float = _opt(
+        0.85, "fraction of the GPU memory free after loading weights given to KV pages and states"
+    )
+    cpu_kv_cache_gib: float = _opt(2.0, "on the CPU, memory for KV pages and states in GiB")
+    seed: int = _opt(0, "seed from which unseeded requests draw their sampling seeds")
+
+    @classmethod
+    def option_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    def validate(self) -> None:
+        if self.max_prefill_length < 1:
+            raise ValueError(f"max_prefill_length must be >= 1, got {self.max_prefill_length}")
+        if self.max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {self.num_pages}")
+        if not 0.0 < self.gpu_memory_fraction <= 1.0:
+            raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")

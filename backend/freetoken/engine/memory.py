@@ -1,0 +1,71 @@
+"""How many KV pages and state slots fit in the memory left after the weights."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from freetoken.config import EngineConfig
+from freetoken.models.base import CausalLM
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+# Kept free on the GPU beyond the pools: the driver and the allocator grow after the first kernel
+# launches (the per-thread stack limit alone took 1.3-3.3 GiB on sm_120 with Triton < 3.8), and
+# activations of the largest prefill chunk need room too.
+GPU_HEADROOM_BYTES = 2 * GiB
+# Activation bytes per prefill token per hidden unit, a generous bound on what one layer keeps live.
+ACTIVATION_BYTES_PER_TOKEN_PER_HIDDEN = 48
+
+
+@dataclass(frozen=True)
+class PoolSizes:
+    num_pages: int  # including the reserved page 0
+    num_slots: int  # including the reserved slot 0
+    bytes_per_page: int
+    bytes_per_slot: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_pages * self.bytes_per_page + self.num_slots * self.bytes_per_slot
+
+
+def pool_budget_bytes(config: EngineConfig, device: torch.device, hidden_size: int) -> int:
+    if device.type != "cuda":
+        return int(config.cpu_kv_cache_gib * GiB)
+    free, _ = torch.cuda.mem_get_info(device)
+    activations = config.max_prefill_length * hidden_size * ACTIVATION_BYTES_PER_TOKEN_PER_HIDDEN
+    return max(0, int(free * config.gpu_memory_fraction) - GPU_HEADROOM_BYTES - activations)
+
+
+def size_pools(
+    model: CausalLM, config: EngineConfig, device: torch.device, max_model_len: int, hidden_size: int
+) -> PoolSizes:
+    page_bytes = model.kv_bytes_per_page(config.page_size)
+    slot_bytes = model.state_bytes_per_slot()
+    num_slots = config.max_running_requests + 1
+    pages_per_request = -(-max_model_len // config.page_size)
+    useful_pages = config.max_running_requests * pages_per_request + 1
+    if config.num_pages is not None:
+        num_pages = config.num_pages
+    else:
+        budget = pool_budget_bytes(config, device, hidden_size) - num_slots * slot_bytes
+        affordable = budget // page_bytes if page_bytes else useful_pages
+        num_pages = int(min(affordable, useful_pages))
+        if num_pages < 2:
+            raise MemoryError(
+                f"no memory left for the KV cache on {device}: {budget / GiB:.2f} GiB after weights and "
+                f"{num_slots} state slots; lower max_running_requests or raise the memory fraction"
+            )
+    sizes = PoolSizes(num_pages, num_slots, page_bytes, slot_bytes)
+    logger.info(
+        "KV cache: %d pages of %d tokens, %d state slots, %.2f GiB",
+        num_pages - 1,
+        config.page_size,
+        num_slots - 1,
+        sizes.total_bytes / GiB,
+    )
+    return sizes

@@ -1,0 +1,118 @@
+"""Gated DeltaNet linear attention (Qwen3.5 / Qwen4-Exp ``linear_attn``) with per-request state slots."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from freetoken import kernels
+from freetoken.batch import ForwardBatch
+from freetoken.layers.weights import WeightTarget, new_param, packed_targets
+
+
+class GatedDeltaNet(nn.Module):
+    """``in_proj_{qkv,z,b,a}`` (one packed GEMM) -> causal conv1d + SiLU over q|k|v -> gated delta
+    rule -> gated RMSNorm with ``z`` -> ``out_proj``.
+
+    State per request slot: the conv window ``[C, K-1]`` (activations' dtype) and the recurrent
+    state ``[Hv, Dk, Dv]`` (float32).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_k_heads: int,
+        num_v_heads: int,
+        head_k_dim: int,
+        head_v_dim: int,
+        conv_kernel: int,
+        eps: float,
+    ) -> None:
+        super().__init__()
+        self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
+        self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
+        self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_kernel = conv_kernel
+        self.eps = eps
+        self.in_proj = new_param(self.conv_dim + self.value_dim + 2 * num_v_heads, hidden_size)
+        self.conv_weight = new_param(self.conv_dim, conv_kernel)
+        self.dt_bias = new_param(num_v_heads)
+        self.A_log = new_param(num_v_heads)
+        self.norm_weight = new_param(head_v_dim)
+        self.out_proj = new_param(hidden_size, self.value_dim)
+        self.conv_state: torch.Tensor | None = None
+        self.recurrent_state: torch.Tensor | None = None
+
+    def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
+        targets = packed_targets(
+            self.in_proj,
+            prefix,
+            [
+                ("in_proj_qkv.weight", self.conv_dim),
+                ("in_proj_z.weight", self.value_dim),
+                ("in_proj_b.weight", self.num_v_heads),
+                ("in_proj_a.weight", self.num_v_heads),
+            ],
+        )
+        targets.update(
+            {
+                f"{prefix}conv1d.weight": WeightTarget(self.conv_weight),
+                f"{prefix}dt_bias": WeightTarget(self.dt_bias),
+                f"{prefix}A_log": WeightTarget(self.A_log),
+                f"{prefix}norm.weight": WeightTarget(self.norm_weight),
+                f"{prefix}out_proj.weight": WeightTarget(self.out_proj),
+            }
+        )
+        return targets
+
+    def state_bytes_per_slot(self, dtype: torch.dtype) -> int:
+        conv = self.conv_dim * (self.conv_kernel - 1) * dtype.itemsize
+        return conv + self.num_v_heads * self.head_k_dim * self.head_v_dim * 4
+
+    def allocate_state(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.conv_state = torch.zeros(num_slots, self.conv_dim, self.conv_kernel - 1, dtype=dtype, device=device)
+        self.recurrent_state = torch.zeros(
+            num_slots, self.num_v_heads, self.head_k_dim, self.head_v_dim, dtype=torch.float32, device=device
+        )
+
+    def reset_slots(self, slots: torch.Tensor) -> None:
+        self.conv_state[slots] = 0
+        self.recurrent_state[slots] = 0
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        mixed_qkv, z, b, a = F.linear(x, self.in_proj).split(
+            [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1
+        )
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        core = torch.empty(num_tokens, self.num_v_heads, self.head_v_dim, dtype=x.dtype, device=x.device)
+        nd = batch.num_decodes
+        if nd:
+            slots = batch.state_slots[:nd]
+            conv = kernels.causal_conv1d_decode(mixed_qkv[:nd], self.conv_weight, self.conv_state, slots)
+            q, k, v = self._split_heads(conv)
+            core[:nd] = kernels.gated_delta_rule_decode(q, k, v, g[:nd], beta[:nd], self.recurrent_state, slots)
+        if batch.has_prefill:
+            first, cu_seqlens, slots = batch.prefill_part()
+            conv = kernels.causal_conv1d_prefill(
+                mixed_qkv[first:], self.conv_weight, self.conv_state, slots, cu_seqlens
+            )
+            q, k, v = self._split_heads(conv)
+            core[first:] = kernels.gated_delta_rule_prefill(
+                q, k, v, g[first:], beta[first:], self.recurrent_state, slots, cu_seqlens
+            )
+        z = z.reshape(num_tokens, self.num_v_heads, self.head_v_dim)
+        out = kernels.gated_rms_norm(core, z, self.norm_weight, self.eps)
+        return F.linear(out.reshape(num_tokens, self.value_dim), self.out_proj)
+
+    def _split_heads(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        n = conv_out.shape[0]
+        return (
+            q.reshape(n, self.num_k_heads, self.head_k_dim),
+            k.reshape(n, self.num_k_heads, self.head_k_dim),
+            v.reshape(n, self.num_v_heads, self.head_v_dim),
+        )

@@ -1,0 +1,68 @@
+"""Sparse MoE block with a sigmoid-gated shared expert (Qwen3.5-MoE / Qwen4-Exp ``mlp``)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from freetoken import kernels
+from freetoken.layers.weights import WeightTarget, new_param, packed_targets
+
+
+class SparseMoE(nn.Module):
+    """Router (softmax, top-k, renormalised) -> routed experts; plus ``sigmoid(x·w_g) · shared_expert(x)``.
+
+    Expert weights are kept fused: ``w13 [E, 2I, H]`` (gate rows, then up rows), ``w2 [E, H, I]``.
+    The router and the shared-expert gate share one GEMM (``gate_weight`` holds both).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        moe_intermediate_size: int,
+        shared_intermediate_size: int,
+        renormalize: bool = True,
+    ) -> None:
+        super().__init__()
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.intermediate = moe_intermediate_size
+        self.shared_intermediate = shared_intermediate_size
+        self.gate_weight = new_param(num_experts + 1, hidden_size)
+        self.w13 = new_param(num_experts, 2 * moe_intermediate_size, hidden_size)
+        self.w2 = new_param(num_experts, hidden_size, moe_intermediate_size)
+        self.shared_gate_up = new_param(2 * shared_intermediate_size, hidden_size)
+        self.shared_down = new_param(hidden_size, shared_intermediate_size)
+
+    def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
+        i = self.intermediate
+        targets = packed_targets(
+            self.gate_weight, prefix, [("gate.weight", self.num_experts), ("shared_expert_gate.weight", 1)]
+        )
+        targets.update(
+            packed_targets(
+                self.shared_gate_up,
+                f"{prefix}shared_expert.",
+                [("gate_proj.weight", self.shared_intermediate), ("up_proj.weight", self.shared_intermediate)],
+            )
+        )
+        targets[f"{prefix}shared_expert.down_proj.weight"] = WeightTarget(self.shared_down)
+        # The fused layout of transformers' in-memory model, and the per-expert layout of released checkpoints.
+        targets[f"{prefix}experts.gate_up_proj"] = WeightTarget(self.w13)
+        targets[f"{prefix}experts.down_proj"] = WeightTarget(self.w2)
+        for e in range(self.num_experts):
+            expert = f"{prefix}experts.{e}."
+            targets[f"{expert}gate_proj.weight"] = WeightTarget(self.w13, slice(0, i), e)
+            targets[f"{expert}up_proj.weight"] = WeightTarget(self.w13, slice(i, 2 * i), e)
+            targets[f"{expert}down_proj.weight"] = WeightTarget(self.w2, None, e)
+        return targets
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_logits = F.linear(x, self.gate_weight)
+        router_logits, shared_gate = gate_logits[:, : self.num_experts], gate_logits[:, self.num_experts :]
+        weights, ids = kernels.moe_topk_softmax(router_logits, self.top_k, self.renormalize)
+        routed = kernels.fused_experts(x, self.w13, self.w2, weights, ids)
+        shared = F.linear(kernels.silu_and_mul(F.linear(x, self.shared_gate_up)), self.shared_down)
+        return kernels.shared_expert_combine(routed, shared, shared_gate)

@@ -1,0 +1,41 @@
+"""Where each checkpoint tensor goes: parameters that pack several checkpoint tensors declare
+one ``WeightTarget`` per tensor, naming the part of the parameter it fills."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class WeightTarget:
+    """The checkpoint tensor fills ``param[index][rows]`` (``index``: an expert, ``rows``: a packed slice)."""
+
+    param: nn.Parameter
+    rows: slice | None = None
+    index: int | None = None
+
+    def destination(self) -> torch.Tensor:
+        dst = self.param.data
+        if self.index is not None:
+            dst = dst[self.index]
+        if self.rows is not None:
+            dst = dst[self.rows]
+        return dst
+
+
+def new_param(*shape: int) -> nn.Parameter:
+    """An uninitialised parameter in the current default dtype and device (set while the model is built)."""
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+def packed_targets(param: nn.Parameter, prefix: str, parts: list[tuple[str, int]]) -> dict[str, WeightTarget]:
+    """Targets for a parameter whose rows are the checkpoint tensors ``parts`` ((name, rows), in order)."""
+    targets, start = {}, 0
+    for name, rows in parts:
+        targets[f"{prefix}{name}"] = WeightTarget(param, slice(start, start + rows))
+        start += rows
+    assert start == param.shape[0], f"packed rows {start} != {param.shape[0]} for {prefix}"
+    return targets

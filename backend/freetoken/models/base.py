@@ -1,0 +1,46 @@
+"""What every model family provides to the engine."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from torch import nn
+
+from freetoken.batch import ForwardBatch
+from freetoken.layers.weights import WeightTarget
+
+
+class CausalLM(nn.Module, ABC):
+    """A decoder over a flat token batch, owning its layers' KV pages and recurrent-state slots.
+
+    The engine sizes the pools from ``kv_bytes_per_page`` and ``state_bytes_per_slot``, then calls
+    ``allocate_state`` once; ``reset_slots`` zeroes the state of requests that start over.
+    """
+
+    vocab_size: int
+    max_position_embeddings: int
+
+    @abstractmethod
+    def weight_targets(self) -> dict[str, WeightTarget]:
+        """Canonical checkpoint names (``embed_tokens.weight``, ``layers.3.mlp.gate.weight``, ...) -> targets."""
+
+    @abstractmethod
+    def kv_bytes_per_page(self, page_size: int) -> int: ...
+
+    @abstractmethod
+    def state_bytes_per_slot(self) -> int: ...
+
+    @abstractmethod
+    def allocate_state(self, num_pages: int, page_size: int, num_slots: int) -> None: ...
+
+    @abstractmethod
+    def reset_slots(self, slots: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """float32 logits ``[len(batch.logits_indices), vocab_size]``."""
+
+    def tied_weights(self) -> dict[str, str]:
+        """Parameters that may be absent from a checkpoint and copied from another: ``{missing: source}``."""
+        return {}

@@ -1,0 +1,152 @@
+"""Qwen3.5-MoE / Qwen3.6-MoE text model: Gated DeltaNet and gated full-attention layers, each
+followed by a sparse MoE with a shared expert; zero-centred RMSNorms throughout."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from freetoken import kernels
+from freetoken.batch import ForwardBatch
+from freetoken.layers.attention import GatedAttention
+from freetoken.layers.gated_deltanet import GatedDeltaNet
+from freetoken.layers.moe import SparseMoE
+from freetoken.layers.norm import RMSNorm
+from freetoken.layers.weights import WeightTarget, new_param
+from freetoken.models.base import CausalLM
+
+
+def rotary_dim_of(text_config) -> int:
+    rope = text_config.rope_parameters or {}
+    return int(text_config.head_dim * rope.get("partial_rotary_factor", 1.0))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer_type: str, rotary_cache: torch.Tensor) -> None:
+        super().__init__()
+        self.layer_type = layer_type
+        eps = config.rms_norm_eps
+        if layer_type == "linear_attention":
+            self.mixer: nn.Module = GatedDeltaNet(
+                config.hidden_size,
+                config.linear_num_key_heads,
+                config.linear_num_value_heads,
+                config.linear_key_head_dim,
+                config.linear_value_head_dim,
+                config.linear_conv_kernel_dim,
+                eps,
+            )
+        elif layer_type == "full_attention":
+            self.mixer = GatedAttention(
+                config.hidden_size,
+                config.num_attention_heads,
+                config.num_key_value_heads,
+                config.head_dim,
+                rotary_dim_of(config),
+                eps,
+                rotary_cache,
+            )
+        else:
+            raise ValueError(f"unsupported Qwen3.5-MoE layer type {layer_type!r}")
+        self.mlp = SparseMoE(
+            config.hidden_size,
+            config.num_experts,
+            config.num_experts_per_tok,
+            config.moe_intermediate_size,
+            config.shared_expert_intermediate_size,
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, zero_centered=True)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, zero_centered=True)
+
+    @property
+    def mixer_prefix(self) -> str:
+        return "linear_attn." if self.layer_type == "linear_attention" else "self_attn."
+
+    def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
+        targets = self.mixer.weight_targets(prefix + self.mixer_prefix)
+        targets.update(self.mlp.weight_targets(prefix + "mlp."))
+        targets.update(self.input_layernorm.weight_targets(prefix + "input_layernorm."))
+        targets.update(self.post_attention_layernorm.weight_targets(prefix + "post_attention_layernorm."))
+        return targets
+
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, normed = hidden, self.input_layernorm(hidden)
+        else:
+            normed, residual = self.input_layernorm.add_forward(hidden, residual)
+        hidden = self.mixer(normed, batch)
+        normed, residual = self.post_attention_layernorm.add_forward(hidden, residual)
+        return self.mlp(normed), residual
+
+
+class Qwen3_5MoeModel(CausalLM):
+    """Built from a ``Qwen3_5MoeTextConfig`` (transformers' config class parses the checkpoint's config)."""
+
+    def __init__(self, text_config, tie_word_embeddings: bool) -> None:
+        super().__init__()
+        self.config = text_config
+        self.vocab_size = text_config.vocab_size
+        self.max_position_embeddings = text_config.max_position_embeddings
+        self.tie_word_embeddings = tie_word_embeddings
+        rope = text_config.rope_parameters or {}
+        self.register_buffer(
+            "rotary_cache",
+            kernels.build_rotary_cache(
+                rotary_dim_of(text_config),
+                text_config.max_position_embeddings,
+                rope.get("rope_theta", 10000.0),
+                torch.get_default_device(),
+            ),
+            persistent=False,
+        )
+        self.embed_tokens = new_param(text_config.vocab_size, text_config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(text_config, layer_type, self.rotary_cache) for layer_type in text_config.layer_types
+        )
+        self.norm = RMSNorm(text_config.hidden_size, text_config.rms_norm_eps, zero_centered=True)
+        self.lm_head = new_param(text_config.vocab_size, text_config.hidden_size)
+
+    def weight_targets(self) -> dict[str, WeightTarget]:
+        targets = {"embed_tokens.weight": WeightTarget(self.embed_tokens), "lm_head.weight": WeightTarget(self.lm_head)}
+        for i, layer in enumerate(self.layers):
+            targets.update(layer.weight_targets(f"layers.{i}."))
+        targets.update(self.norm.weight_targets("norm."))
+        return targets
+
+    def tied_weights(self) -> dict[str, str]:
+        return {"lm_head.weight": "embed_tokens.weight"} if self.tie_word_embeddings else {}
+
+    def _attention_layers(self) -> list[GatedAttention]:
+        return [layer.mixer for layer in self.layers if isinstance(layer.mixer, GatedAttention)]
+
+    def _linear_layers(self) -> list[GatedDeltaNet]:
+        return [layer.mixer for layer in self.layers if isinstance(layer.mixer, GatedDeltaNet)]
+
+    def kv_bytes_per_page(self, page_size: int) -> int:
+        return sum(a.kv_bytes_per_page(page_size, self.embed_tokens.dtype) for a in self._attention_layers())
+
+    def state_bytes_per_slot(self) -> int:
+        return sum(g.state_bytes_per_slot(self.embed_tokens.dtype) for g in self._linear_layers())
+
+    def allocate_state(self, num_pages: int, page_size: int, num_slots: int) -> None:
+        dtype, device = self.embed_tokens.dtype, self.embed_tokens.device
+        for attention in self._attention_layers():
+            attention.allocate_kv(num_pages, page_size, dtype, device)
+        for linear in self._linear_layers():
+            linear.allocate_state(num_slots, dtype, device)
+
+    def reset_slots(self, slots: torch.Tensor) -> None:
+        for linear in self._linear_layers():
+            linear.reset_slots(slots)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        hidden = F.embedding(batch.input_ids, self.embed_tokens)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, batch)
+        last = batch.logits_indices
+        normed, _ = self.norm.add_forward(hidden[last], residual[last])
+        return F.linear(normed, self.lm_head).float()

@@ -1,0 +1,260 @@
+"""The runtime: engine, scheduler and request table, stepped by the caller (the offline ``LLM``)
+or by its own engine thread (the Triton backend).
+
+Thread safety: ``submit`` and ``abort`` may be called from any thread; they only queue work for the
+engine thread. Everything else runs on the thread that steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from freetoken.config import EngineConfig
+from freetoken.core import FinishReason, RequestOutput, ResolvedSampling, SamplingParams
+from freetoken.engine.engine import Engine
+from freetoken.output import append_token, make_output
+from freetoken.scheduler.request import Request
+from freetoken.scheduler.scheduler import Scheduler
+from freetoken.tokenizer import IncrementalDetokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+OutputCallback = Callable[[RequestOutput], None]
+Prompt = str | list[int]
+
+
+@dataclass
+class RuntimeStats:
+    num_running: int
+    num_waiting: int
+    pages_used: int
+    pages_total: int
+    slots_used: int
+    slots_total: int
+    num_preemptions: int
+
+
+class Runtime:
+    def __init__(self, config: EngineConfig) -> None:
+        config.validate()
+        self.config = config
+        model_dir = config.model
+        if model_dir is None:
+            from freetoken.demo import ensure_demo_model
+
+            model_dir = str(ensure_demo_model())
+        self.model_dir = model_dir
+        self.engine = Engine(config, model_dir)
+        self.tokenizer = load_tokenizer(config.tokenizer or model_dir)
+        pages, slots = self.engine.create_pools()
+        self.scheduler = Scheduler(pages, slots, config.max_prefill_length, config.max_running_requests)
+        self.max_total_tokens = min(self.engine.max_model_len, pages.capacity * pages.page_size)
+        self.eos_token_ids = set(self.engine.loaded.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self._seed_rng = random.Random(config.seed)
+        self._callbacks: dict[str, OutputCallback | None] = {}
+        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.fatal_error: BaseException | None = None
+
+    # ----- building requests (any thread) -----
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        if not prompt:
+            raise ValueError("prompt_token_ids must not be empty")
+        vocab = self.engine.vocab_size
+        for token in prompt:
+            if not isinstance(token, int) or not 0 <= token < vocab:
+                raise ValueError(f"prompt_token_ids must be integers in [0, {vocab}), got {token!r}")
+        return list(prompt)
+
+    def _resolve(self, params: SamplingParams) -> ResolvedSampling:
+        defaults = self.engine.loaded.generation_config
+
+        def pick(name: str, neutral):
+            value = getattr(params, name)
+            if value is None and defaults is not None:
+                value = getattr(defaults, name, None)
+            return neutral if value is None else value
+
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        return ResolvedSampling(
+            temperature=float(pick("temperature", 1.0)),
+            top_p=float(pick("top_p", 1.0)),
+            top_k=int(pick("top_k", 0)),
+            min_p=float(pick("min_p", 0.0)),
+            repetition_penalty=float(pick("repetition_penalty", 1.0)),
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            seed=seed - (1 << 64) if seed >= (1 << 63) else seed,  # the device holds it as int64
+        )
+
+    def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Request:
+        """Validate and tokenize; raises ``ValueError`` naming what is wrong."""
+        params.validate()
+        token_ids = self.tokenize(prompt)
+        if len(token_ids) >= self.max_total_tokens:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens; at most {self.max_total_tokens - 1} fit "
+                f"(max_model_len {self.engine.max_model_len}, KV cache {self.scheduler.pages.capacity} pages)"
+            )
+        stop_ids = set(params.stop_token_ids or [])
+        if not params.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            params=params,
+            sampling=self._resolve(params),
+            eos_token_ids=self.eos_token_ids,
+            stop_token_ids=stop_ids,
+            max_total_tokens=self.max_total_tokens,
+            detokenizer=detokenizer,
+        )
+
+    def submit(self, request: Request, callback: OutputCallback | None = None) -> None:
+        """Queue a request for the engine thread; ``callback`` gets each output (on that thread)."""
+        self._inbox.put(("add", (request, callback)))
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    # ----- stepping (the engine thread, or the offline caller) -----
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work or not self._inbox.empty()
+
+    def step(self) -> list[RequestOutput]:
+        """Take queued submissions and aborts, run one batch, return the outputs it produced."""
+        outputs = self._drain_inbox()
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return outputs
+        try:
+            result = self.engine.step(batch)
+        except Exception as exc:  # a failed step fails its requests; the engine keeps serving
+            logger.error("engine step failed:\n%s", traceback.format_exc())
+            for req in batch.requests:
+                outputs.append(self._finish(req, FinishReason.ERROR, error=f"engine step failed: {exc}"))
+            return outputs
+        self.scheduler.after_step(batch)
+        for req, token_id, logprob in zip(batch.sampling_requests, result.token_ids, result.logprobs):
+            append_token(req, token_id, logprob)
+            new_logprobs = [logprob] if logprob is not None else None
+            if req.finish_reason is not None:
+                self.scheduler.finish(req)
+            outputs.append(make_output(req, [token_id], new_logprobs))
+        return outputs
+
+    def _drain_inbox(self) -> list[RequestOutput]:
+        outputs = []
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return outputs
+            if kind == "add":
+                request, callback = payload
+                if request.request_id in self._callbacks:
+                    logger.warning("duplicate request id %s rejected", request.request_id)
+                    request.error = f"request id {request.request_id!r} is already in use"
+                    request.finish_reason = FinishReason.ERROR
+                    if callback is not None:
+                        callback(make_output(request, [], None))
+                    continue
+                self._callbacks[request.request_id] = callback
+                self.scheduler.add(request)
+            elif kind == "abort":
+                req = self.scheduler.find(payload)
+                if req is not None:
+                    outputs.append(self._finish(req, FinishReason.ABORT))
+
+    def _finish(self, req: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:
+        req.finish_reason, req.error = reason, error
+        self.scheduler.finish(req)
+        return make_output(req, [], None)
+
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand outputs to their callbacks; forget requests that finished."""
+        for output in outputs:
+            callback = self._callbacks.get(output.request_id)
+            if output.finished:
+                self._callbacks.pop(output.request_id, None)
+            if callback is None:
+                continue
+            try:
+                callback(output)
+            except Exception:
+                logger.error("output callback of %s failed:\n%s", output.request_id, traceback.format_exc())
+                if not output.finished:
+                    self.abort(output.request_id)
+
+    def forget(self, request_id: str) -> None:
+        self._callbacks.pop(request_id, None)
+
+    # ----- the engine thread -----
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="freetoken-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.fatal_error is None
+
+    def _loop(self) -> None:
+        try:
+            while not self._stopping:
+                if not self.has_work:
+                    self._wake.wait()
+                    self._wake.clear()
+                    continue
+                self.deliver(self.step())
+            self._fail_all("the server is shutting down")
+        except BaseException as exc:  # the loop is dead: fail everything queued, report not ready
+            self.fatal_error = exc
+            logger.critical("engine thread died:\n%s", traceback.format_exc())
+            self._fail_all(f"engine thread died: {exc}")
+
+    def _fail_all(self, message: str) -> None:
+        self._drain_inbox()
+        outputs = [
+            self._finish(req, FinishReason.ERROR, error=message)
+            for req in (*self.scheduler.running, *self.scheduler.waiting)
+        ]
+        self.deliver(outputs)
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def stats(self) -> RuntimeStats:
+        pages, slots = self.scheduler.pages, self.scheduler.slots
+        return RuntimeStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            pages_used=pages.num_used,
+            pages_total=pages.capacity,
+            slots_used=slots.capacity - slots.num_free,
+            slots_total=slots.capacity,
+            num_preemptions=self.scheduler.num_preemptions,
+        )

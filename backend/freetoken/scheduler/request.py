@@ -1,0 +1,63 @@
+"""A request as the scheduler and engine see it: its tokens, how many are in the cache, its memory."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from freetoken.core import FinishReason, RequestTimes, ResolvedSampling, SamplingParams
+from freetoken.tokenizer import IncrementalDetokenizer
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sampling: ResolvedSampling
+    eos_token_ids: set[int]
+    stop_token_ids: set[int]  # eos ids (unless ignore_eos) and the request's stop_token_ids
+    max_total_tokens: int  # prompt + output may not pass this (the context limit)
+    detokenizer: IncrementalDetokenizer | None
+    token_ids: list[int] = field(init=False)  # prompt, then output
+    output_logprobs: list[float] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV / state are in the cache
+    pages: list[int] = field(default_factory=list)
+    slot: int | None = None
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    error: str | None = None
+    text: str = ""  # the output text so far, stop strings cut
+    num_sent_chars: int = 0  # of text, already streamed
+    num_preemptions: int = 0
+    times: RequestTimes = field(default_factory=RequestTimes)
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

@@ -1,0 +1,39 @@
+"""FreeToken's ops: one function per op, a plain-torch reference and a Triton kernel behind it.
+
+Every public op here dispatches through :mod:`freetoken.kernels.dispatch`: the torch reference
+(``<op>_reference`` in the op's module, written for clarity, the oracle of the tests) or the
+Triton kernel (``freetoken.kernels.triton.<module>.<op>``, same signature). Nothing above the
+layers knows which one ran.
+"""
+
+from freetoken.kernels.dispatch import KernelBackend, get_kernel_backend, set_kernel_backend
+from freetoken.kernels.norm import add_rms_norm, gated_rms_norm, rms_norm
+from freetoken.kernels.rotary import apply_rotary, build_rotary_cache
+from freetoken.kernels.attention import paged_attention, store_kv
+from freetoken.kernels.conv1d import causal_conv1d_decode, causal_conv1d_prefill
+from freetoken.kernels.gated_delta_rule import gated_delta_rule_decode, gated_delta_rule_prefill
+from freetoken.kernels.moe import fused_experts, moe_sort_tokens, moe_topk_softmax, shared_expert_combine, silu_and_mul
+from freetoken.kernels.sampling import sample_tokens
+
+__all__ = [
+    "KernelBackend",
+    "get_kernel_backend",
+    "set_kernel_backend",
+    "rms_norm",
+    "add_rms_norm",
+    "gated_rms_norm",
+    "apply_rotary",
+    "build_rotary_cache",
+    "store_kv",
+    "paged_attention",
+    "causal_conv1d_prefill",
+    "causal_conv1d_decode",
+    "gated_delta_rule_prefill",
+    "gated_delta_rule_decode",
+    "moe_topk_softmax",
+    "moe_sort_tokens",
+    "fused_experts",
+    "silu_and_mul",
+    "shared_expert_combine",
+    "sample_tokens",
+]
