@@ -58,15 +58,15 @@ def paged_attention_reference(
         num_pages = -(-context_len // page_size)
         keys = gather_pages(k_cache, page_table[b, :num_pages].long(), context_len)
         values = gather_pages(v_cache, page_table[b, :num_pages].long(), context_len)
-        keys = keys.repeat_interleave(group, dim=1).transpose(0, 1).to(q.dtype)  # [Hq, S, D]
-        values = values.repeat_interleave(group, dim=1).transpose(0, 1).to(q.dtype)
+        keys = keys.repeat_interleave(group, dim=1).transpose(0, 1).float()  # [Hq, S, D]
+        values = values.repeat_interleave(group, dim=1).transpose(0, 1).float()
         queries = q[start:end].transpose(0, 1)  # [Hq, L, D]
-        scores = (queries @ keys.transpose(1, 2)).float() * scale
+        scores = (queries.float() @ keys.transpose(1, 2)) * scale
         query_pos = torch.arange(context_len - (end - start), context_len, device=q.device)
         key_pos = torch.arange(context_len, device=q.device)
         scores.masked_fill_(key_pos[None, None, :] > query_pos[None, :, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        out[start:end] = (probs @ values).transpose(0, 1)
+        probs = torch.softmax(scores, dim=-1)
+        out[start:end] = (probs @ values).transpose(0, 1).to(q.dtype)
     if gate is not None:
         out = out * torch.sigmoid(gate)
     return out

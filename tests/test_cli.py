@@ -1,0 +1,60 @@
+"""The freetoken command and the package's installability."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from freetoken import EngineConfig
+from freetoken.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _freetoken(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "freetoken.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_generate_prints_text(demo_checkpoint):
+    done = _freetoken("generate", "--model", str(demo_checkpoint), "--prompt", "The quick", "--max-tokens", "5",
+                      "--dtype", "float32", "--device", "cpu")
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"\[(length|stop): \d+ tokens\]", done.stderr)
+
+
+def test_demo_model_builds_a_loadable_checkpoint(tmp_path):
+    done = _freetoken("demo-model", str(tmp_path / "demo"))
+    assert done.returncode == 0, done.stderr
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
+        assert (tmp_path / "demo" / name).exists()
+
+
+def test_every_engine_option_is_a_flag():
+    help_text = build_parser().parse_args(["generate", "--prompt", "x"])
+    for name in EngineConfig.option_names():
+        assert hasattr(help_text, name)
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--max-prefill-length", "16"])
+    assert args.max_prefill_length == 16
+
+
+def test_pyproject_lists_every_package():
+    """Non-editable installs (wheels, the Docker image) ship only the packages pyproject lists."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = set()
+    for root, prefix in ((ROOT / "backend" / "freetoken", "freetoken"), (ROOT / "kernels", "freetoken.kernels")):
+        for init in root.rglob("__init__.py"):
+            relative = init.parent.relative_to(root)
+            found.add(".".join([prefix, *relative.parts]))
+    assert found == listed
