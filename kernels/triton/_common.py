@@ -1,0 +1,59 @@
+"""Helpers shared by the Triton kernels: launch-size arithmetic and dtype-dependent dot precision."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def pow2(n: int, floor: int = 1) -> int:
+    """The smallest power of two >= ``max(n, floor)`` (block sizes must be powers of two)."""
+    return max(triton.next_power_of_2(max(int(n), 1)), floor)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot`` input precision for float32 operands: exact ``ieee`` in float32 runs (so they match
+    the float32 reference), TF32 when the model runs in bf16/fp16 (its error is below theirs)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def on_gpu(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda"
+
+
+# Tests set this to fill every output buffer the wrappers allocate with NaN (floats) or -1 (integers),
+# so an element a kernel forgot to write fails the comparison instead of holding stale memory.
+poison_outputs = False
+
+
+def new_empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.empty``, poisoned when :data:`poison_outputs` is set."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if poison_outputs:
+        out.fill_(float("nan") if dtype.is_floating_point else -1)
+    return out
+
+
+# Triton's interpreter converts float32 to bf16 by truncation; kernels round through ``cast``, which
+# rounds to nearest-even explicitly there (the GPU's conversion already does).
+_INTERPRETED: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@triton.jit
+def cast(x, dtype: tl.constexpr):
+    """float32 ``x`` converted to ``dtype`` with round-to-nearest-even, also under the interpreter."""
+    if _INTERPRETED and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True).to(dtype)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
+def round_as(x, dtype: tl.constexpr):
+    """float32 ``x`` rounded to ``dtype``'s precision, kept in float32 (where a reference rounds)."""
+    return cast(x, dtype).to(tl.float32)
