@@ -65,3 +65,12 @@ def test_text_prompt_and_offline_api_shapes(demo_checkpoint):
     assert single[0].text == llm.tokenizer.decode(single[0].token_ids, skip_special_tokens=True)
     by_ids = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=8))
     assert by_ids[0].token_ids == single[0].token_ids
+
+
+def test_chat_uses_the_chat_template(demo_checkpoint):
+    llm = LLM(model=str(demo_checkpoint), dtype="float32", device="cpu")
+    messages = [{"role": "user", "content": "hello"}]
+    text = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text.endswith("<|im_start|>assistant\n")
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    assert llm.chat(messages, params)[0].token_ids == llm.generate(text, params)[0].token_ids

@@ -72,6 +72,19 @@ class LLM:
                         progress.update(1)
         return results  # type: ignore[return-value]
 
+    def chat(
+        self,
+        messages: list[dict[str, str]] | Sequence[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate replies to conversations, formatted with the tokenizer's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts: list[PromptInput] = [
+            self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
     def prompt_logits(self, prompt: Prompt) -> torch.Tensor:
         """float32 logits after every prompt position ``[len, vocab]`` (for checks against a reference)."""
         if self.runtime.has_work:
