@@ -1,4 +1,4 @@
-"""The ``freetoken`` command: generate, demo-model (serve joins them in freetoken.triton)."""
+"""The ``freetoken`` command: serve (in freetoken.triton.launcher), generate, demo-model."""
 
 from __future__ import annotations
 
@@ -68,6 +68,12 @@ def _demo_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from freetoken.triton.launcher import serve
+
+    return serve(engine_config_from_args(args), args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="freetoken", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -81,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-k", type=int, default=None)
     generate.add_argument("--ignore-eos", action="store_true")
     generate.set_defaults(run=_generate)
+
+    from freetoken.triton.launcher import add_serve_flags  # standard library only
+
+    serve = commands.add_parser("serve", help="serve a model with Triton Inference Server (the demo model if no --model)")
+    add_engine_flags(serve)
+    add_serve_flags(serve)
+    serve.set_defaults(run=_serve)
 
     demo = commands.add_parser("demo-model", help="build the embedded tiny demo checkpoint (no downloads)")
     demo.add_argument("dir", nargs="?", default=None, help="where to write it (default: the cache)")

@@ -1,0 +1,348 @@
+"""The serving layer inside the Python backend stub: requests in, engine, responses out.
+
+Threads and who owns what:
+
+- Triton's thread calls ``execute``: it validates each request, answers the invalid ones at once
+  (an error response with the final flag), hands each valid one to a response thread (which owns
+  its response sender from then on) and submits it to the engine. It never waits for generation.
+- The engine thread runs ``Runtime``; its callback only queues each output for the owning
+  response thread (sends block ~0.1-0.2 ms each and must stay off the engine loop).
+- Each response thread (``ResponseWorker``) owns a share of the requests and is the only code
+  that touches their senders: it merges queued deltas into one response, polls cancellation every
+  ``cancel_poll_ms`` (``is_cancelled`` is a round trip), and closes each request exactly once.
+  A closed request's sender is dropped: on 2.51, touching a sender after its final flag segfaults
+  the server.
+- A metrics thread publishes freetoken_* families (see metrics.py).
+
+If the engine thread dies, every open request gets an error, new ones get UNAVAILABLE, and the
+model asks Triton to unload it, so its readiness turns false.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from freetoken.core import FinishReason, RequestOutput
+from freetoken.runtime import Runtime
+from freetoken.triton.metrics import Metrics
+from freetoken.triton.options import BackendOptions, options_from_model_config
+from freetoken.triton.protocol import GenerateSpec, ProtocolError, build_outputs, parse_request
+
+logger = logging.getLogger(__name__)
+
+
+class State(enum.Enum):
+    OPEN = "open"
+    CANCELLED = "cancelled"  # abort asked of the engine; only the final flag goes out from now on
+    CLOSED = "closed"
+
+
+@dataclass(eq=False)
+class Stream:
+    """One accepted request, owned by one response thread."""
+
+    engine_id: str
+    spec: GenerateSpec
+    sender: Any  # the request's response sender; None once closed
+    prompt_text: Callable[[], str]
+    arrival: float = field(default_factory=time.monotonic)
+    state: State = State.OPEN
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_tokens: int = 0
+
+
+class ResponseWorker:
+    """A response thread: the single owner of its streams' senders."""
+
+    def __init__(self, name: str, pb_utils: Any, runtime: Runtime, metrics: Metrics, poll_interval: float,
+                 on_engine_death: Callable[[], None]) -> None:
+        self._pb = pb_utils
+        self._runtime = runtime
+        self._metrics = metrics
+        self._poll_interval = poll_interval
+        self._on_engine_death = on_engine_death
+        self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._streams: dict[str, Stream] = {}
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    # ----- any thread -----
+
+    def adopt(self, stream: Stream) -> None:
+        """Take ownership of a stream; call before submitting it to the engine (ordering)."""
+        self._inbox.put(("adopt", stream))
+
+    def on_output(self, output: RequestOutput) -> None:
+        """The engine's callback (engine thread): queue, nothing else."""
+        self._inbox.put(("output", output, time.monotonic()))
+
+    def stop(self, timeout: float) -> None:
+        self._inbox.put(("stop",))
+        self._thread.join(timeout)
+
+    @property
+    def num_open(self) -> int:
+        return len(self._streams)
+
+    # ----- the response thread -----
+
+    def _loop(self) -> None:
+        last_poll = time.monotonic()
+        while True:
+            try:
+                items = [self._inbox.get(timeout=self._poll_interval)]
+            except queue.Empty:
+                items = []
+            while True:  # take everything queued, to merge the deltas of busy streams
+                try:
+                    items.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            batches: dict[str, list[tuple[RequestOutput, float]]] = {}
+            stopping = False
+            for item in items:
+                if item[0] == "adopt":
+                    self._streams[item[1].engine_id] = item[1]
+                elif item[0] == "output":
+                    batches.setdefault(item[1].request_id, []).append((item[1], item[2]))
+                else:
+                    stopping = True
+            for engine_id, batch in batches.items():
+                stream = self._streams.get(engine_id)
+                if stream is not None:
+                    self._guard(stream, self._handle, stream, batch)
+            if stopping:
+                self._fail_open("the model is being unloaded")
+                return
+            if time.monotonic() - last_poll >= self._poll_interval:
+                last_poll = time.monotonic()
+                self._poll()
+
+    def _guard(self, stream: Stream, fn: Callable, *args: Any) -> None:
+        """Run ``fn``; if sending fails, abort the request and forget it (its sender is unusable)."""
+        try:
+            fn(*args)
+        except Exception:
+            logger.exception("responding to request %s failed", stream.engine_id)
+            if stream.state is State.CLOSED:
+                return  # the final flag's own send failed: never touch that sender again
+            sender = stream.sender
+            self._runtime.abort(stream.engine_id)
+            self._forget(stream, "error")
+            try:
+                sender.send(flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            except Exception:
+                logger.exception("closing request %s failed", stream.engine_id)
+
+    def _handle(self, stream: Stream, batch: list[tuple[RequestOutput, float]]) -> None:
+        outputs = [o for o, _ in batch]
+        self._account(stream, batch)
+        last = outputs[-1]
+        if stream.state is State.CANCELLED:
+            if last.finished:
+                self._close(stream, None, "abort")
+            return
+        if last.finish_reason is FinishReason.ERROR:
+            self._close(stream, self._error(last.error or "the engine failed this request", "INTERNAL"), "error")
+        elif stream.spec.stream:
+            response = self._response(stream, outputs)
+            if last.finished:
+                self._close(stream, response, last.finish_reason.value)
+            else:
+                stream.sender.send(response)
+        elif last.finished:
+            self._close(stream, self._response(stream, [last]), last.finish_reason.value)
+
+    def _account(self, stream: Stream, batch: list[tuple[RequestOutput, float]]) -> None:
+        new_tokens = 0
+        for output, when in batch:
+            if output.new_token_ids:
+                if stream.first_token_time is None:
+                    stream.first_token_time = when
+                    m = output.metrics
+                    self._metrics.record_first_token(m.get("num_prompt_tokens", 0), m.get("time_to_first_token"),
+                                                     m.get("queue_time"))
+                stream.last_token_time = when
+                new_tokens += len(output.new_token_ids)
+        stream.num_tokens += new_tokens
+        self._metrics.record_tokens(new_tokens)
+
+    def _response(self, stream: Stream, outputs: list[RequestOutput]) -> Any:
+        arrays = build_outputs(stream.spec, outputs, stream.prompt_text)
+        return self._pb.InferenceResponse(output_tensors=[self._pb.Tensor(n, a) for n, a in arrays.items()])
+
+    def _error(self, message: str, code: str) -> Any:
+        error = self._pb.TritonError(message, getattr(self._pb.TritonError, code))
+        return self._pb.InferenceResponse(error=error)
+
+    def _close(self, stream: Stream, response: Any, reason: str) -> None:
+        """Send the last response (or just the final flag) and let go of the sender, exactly once."""
+        sender = stream.sender
+        self._forget(stream, reason)
+        final = self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        if response is None:
+            sender.send(flags=final)
+        else:
+            sender.send(response, flags=final)
+
+    def _forget(self, stream: Stream, reason: str) -> None:
+        stream.state, stream.sender = State.CLOSED, None
+        self._streams.pop(stream.engine_id, None)
+        inter_token = None
+        if stream.num_tokens > 1 and stream.first_token_time is not None and stream.last_token_time is not None:
+            inter_token = (stream.last_token_time - stream.first_token_time) / (stream.num_tokens - 1)
+        self._metrics.record_finished(reason, time.monotonic() - stream.arrival, inter_token)
+
+    def _poll(self) -> None:
+        if not self._runtime.is_alive:
+            self._on_engine_death()
+            self._fail_open("the engine thread died; the model is unavailable", "UNAVAILABLE")
+            return
+        for stream in list(self._streams.values()):
+            if stream.state is State.OPEN:
+                self._guard(stream, self._check_cancelled, stream)
+
+    def _check_cancelled(self, stream: Stream) -> None:
+        if stream.sender.is_cancelled():
+            logger.info("request %s cancelled by the client", stream.engine_id)
+            stream.state = State.CANCELLED
+            self._runtime.abort(stream.engine_id)
+
+    def _fail_open(self, message: str, code: str = "UNAVAILABLE") -> None:
+        for stream in list(self._streams.values()):
+            if stream.state is State.CANCELLED:
+                self._guard(stream, self._close, stream, None, "abort")
+            else:
+                self._guard(stream, self._close, stream, self._error(message, code), "error")
+
+
+class TritonBackend:
+    """What ``model.py`` delegates to: ``execute`` and ``finalize``."""
+
+    def __init__(self, pb_utils: Any, model_config: dict[str, Any], model_name: str, model_version: str,
+                 runtime_factory: Callable[..., Runtime] = Runtime) -> None:
+        self._pb = pb_utils
+        self.model_name = model_name
+        engine_config, options = options_from_model_config(model_config)
+        self.options: BackendOptions = options
+        self.runtime = runtime_factory(engine_config)
+        self.runtime.start()
+        labels = {"model": model_name, "version": str(model_version)}
+        self.metrics = Metrics(pb_utils if options.report_metrics else None, labels, self.runtime.stats,
+                               options.metrics_interval_ms / 1000)
+        self._ids = itertools.count()
+        self._unloading = threading.Lock()
+        self._unload_requested = False
+        self._workers = [
+            ResponseWorker(f"freetoken-responses-{i}", pb_utils, self.runtime, self.metrics,
+                           options.cancel_poll_ms / 1000, self._engine_died)
+            for i in range(options.response_threads)
+        ]
+        logger.info("FreeToken engine ready: model %s (%s), %d response threads",
+                    self.runtime.model_dir, engine_config.dtype, len(self._workers))
+
+    def execute(self, requests: list[Any]) -> None:
+        """Accept or refuse each request; never raises (an exception would fail the whole batch)."""
+        for request in requests:
+            try:
+                self._accept(request)
+            except ProtocolError as exc:
+                self._refuse(request, str(exc), "INVALID_ARG")
+            except ValueError as exc:  # make_request's validation (prompt length, token ids, ...)
+                self._refuse(request, str(exc), "INVALID_ARG")
+            except _Unavailable as exc:
+                self._refuse(request, str(exc), "UNAVAILABLE")
+            except Exception as exc:
+                logger.exception("accepting a request failed")
+                self._refuse(request, f"internal error: {exc}", "INTERNAL")
+
+    def _accept(self, request: Any) -> None:
+        if not self.runtime.is_alive:
+            self._engine_died()
+            raise _Unavailable("the engine thread died; the model is unavailable")
+
+        def get_input(name: str) -> Any:
+            tensor = self._pb.get_input_tensor_by_name(request, name)
+            return None if tensor is None else tensor.as_numpy()
+
+        spec = parse_request(get_input, request.parameters())
+        n = next(self._ids)
+        engine_id = f"{n}:{request.request_id()}"
+        engine_request = self.runtime.make_request(engine_id, spec.prompt, spec.params)
+        tokenizer, prompt = self.runtime.tokenizer, spec.prompt
+        prompt_text = (lambda: prompt) if isinstance(prompt, str) else functools.partial(tokenizer.decode, prompt)
+        worker = self._workers[n % len(self._workers)]
+        worker.adopt(Stream(engine_id, spec, request.get_response_sender(), prompt_text))
+        self.runtime.submit(engine_request, worker.on_output)
+
+    def _refuse(self, request: Any, message: str, code: str) -> None:
+        try:
+            error = self._pb.TritonError(message, getattr(self._pb.TritonError, code))
+            request.get_response_sender().send(self._pb.InferenceResponse(error=error),
+                                               flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception:
+            logger.exception("sending an error response failed")
+
+    def _engine_died(self) -> None:
+        """Report the model not ready: ask Triton to unload it (needs --model-control-mode=explicit)."""
+        with self._unloading:
+            if self._unload_requested:
+                return
+            self._unload_requested = True
+        logger.critical("the engine thread died (%r); unloading model %s", self.runtime.fatal_error, self.model_name)
+        try:
+            self._pb.unload_model(self.model_name)
+        except Exception as exc:
+            logger.error("could not unload model %s (is model control explicit?): %s", self.model_name, exc)
+
+    @property
+    def num_open_requests(self) -> int:
+        return sum(w.num_open for w in self._workers)
+
+    def finalize(self) -> None:
+        self.runtime.shutdown()  # fails what is still queued or running; callbacks queue those errors
+        for worker in self._workers:
+            worker.stop(timeout=10)
+        self.metrics.close()
+
+
+class _Unavailable(Exception):
+    pass
+
+
+class TritonLogHandler(logging.Handler):
+    """Python logging -> Triton's log (``pb_utils.Logger``), so the server log shows FreeToken's."""
+
+    def __init__(self, pb_utils: Any) -> None:
+        super().__init__()
+        self._log = pb_utils.Logger
+        self.setFormatter(logging.Formatter("[freetoken] %(name)s: %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            message = self.format(record)
+            if record.levelno >= logging.ERROR:
+                self._log.log_error(message)
+            elif record.levelno >= logging.WARNING:
+                self._log.log_warn(message)
+            else:
+                self._log.log_info(message)
+        except Exception:
+            self.handleError(record)
+
+
+def install_log_handler(pb_utils: Any, level: int = logging.INFO) -> None:
+    root = logging.getLogger("freetoken")
+    if not any(isinstance(h, TritonLogHandler) for h in root.handlers):
+        root.addHandler(TritonLogHandler(pb_utils))
+    root.setLevel(level)

@@ -1,0 +1,264 @@
+"""The request/response protocol of Triton's vLLM backend, so its clients work unchanged.
+
+Pure Python over numpy arrays (no ``triton_python_backend_utils``): ``parse_request`` turns a
+request's input tensors and parameters into a ``GenerateSpec`` or raises ``ProtocolError`` naming
+the field; ``build_outputs`` turns engine outputs into output arrays. docs/serving.md documents
+every field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import types
+import typing
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+from freetoken.core import RequestOutput, SamplingParams
+
+TEXT_INPUT = "text_input"
+INPUT_IDS = "input_ids"
+STREAM = "stream"
+SAMPLING_PARAMETERS = "sampling_parameters"
+EXCLUDE_INPUT_IN_OUTPUT = "exclude_input_in_output"
+# return_<name> asks for the output <name>.
+OPTIONAL_OUTPUTS = (
+    "finish_reason",
+    "cumulative_logprob",
+    "logprobs",
+    "num_input_tokens",
+    "num_output_tokens",
+    "output_ids",
+)
+BOOL_INPUTS = (STREAM, EXCLUDE_INPUT_IN_OUTPUT, *(f"return_{name}" for name in OPTIONAL_OUTPUTS))
+INPUT_NAMES = (TEXT_INPUT, INPUT_IDS, SAMPLING_PARAMETERS, *BOOL_INPUTS)
+
+InputGetter = Callable[[str], "np.ndarray | None"]
+
+
+class ProtocolError(ValueError):
+    """A request that breaks the protocol; the message names the offending input or field."""
+
+
+@dataclass
+class GenerateSpec:
+    """One generate request, validated."""
+
+    prompt: str | list[int]
+    params: SamplingParams
+    stream: bool
+    prepend_input: bool  # non-streaming only: text_output starts with the prompt's text
+    outputs: frozenset[str]  # the optional outputs asked for
+
+
+def _scalar(array: np.ndarray, name: str) -> Any:
+    flat = np.asarray(array).reshape(-1)
+    if flat.size != 1:
+        raise ProtocolError(f"input '{name}' must hold exactly one element, got shape {list(np.shape(array))}")
+    return flat[0]
+
+
+def _bool_input(array: np.ndarray, name: str) -> bool:
+    value = _scalar(array, name)
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise ProtocolError(f"input '{name}' must be BOOL, got {np.asarray(array).dtype}")
+
+
+def _text(array: np.ndarray, name: str) -> str:
+    value = _scalar(array, name)
+    if isinstance(value, (bytes, np.bytes_)):
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ProtocolError(f"input '{name}' is not valid UTF-8: {exc}") from None
+    if isinstance(value, str):
+        return value
+    raise ProtocolError(f"input '{name}' must be BYTES (a string), got {np.asarray(array).dtype}")
+
+
+# ----- sampling parameters -----
+
+
+def _field_kind(annotation: Any) -> type:
+    """The scalar or list type a SamplingParams field takes (``float | None`` -> float)."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return _field_kind(args[0])
+        return object  # stop: str or list[str], checked by SamplingParams.validate
+    return typing.get_origin(annotation) or annotation
+
+
+_HINTS = typing.get_type_hints(SamplingParams)
+_FIELD_KINDS = {f.name: _field_kind(_HINTS[f.name]) for f in fields(SamplingParams)}
+
+
+def _number(name: str, value: Any, kind: type) -> int | float:
+    """A JSON number, or a string holding one (the vLLM backend's sample client sends "0.7")."""
+    original = value
+    if isinstance(value, str):
+        try:
+            value = float(value.strip()) if kind is float else int(value.strip())
+        except ValueError:
+            raise ProtocolError(f"sampling parameter '{name}' must be a number, got {original!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ProtocolError(f"sampling parameter '{name}' must be a number, got {original!r}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ProtocolError(f"sampling parameter '{name}' must be a finite number, got {original!r}")
+    if kind is int:
+        if isinstance(value, float) and not value.is_integer():
+            raise ProtocolError(f"sampling parameter '{name}' must be an integer, got {original!r}")
+        return int(value)
+    return float(value)
+
+
+def _boolean(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    raise ProtocolError(f"sampling parameter '{name}' must be a boolean, got {value!r}")
+
+
+def _coerce(name: str, value: Any) -> Any:
+    kind = _FIELD_KINDS[name]
+    if kind in (int, float):
+        return _number(name, value, kind)
+    if kind is bool:
+        return _boolean(name, value)
+    if name == "stop":
+        if isinstance(value, str) or (isinstance(value, list) and all(isinstance(s, str) for s in value)):
+            return value
+        raise ProtocolError(f"sampling parameter 'stop' must be a string or a list of strings, got {value!r}")
+    if name == "stop_token_ids":
+        if isinstance(value, list):
+            return [_number("stop_token_ids", v, int) for v in value]
+        raise ProtocolError(f"sampling parameter 'stop_token_ids' must be a list of token ids, got {value!r}")
+    raise ProtocolError(f"sampling parameter '{name}' has an unsupported value {value!r}")
+
+
+def parse_sampling_parameters(raw: str | dict[str, Any] | None, ignore: Sequence[str] = ()) -> SamplingParams:
+    """``raw`` is the JSON object of vLLM SamplingParams fields (``null`` values mean unset).
+    Keys in ``ignore`` are skipped (the generate endpoint puts its own keys among the parameters)."""
+    if raw is None or raw == "":
+        values: dict[str, Any] = {}
+    elif isinstance(raw, dict):
+        values = raw
+    else:
+        try:
+            values = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise ProtocolError(f"{SAMPLING_PARAMETERS} is not valid JSON: {exc}") from None
+        if not isinstance(values, dict):
+            raise ProtocolError(f"{SAMPLING_PARAMETERS} must be a JSON object, got {type(values).__name__}")
+    kwargs: dict[str, Any] = {}
+    for name, value in values.items():
+        if name in ignore or value is None:
+            continue
+        if name not in _FIELD_KINDS:
+            raise ProtocolError(
+                f"unknown sampling parameter '{name}' (supported: {', '.join(sorted(_FIELD_KINDS))})"
+            )
+        kwargs[name] = _coerce(name, value)
+    params = SamplingParams(**kwargs)
+    try:
+        params.validate()
+    except ValueError as exc:
+        raise ProtocolError(str(exc)) from None
+    return params
+
+
+# ----- requests -----
+
+
+def parse_request(get_input: InputGetter, request_parameters: str | None = None) -> GenerateSpec:
+    """Validate one request. ``get_input(name)`` returns an input's array or None when absent;
+    ``request_parameters`` is the request's parameters as JSON, read when ``sampling_parameters``
+    is absent (as the vLLM backend does)."""
+    text, ids = get_input(TEXT_INPUT), get_input(INPUT_IDS)
+    if (text is None) == (ids is None):
+        raise ProtocolError(f"give exactly one of '{TEXT_INPUT}' and '{INPUT_IDS}'")
+    prompt: str | list[int]
+    if text is not None:
+        prompt = _text(text, TEXT_INPUT)
+        if not prompt:
+            raise ProtocolError(f"input '{TEXT_INPUT}' must not be empty")
+    else:
+        array = np.asarray(ids)
+        if array.dtype.kind not in "iu":
+            raise ProtocolError(f"input '{INPUT_IDS}' must be INT32, got {array.dtype}")
+        prompt = [int(i) for i in array.reshape(-1)]
+        if not prompt:
+            raise ProtocolError(f"input '{INPUT_IDS}' must not be empty")
+
+    flags = {name: None for name in BOOL_INPUTS}
+    for name in BOOL_INPUTS:
+        array = get_input(name)
+        if array is not None:
+            flags[name] = _bool_input(array, name)
+    stream = bool(flags[STREAM])
+    exclude = flags[EXCLUDE_INPUT_IN_OUTPUT]
+    if stream and exclude is False:
+        raise ProtocolError(f"'{EXCLUDE_INPUT_IN_OUTPUT}' = false is not allowed when streaming")
+    outputs = frozenset(name for name in OPTIONAL_OUTPUTS if flags[f"return_{name}"])
+
+    raw_params = get_input(SAMPLING_PARAMETERS)
+    if raw_params is not None:
+        params = parse_sampling_parameters(_text(raw_params, SAMPLING_PARAMETERS))
+    else:
+        params = parse_sampling_parameters(_request_parameters(request_parameters), ignore=INPUT_NAMES)
+    if params.logprobs is None and outputs & {"cumulative_logprob", "logprobs"}:
+        params.logprobs = 0  # asking for them is enough
+    return GenerateSpec(prompt, params, stream, prepend_input=not stream and not exclude, outputs=outputs)
+
+
+def _request_parameters(raw: str | None) -> dict[str, Any]:
+    if not raw:
+        return {}
+    try:
+        values = json.loads(raw)
+    except json.JSONDecodeError as exc:  # Triton itself produces this JSON; kept for safety
+        raise ProtocolError(f"request parameters are not valid JSON: {exc}") from None
+    return values if isinstance(values, dict) else {}
+
+
+# ----- responses -----
+
+
+def build_outputs(
+    spec: GenerateSpec, outputs: Sequence[RequestOutput], prompt_text: Callable[[], str]
+) -> dict[str, np.ndarray]:
+    """Output arrays of one response. Streaming: ``outputs`` are the engine deltas since the last
+    response (merged); otherwise: the final output alone, the whole text. ``prompt_text()`` is
+    called only when the prompt is prepended."""
+    last = outputs[-1]
+    if spec.stream:
+        text = "".join(o.new_text for o in outputs)
+        token_ids = [t for o in outputs for t in o.new_token_ids]
+        logprobs = [lp for o in outputs for lp in (o.new_logprobs or [])]
+    else:
+        text = prompt_text() + last.text if spec.prepend_input else last.text
+        token_ids, logprobs = list(last.token_ids), list(last.logprobs or [])
+    arrays: dict[str, np.ndarray] = {"text_output": np.array([text.encode("utf-8")], dtype=np.object_)}
+    wanted = spec.outputs
+    if "finish_reason" in wanted:
+        reason = last.finish_reason.value if last.finish_reason is not None else ""
+        arrays["finish_reason"] = np.array([reason.encode()], dtype=np.object_)
+    if "cumulative_logprob" in wanted:
+        arrays["cumulative_logprob"] = np.array([last.cumulative_logprob or 0.0], dtype=np.float32)
+    if "logprobs" in wanted:
+        entries = [{str(t): {"logprob": lp}} for t, lp in zip(token_ids, logprobs)]
+        arrays["logprobs"] = np.array([json.dumps(entries).encode()], dtype=np.object_)
+    if "num_input_tokens" in wanted:
+        arrays["num_input_tokens"] = np.array([len(last.prompt_token_ids)], dtype=np.uint32)
+    if "num_output_tokens" in wanted:
+        arrays["num_output_tokens"] = np.array([len(token_ids)], dtype=np.uint32)
+    if "output_ids" in wanted:
+        arrays["output_ids"] = np.array(token_ids, dtype=np.int32)
+    return arrays
+
