@@ -86,7 +86,6 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def prompt_logits(self, prompt: Prompt) -> torch.Tensor:
-        """float32 logits after every prompt position ``[len, vocab]`` (for checks against a reference)."""
-        if self.runtime.has_work:
-            raise RuntimeError("prompt_logits needs an idle engine")
-        return self.runtime.engine.prompt_logits(self.runtime.tokenize(prompt))
+        """float32 logits after every prompt position ``[len, vocab]``, computed in prefill chunks
+        as a request would be (for checks against a reference)."""
+        return self.runtime.prompt_logits(self.runtime.tokenize(prompt))

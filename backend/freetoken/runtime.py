@@ -15,6 +15,8 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from freetoken.config import EngineConfig
 from freetoken.core import FinishReason, RequestOutput, ResolvedSampling, SamplingParams
 from freetoken.engine.engine import Engine
@@ -205,6 +207,17 @@ class Runtime:
                 logger.error("output callback of %s failed:\n%s", output.request_id, traceback.format_exc())
                 if not output.finished:
                     self.abort(output.request_id)
+
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits at every prompt position, in pages and a slot borrowed from the pools (the caller's thread)."""
+        pool = self.scheduler.pages
+        pages = pool.allocate(pool.pages_for(len(token_ids)))
+        slot = self.scheduler.slots.allocate()
+        try:
+            return self.engine.prompt_logits(token_ids, pages, slot)
+        finally:
+            pool.release(pages)
+            self.scheduler.slots.release(slot)
 
     def forget(self, request_id: str) -> None:
         self._callbacks.pop(request_id, None)

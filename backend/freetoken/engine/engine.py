@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -35,6 +37,18 @@ def configure_precision(dtype: torch.dtype) -> None:
     torch.set_float32_matmul_precision("highest" if exact else "high")
 
 
+@dataclass
+class BatchEntry:
+    """One request's part of a step: its tokens ``[num_computed, num_computed + num_tokens)``."""
+
+    token_ids: list[int]
+    num_computed: int
+    num_tokens: int
+    pages: list[int]
+    slot: int
+    logits: Literal["last", "all"] | None  # which of its positions need logits
+
+
 class Engine:
     def __init__(self, config: EngineConfig, model_dir: str) -> None:
         self.config = config
@@ -59,7 +73,8 @@ class Engine:
     def vocab_size(self) -> int:
         return self.model.vocab_size
 
-    def build_forward_batch(self, batch: ScheduledBatch) -> ForwardBatch:
+    def build_forward_batch(self, entries: list[BatchEntry]) -> ForwardBatch:
+        """The device batch for requests given in the ``ForwardBatch`` order (single tokens first)."""
         page_size = self.config.page_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -67,21 +82,23 @@ class Engine:
         cu_seqlens = [0]
         seq_lens: list[int] = []
         logits_indices: list[int] = []
-        max_pages = max(len(req.pages) for req in batch.requests)
-        page_table = torch.zeros(len(batch.requests), max_pages, dtype=torch.int32)
-        for i, (req, num_tokens) in enumerate(zip(batch.requests, batch.num_tokens)):
-            start = req.num_computed
-            input_ids += req.token_ids[start : start + num_tokens]
-            span = range(start, start + num_tokens)
-            positions += span
-            slot_mapping += [req.pages[p // page_size] * page_size + p % page_size for p in span]
-            cu_seqlens.append(cu_seqlens[-1] + num_tokens)
-            seq_lens.append(start + num_tokens)
-            page_table[i, : len(req.pages)] = torch.tensor(req.pages, dtype=torch.int32)
-            if batch.samples[i]:
+        page_table = torch.zeros(len(entries), max(len(e.pages) for e in entries), dtype=torch.int32)
+        for i, entry in enumerate(entries):
+            start, end = entry.num_computed, entry.num_computed + entry.num_tokens
+            input_ids += entry.token_ids[start:end]
+            positions += range(start, end)
+            slot_mapping += [entry.pages[p // page_size] * page_size + p % page_size for p in range(start, end)]
+            first_token = cu_seqlens[-1]
+            cu_seqlens.append(first_token + entry.num_tokens)
+            seq_lens.append(end)
+            page_table[i, : len(entry.pages)] = torch.tensor(entry.pages, dtype=torch.int32)
+            if entry.logits == "last":
                 logits_indices.append(cu_seqlens[-1] - 1)
+            elif entry.logits == "all":
+                logits_indices += range(first_token, cu_seqlens[-1])
+        num_tokens = [e.num_tokens for e in entries]
         num_decodes = 0
-        while num_decodes < len(batch.num_tokens) and batch.num_tokens[num_decodes] == 1:
+        while num_decodes < len(num_tokens) and num_tokens[num_decodes] == 1:
             num_decodes += 1
 
         def to_device(values, dtype) -> torch.Tensor:
@@ -94,11 +111,11 @@ class Engine:
             seq_lens=to_device(seq_lens, torch.int32),
             page_table=page_table.to(self.device, non_blocking=True),
             slot_mapping=to_device(slot_mapping, torch.int64),
-            state_slots=to_device([req.slot for req in batch.requests], torch.int32),
+            state_slots=to_device([e.slot for e in entries], torch.int32),
             logits_indices=to_device(logits_indices, torch.int64),
             num_decodes=num_decodes,
-            max_query_len=max(batch.num_tokens),
-            query_lens=list(batch.num_tokens),
+            max_query_len=max(num_tokens),
+            query_lens=num_tokens,
         )
 
     @torch.inference_mode()
@@ -106,36 +123,23 @@ class Engine:
         """Run the batch and sample a token for each request that reached its last known token."""
         if batch.fresh_slots:
             self.model.reset_slots(torch.tensor(batch.fresh_slots, dtype=torch.int64, device=self.device))
-        forward_batch = self.build_forward_batch(batch)
-        logits = self.model(forward_batch)
+        entries = [
+            BatchEntry(req.token_ids, req.num_computed, n, req.pages, req.slot, "last" if samples else None)
+            for req, n, samples in zip(batch.requests, batch.num_tokens, batch.samples)
+        ]
+        logits = self.model(self.build_forward_batch(entries))
         if logits.shape[0] == 0:
             return SampleResult([], [])
         return sample(logits, batch.sampling_requests)
 
     @torch.inference_mode()
-    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
-        """float32 logits at every position of one prompt, run as a single prefill in slot 1 / pages
-        from 1 upward: a debugging and testing aid, only valid while no request is running."""
-        page_size = self.config.page_size
-        num_pages = -(-len(token_ids) // page_size)
-        if num_pages >= self.pool_sizes.num_pages:
-            raise ValueError("prompt longer than the KV cache")
-        pages = list(range(1, num_pages + 1))
-        self.model.reset_slots(torch.tensor([1], device=self.device))
-        n = len(token_ids)
-        batch = ForwardBatch(
-            input_ids=torch.tensor(token_ids, device=self.device),
-            positions=torch.arange(n, device=self.device),
-            cu_seqlens=torch.tensor([0, n], dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
-            page_table=torch.tensor([pages], dtype=torch.int32, device=self.device),
-            slot_mapping=torch.tensor(
-                [pages[p // page_size] * page_size + p % page_size for p in range(n)], device=self.device
-            ),
-            state_slots=torch.tensor([1], dtype=torch.int32, device=self.device),
-            logits_indices=torch.arange(n, device=self.device),
-            num_decodes=1 if n == 1 else 0,
-            max_query_len=n,
-            query_lens=[n],
-        )
-        return self.model(batch)
+    def prompt_logits(self, token_ids: list[int], pages: list[int], slot: int) -> torch.Tensor:
+        """float32 logits after every position of one prompt ``[len, vocab]``, computed in chunks of
+        ``max_prefill_length`` as a request would be, in the given pages and state slot."""
+        self.model.reset_slots(torch.tensor([slot], device=self.device))
+        chunk = self.config.max_prefill_length
+        logits = []
+        for start in range(0, len(token_ids), chunk):
+            entry = BatchEntry(token_ids, start, min(chunk, len(token_ids) - start), pages, slot, "all")
+            logits.append(self.model(self.build_forward_batch([entry])))
+        return torch.cat(logits)
