@@ -57,3 +57,13 @@ def cast(x, dtype: tl.constexpr):
 def round_as(x, dtype: tl.constexpr):
     """float32 ``x`` rounded to ``dtype``'s precision, kept in float32 (where a reference rounds)."""
     return cast(x, dtype).to(tl.float32)
+
+
+@triton.jit
+def dot(a, b, precision: tl.constexpr):
+    """``tl.dot`` accumulating in float32. The interpreter multiplies bf16 operands as raw integers,
+    so there they are widened to float32 first."""
+    if _INTERPRETED:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=precision)
