@@ -258,8 +258,6 @@ class TritonBackend:
                 self._accept(request)
             except ProtocolError as exc:
                 self._refuse(request, str(exc), "INVALID_ARG")
-            except ValueError as exc:  # make_request's validation (prompt length, token ids, ...)
-                self._refuse(request, str(exc), "INVALID_ARG")
             except _Unavailable as exc:
                 self._refuse(request, str(exc), "UNAVAILABLE")
             except Exception as exc:
@@ -278,7 +276,10 @@ class TritonBackend:
         spec = parse_request(get_input, request.parameters())
         n = next(self._ids)
         engine_id = f"{n}:{request.request_id()}"
-        engine_request = self.runtime.make_request(engine_id, spec.prompt, spec.params)
+        try:
+            engine_request = self.runtime.make_request(engine_id, spec.prompt, spec.params)
+        except ValueError as exc:  # the prompt: too long for the context, token ids out of the vocabulary
+            raise ProtocolError(f"{'text_input' if isinstance(spec.prompt, str) else 'input_ids'}: {exc}") from None
         tokenizer, prompt = self.runtime.tokenizer, spec.prompt
         prompt_text = (lambda: prompt) if isinstance(prompt, str) else functools.partial(tokenizer.decode, prompt)
         worker = self._workers[n % len(self._workers)]

@@ -50,14 +50,31 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
                             "$TRITON_BACKEND_DIR, else the server's own)")
     group.add_argument("--model-repository", default=None,
                        help="where to write the model repository (default: a temporary directory, removed at exit)")
-    group.add_argument("--response-threads", type=int, default=None, help="response sender threads (default: 2)")
-    group.add_argument("--no-metrics", action="store_true", help="do not publish freetoken_* metrics")
     group.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
     group.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for the model to load")
     group.add_argument("--stop-timeout", type=float, default=30.0,
                        help="seconds a stopping server gets before its processes are killed")
     group.add_argument("--tritonserver-arg", action="append", default=[], metavar="ARG",
                        help="extra argument for tritonserver (repeatable), e.g. --tritonserver-arg=--log-info=false")
+    _add_backend_flags(parser)
+
+
+def _add_backend_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per ``BackendOptions`` field, written into config.pbtxt like the engine flags."""
+    import dataclasses
+    import typing
+
+    from freetoken.triton.options import BackendOptions
+
+    group = parser.add_argument_group("serving (config.pbtxt parameters)")
+    hints = typing.get_type_hints(BackendOptions)
+    for f in dataclasses.fields(BackendOptions):
+        flag = "--" + f.name.replace("_", "-")
+        help = f"{f.metadata['help']} (default: {f.default})"
+        if hints[f.name] is bool:
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=help)
+        else:
+            group.add_argument(flag, dest=f.name, type=hints[f.name], default=f.default, help=help)
 
 
 # ----- finding tritonserver -----
@@ -170,11 +187,11 @@ def write_model_repository(repo: Path, model_name: str, parameters: dict[str, st
 
 
 def engine_parameters(config: EngineConfig, args: argparse.Namespace) -> dict[str, str]:
+    import dataclasses
+
     from freetoken.triton.options import BackendOptions, to_parameters
 
-    options = BackendOptions(report_metrics=not args.no_metrics)
-    if args.response_threads is not None:
-        options.response_threads = args.response_threads
+    options = BackendOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(BackendOptions)})
     options.validate()
     return to_parameters(config, options)
 
