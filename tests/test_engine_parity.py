@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from conftest import CHECKPOINT_SHAPES, PROMPTS, reference_greedy
+from oracle import CHECKPOINT_SHAPES, PROMPTS, reference_greedy
 from freetoken import LLM, SamplingParams
 
 MAX_TOKENS = 24

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import PROMPTS
+from oracle import PROMPTS
 from freetoken import LLM, SamplingParams
 from freetoken.models.checkpoint import CheckpointError
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from safetensors import safe_open
 
-from conftest import PROMPTS, reference_logits
+from oracle import PROMPTS, reference_logits
 from freetoken import LLM
 from freetoken.kernels import rms_norm
 

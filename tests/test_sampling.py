@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from conftest import PROMPTS, reference_logits
+from oracle import PROMPTS, reference_logits
 from freetoken import LLM, SamplingParams
 from freetoken.kernels.sampling import sample_tokens_reference, uniform_noise
 

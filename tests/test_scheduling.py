@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from conftest import reference_greedy
+from oracle import reference_greedy
 from freetoken import LLM, FinishReason, SamplingParams
 
 
