@@ -51,13 +51,18 @@ def test_every_engine_option_is_a_flag():
 def test_pyproject_lists_every_package():
     """Non-editable installs (wheels, the Docker image) ship only the packages pyproject lists."""
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
-    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    roots = {"freetoken": ROOT / "backend" / "freetoken", "freetoken.kernels": ROOT / "kernels"}
-    found = set()
-    for prefix, root in roots.items():
-        for init in root.rglob("__init__.py"):
-            found.add(".".join([prefix, *init.parent.relative_to(root).parts]))
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed, package_dirs = set(setuptools["packages"]), setuptools["package-dir"]
+
+    def folder(package: str) -> Path:
+        root = max((p for p in package_dirs if package == p or package.startswith(p + ".")), key=len)
+        return ROOT / package_dirs[root] / Path(*package[len(root) :].split(".")[1:])
+
+    for name in listed:
+        assert folder(name).is_dir(), f"pyproject lists {name}, but {folder(name)} does not exist"
+    found = {
+        ".".join([root, *init.parent.relative_to(ROOT / package_dirs[root]).parts])
+        for root in ("freetoken", "freetoken.kernels")
+        for init in (ROOT / package_dirs[root]).rglob("__init__.py")
+    }
     assert found <= listed, f"not in pyproject's packages: {sorted(found - listed)}"
-    for name in listed:  # data folders may be listed too; every entry must exist
-        prefix = "freetoken.kernels" if name.startswith("freetoken.kernels") else "freetoken"
-        assert roots[prefix].joinpath(*name.split(".")[prefix.count(".") + 1 :]).is_dir(), name
