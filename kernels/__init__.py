@@ -14,6 +14,10 @@ from freetoken.kernels.conv1d import causal_conv1d_decode, causal_conv1d_prefill
 from freetoken.kernels.gated_delta_rule import gated_delta_rule_decode, gated_delta_rule_prefill
 from freetoken.kernels.moe import fused_experts, moe_sort_tokens, moe_topk_softmax, shared_expert_combine, silu_and_mul
 from freetoken.kernels.sampling import sample_tokens
+from freetoken.kernels.hyper_connection import hc_combine, hc_mix, hc_norm
+from freetoken.kernels.ngram import ngram_embed, ngram_update_context
+from freetoken.kernels.ple import ple_gate, ple_short_conv
+from freetoken.kernels.qsa import qsa_select_blocks, qsa_sparse_attention, qsa_update_index
 
 __all__ = [
     "KernelBackend",
@@ -36,4 +40,14 @@ __all__ = [
     "silu_and_mul",
     "shared_expert_combine",
     "sample_tokens",
+    "hc_norm",
+    "hc_mix",
+    "hc_combine",
+    "ngram_embed",
+    "ngram_update_context",
+    "ple_gate",
+    "ple_short_conv",
+    "qsa_update_index",
+    "qsa_select_blocks",
+    "qsa_sparse_attention",
 ]

@@ -105,8 +105,12 @@ class GatedDeltaNet(nn.Module):
                 q, k, v, g[first:], beta[first:], self.recurrent_state, slots, cu_seqlens
             )
         z = z.reshape(num_tokens, self.num_v_heads, self.head_v_dim)
-        out = kernels.gated_rms_norm(core, z, self.norm_weight, self.eps)
+        out = self.output_norm(core, z)
         return F.linear(out.reshape(num_tokens, self.value_dim), self.out_proj)
+
+    def output_norm(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """The gated output norm ``(w · x̂) · silu(z)``; families with another gate activation override it."""
+        return kernels.gated_rms_norm(core, z, self.norm_weight, self.eps)
 
     def _split_heads(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)

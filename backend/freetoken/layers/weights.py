@@ -39,3 +39,18 @@ def packed_targets(param: nn.Parameter, prefix: str, parts: list[tuple[str, int]
         start += rows
     assert start == param.shape[0], f"packed rows {start} != {param.shape[0]} for {prefix}"
     return targets
+
+
+def chunked_targets(param: nn.Parameter, name_pattern: str, parts: int) -> dict[str, WeightTarget]:
+    """Targets for a parameter stored as ``parts`` row chunks named ``name_pattern.format(i)``.
+
+    The chunks are ``torch.chunk(param, parts)``'s: ``ceil(rows / parts)`` rows each, the last one
+    shorter (and fewer chunks when the rows run out), which is how transformers saves
+    ``split_ngram_parts`` tables; loading them fills the parameter's rows in order.
+    """
+    rows = param.shape[0]
+    size = -(-rows // parts)
+    return {
+        name_pattern.format(i): WeightTarget(param, slice(start, min(start + size, rows)))
+        for i, start in enumerate(range(0, rows, size))
+    }

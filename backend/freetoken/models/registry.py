@@ -22,9 +22,17 @@ def _qwen3_5_moe(text_config: PretrainedConfig, tie: bool) -> CausalLM:
     return Qwen3_5MoeModel(text_config, tie)
 
 
+def _qwen4_exp(text_config: PretrainedConfig, tie: bool) -> CausalLM:
+    from freetoken.models.qwen4_exp import Qwen4ExpModel
+
+    return Qwen4ExpModel(text_config, tie)
+
+
 ARCHITECTURES: dict[str, ModelFamily] = {
     "Qwen3_5MoeForConditionalGeneration": ModelFamily("qwen3_5_moe", _qwen3_5_moe),
     "Qwen3_5MoeForCausalLM": ModelFamily("qwen3_5_moe", _qwen3_5_moe),
+    "Qwen4ExpForConditionalGeneration": ModelFamily("qwen4_exp", _qwen4_exp),
+    "Qwen4ExpForCausalLM": ModelFamily("qwen4_exp", _qwen4_exp),
 }
 
 

@@ -1,0 +1,1 @@
+"""Attention variants beyond the dense paged attention of ``layers.attention``."""

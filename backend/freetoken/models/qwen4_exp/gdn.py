@@ -1,0 +1,33 @@
+"""Qwen4-Exp's Gated DeltaNet: Qwen3.5's, with the output gate's activation chosen by the config."""
+
+from __future__ import annotations
+
+import torch
+
+from freetoken import kernels
+from freetoken.layers.gated_deltanet import GatedDeltaNet
+
+
+class Qwen4GatedDeltaNet(GatedDeltaNet):
+    """``output_gate_type`` (default ``hidden_act``) is ``silu`` or ``sigmoid``."""
+
+    def __init__(self, config) -> None:
+        super().__init__(
+            config.hidden_size,
+            config.linear_num_key_heads,
+            config.linear_num_value_heads,
+            config.linear_key_head_dim,
+            config.linear_value_head_dim,
+            config.linear_conv_kernel_dim,
+            config.rms_norm_eps,
+        )
+        self.gate_activation = config.output_gate_type or config.hidden_act
+        if self.gate_activation not in ("silu", "sigmoid"):
+            raise ValueError(f"output_gate_type must be silu or sigmoid, got {self.gate_activation!r}")
+
+    def output_norm(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        if self.gate_activation == "silu":
+            return super().output_norm(core, z)
+        # (w · x̂) rounded to the activations' dtype, then the gate in float32: the reference's order.
+        normed = kernels.rms_norm(core, self.norm_weight, self.eps, False)
+        return (normed * torch.sigmoid(z.float())).to(core.dtype)

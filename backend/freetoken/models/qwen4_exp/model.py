@@ -1,0 +1,210 @@
+"""Qwen4-Exp text model: ``hc_count`` hyper-connection residual streams through Gated DeltaNet and
+QSA indexed-attention layers, each followed by a sparse MoE with a shared expert; PLE n-gram
+embeddings injected before some linear-attention layers; a final stream mixer before ``lm_head``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from freetoken import kernels
+from freetoken.batch import ForwardBatch
+from freetoken.layers.hyper_connection import HyperConnection
+from freetoken.layers.moe import SparseMoE
+from freetoken.layers.ple import PLELayer
+from freetoken.layers.weights import WeightTarget, new_param
+from freetoken.models.base import CausalLM
+from freetoken.models.qwen4_exp.attention import IndexedAttention
+from freetoken.models.qwen4_exp.gdn import Qwen4GatedDeltaNet
+
+_QSA_FIELDS = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
+
+
+def rotary_dim_of(config) -> int:
+    rope = config.rope_parameters or {}
+    return int(config.head_dim * rope.get("partial_rotary_factor", 1.0))
+
+
+def check_config(config) -> None:
+    """What this implementation supports beyond what transformers' config validation checks."""
+    if config.hidden_act != "silu":
+        raise ValueError(f"Qwen4-Exp: hidden_act must be silu, got {config.hidden_act!r}")
+    if "indexed_attention" in config.layer_types:
+        missing = [name for name in _QSA_FIELDS if getattr(config, name, None) is None]
+        if missing:
+            raise ValueError(f"Qwen4-Exp indexed_attention layers need the QSA config fields {missing}")
+    rope_type = (config.rope_parameters or {}).get("rope_type", "default")
+    if rope_type != "default":
+        raise ValueError(f"Qwen4-Exp: rope_parameters.rope_type {rope_type!r} is not supported (only default)")
+
+
+@dataclass
+class StepState:
+    """Per-forward values every layer shares, computed once on the device."""
+
+    token_request: torch.Tensor  # [T] int64: the request (row of the batch) of each token
+    max_blocks: int  # bound on the complete QSA blocks any query of the step sees
+    ngram_context: torch.Tensor | None  # [num_slots, ngram_size - 1] int64 pool (PLE models)
+    eos_token_id: int
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, rotary_cache: torch.Tensor) -> None:
+        super().__init__()
+        self.layer_type = config.layer_types[layer_idx]
+        if self.layer_type == "linear_attention":
+            self.mixer: nn.Module = Qwen4GatedDeltaNet(config)
+        elif self.layer_type == "indexed_attention":
+            self.mixer = IndexedAttention(config, rotary_cache, rotary_dim_of(config))
+        else:
+            raise ValueError(f"unsupported Qwen4-Exp layer type {self.layer_type!r}")
+        self.mlp = SparseMoE(
+            config.hidden_size,
+            config.num_experts,
+            config.num_experts_per_tok,
+            config.moe_intermediate_size,
+            config.shared_expert_intermediate_size,
+            renormalize=config.norm_topk_prob,
+        )
+        ple_ids = list(config.ple_layer_ids or [])
+        self.ple = PLELayer(config, ple_ids.index(layer_idx + 1)) if layer_idx + 1 in ple_ids else None
+        hc = (config.hidden_size, config.hc_count, config.hc_lowrank, config.rms_norm_eps)
+        self.attn_hc = HyperConnection(*hc)
+        self.mlp_hc = HyperConnection(*hc)
+
+    def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
+        mixer = "linear_attn." if self.layer_type == "linear_attention" else "self_attn."
+        targets = self.mixer.weight_targets(prefix + mixer)
+        targets.update(self.mlp.weight_targets(prefix + "mlp."))
+        targets.update(self.attn_hc.weight_targets(prefix + "attn_hyper_connection."))
+        targets.update(self.mlp_hc.weight_targets(prefix + "mlp_hyper_connection."))
+        if self.ple is not None:
+            targets.update(self.ple.weight_targets(prefix + "ple."))
+        return targets
+
+    def forward(self, hyper: torch.Tensor, batch: ForwardBatch, step: StepState) -> torch.Tensor:
+        if self.ple is not None:
+            hyper = self.ple(hyper, batch, step.token_request, step.ngram_context, step.eos_token_id)
+        block_input, inject = self.attn_hc.mix(hyper)
+        if isinstance(self.mixer, IndexedAttention):
+            out = self.mixer(block_input, batch, step.token_request, step.max_blocks)
+        else:
+            out = self.mixer(block_input, batch)
+        hyper = self.attn_hc.combine(hyper, out, inject)
+        block_input, inject = self.mlp_hc.mix(hyper)
+        return self.mlp_hc.combine(hyper, self.mlp(block_input), inject)
+
+
+class Qwen4ExpModel(CausalLM):
+    """Built from a ``Qwen4ExpTextConfig`` (transformers' config class parses the checkpoint's config).
+
+    ``qsa_max_blocks``: when set, the QSA score width of every step (a static bound lets a step be
+    captured in a CUDA graph); otherwise decode-only steps use ``max_position_embeddings //
+    compress_ratio`` and steps with prefill chunks the batch's own bound.
+    """
+
+    def __init__(self, text_config, tie_word_embeddings: bool) -> None:
+        super().__init__()
+        check_config(text_config)
+        self.config = text_config
+        self.vocab_size = text_config.vocab_size
+        self.max_position_embeddings = text_config.max_position_embeddings
+        self.tie_word_embeddings = tie_word_embeddings
+        self.num_streams = text_config.hc_count
+        eos = text_config.eos_token_id
+        self.eos_token_id = eos[0] if isinstance(eos, (list, tuple)) else eos
+        self.compress_ratio = text_config.indexer_compress_ratio
+        self.qsa_max_blocks: int | None = None
+        rope = text_config.rope_parameters or {}
+        self.register_buffer(
+            "rotary_cache",
+            kernels.build_rotary_cache(
+                rotary_dim_of(text_config),
+                text_config.max_position_embeddings,
+                rope.get("rope_theta", 10000.0),
+                torch.get_default_device(),
+            ),
+            persistent=False,
+        )
+        self.embed_tokens = new_param(text_config.vocab_size, text_config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(text_config, i, self.rotary_cache) for i in range(text_config.num_hidden_layers)
+        )
+        self.final_mixer = HyperConnection(
+            text_config.hidden_size, text_config.hc_count, text_config.hc_lowrank, text_config.rms_norm_eps, False
+        )
+        self.lm_head = new_param(text_config.vocab_size, text_config.hidden_size)
+        self.ngram_context: torch.Tensor | None = None
+
+    def weight_targets(self) -> dict[str, WeightTarget]:
+        targets = {"embed_tokens.weight": WeightTarget(self.embed_tokens), "lm_head.weight": WeightTarget(self.lm_head)}
+        for i, layer in enumerate(self.layers):
+            targets.update(layer.weight_targets(f"layers.{i}."))
+        targets.update(self.final_mixer.weight_targets("hyper_connection_mixer."))
+        return targets
+
+    def tied_weights(self) -> dict[str, str]:
+        return {"lm_head.weight": "embed_tokens.weight"} if self.tie_word_embeddings else {}
+
+    def _of_type(self, cls: type) -> list[nn.Module]:
+        return [layer.mixer for layer in self.layers if isinstance(layer.mixer, cls)]
+
+    def _ple_layers(self) -> list[PLELayer]:
+        return [layer.ple for layer in self.layers if layer.ple is not None]
+
+    def kv_bytes_per_page(self, page_size: int) -> int:
+        return sum(a.kv_bytes_per_page(page_size, self.embed_tokens.dtype) for a in self._of_type(IndexedAttention))
+
+    def state_bytes_per_slot(self) -> int:
+        dtype = self.embed_tokens.dtype
+        total = sum(g.state_bytes_per_slot(dtype) for g in self._of_type(Qwen4GatedDeltaNet))
+        total += sum(p.state_bytes_per_slot(dtype) for p in self._ple_layers())
+        if self._ple_layers():
+            total += (self.config.ngram_size - 1) * torch.int64.itemsize
+        return total
+
+    def allocate_state(self, num_pages: int, page_size: int, num_slots: int) -> None:
+        dtype, device = self.embed_tokens.dtype, self.embed_tokens.device
+        for attention in self._of_type(IndexedAttention):
+            attention.allocate_kv(num_pages, page_size, dtype, device)
+        for linear in self._of_type(Qwen4GatedDeltaNet):
+            linear.allocate_state(num_slots, dtype, device)
+        for ple in self._ple_layers():
+            ple.allocate_state(num_slots, dtype, device)
+        if self._ple_layers():
+            shape = (num_slots, self.config.ngram_size - 1)
+            self.ngram_context = torch.full(shape, self.eos_token_id, dtype=torch.int64, device=device)
+
+    def reset_slots(self, slots: torch.Tensor) -> None:
+        for linear in self._of_type(Qwen4GatedDeltaNet):
+            linear.reset_slots(slots)
+        for ple in self._ple_layers():
+            ple.reset_slots(slots)
+        if self.ngram_context is not None:
+            self.ngram_context[slots] = self.eos_token_id  # a request's text starts after an EOS
+
+    def _step_state(self, batch: ForwardBatch) -> StepState:
+        tokens = torch.arange(batch.num_tokens, device=batch.input_ids.device)
+        token_request = torch.searchsorted(batch.cu_seqlens[1:].long(), tokens, right=True)
+        if self.compress_ratio is None:
+            max_blocks = 0
+        elif self.qsa_max_blocks is not None:
+            max_blocks = self.qsa_max_blocks
+        elif not batch.has_prefill:
+            max_blocks = self.max_position_embeddings // self.compress_ratio
+        else:
+            max_blocks = int(batch.seq_lens.max()) // self.compress_ratio
+        return StepState(token_request, max_blocks, self.ngram_context, self.eos_token_id)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        step = self._step_state(batch)
+        hyper = F.embedding(batch.input_ids, self.embed_tokens).repeat(1, self.num_streams)
+        for layer in self.layers:
+            hyper = layer(hyper, batch, step)
+        if self.ngram_context is not None:
+            kernels.ngram_update_context(batch.input_ids, self.ngram_context, batch.state_slots, batch.cu_seqlens)
+        hidden, _ = self.final_mixer.mix(hyper[batch.logits_indices])
+        return F.linear(hidden, self.lm_head).float()

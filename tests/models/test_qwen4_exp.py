@@ -1,0 +1,82 @@
+"""Qwen4-Exp: float32 greedy tokens equal transformers' on every batching and chunking path.
+
+The checkpoints (tests/models/qwen4_cases.py) have hyper-connections, GDN and QSA layers, MoE with a
+shared expert and PLE on linear layers; prompts plus outputs are far longer than the QSA budget plus
+a block, so every request's later queries drop blocks.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from freetoken import LLM, SamplingParams
+from qwen4_cases import PAGE_SIZE, SHAPES, checkpoint, prompts, reference_greedy
+
+MAX_TOKENS = 16
+
+
+def _llm(shape: str, max_prefill_length: int, **kwargs) -> LLM:
+    return LLM(
+        model=str(checkpoint(shape)),
+        dtype="float32",
+        device="cpu",
+        max_prefill_length=max_prefill_length,
+        page_size=PAGE_SIZE,
+        **kwargs,
+    )
+
+
+def _check_batch(shape: str, max_prefill_length: int, count: int, max_tokens: int, **kwargs) -> None:
+    llm = _llm(shape, max_prefill_length, **kwargs)
+    batch = prompts(count)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    for prompt, output in zip(batch, outputs):
+        expected = reference_greedy(shape, prompt, max_tokens)
+        assert output.token_ids == expected, f"prompt of {len(prompt)} tokens diverged"
+    stats = llm.runtime.stats()
+    assert stats.pages_used == 0 and stats.slots_used == 0
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_batched_chunked_greedy_equals_transformers(shape):
+    _check_batch(shape, max_prefill_length=16, count=4, max_tokens=MAX_TOKENS)
+
+
+def test_unchunked_prefill_equals_transformers():
+    _check_batch("blocks_of_a_page", max_prefill_length=8192, count=4, max_tokens=MAX_TOKENS)
+
+
+def test_preempted_requests_recompute_equal_transformers():
+    """Too few pages for every request: some are preempted mid-decode and recomputed from scratch,
+    which must reset their GDN, PLE and n-gram state."""
+    llm = _llm("blocks_of_a_page", 16, num_pages=34)
+    batch = prompts(4)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    assert llm.runtime.scheduler.num_preemptions > 0
+    for prompt, output in zip(batch, outputs):
+        assert output.token_ids == reference_greedy("blocks_of_a_page", prompt, MAX_TOKENS)
+
+
+def test_requests_arriving_while_others_decode():
+    shape = "blocks_of_a_page"
+    llm = _llm(shape, 16)
+    runtime = llm.runtime
+    batch = prompts(4)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    finished = {}
+    for index, prompt in enumerate(batch):
+        runtime.submit(runtime.make_request(f"r{index}", prompt, params))
+        for _ in range(2 + index):  # others decode, or are mid-prefill, when the next one arrives
+            finished.update({o.request_id: o for o in runtime.step() if o.finished})
+    while runtime.has_work:
+        finished.update({o.request_id: o for o in runtime.step() if o.finished})
+    for index, prompt in enumerate(batch):
+        expected = reference_greedy(shape, prompt, MAX_TOKENS)
+        assert finished[f"r{index}"].token_ids[: len(expected)] == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("max_prefill_length", [7, 16, 8192])
+def test_long_outputs_many_prompts(shape, max_prefill_length):
+    _check_batch(shape, max_prefill_length=max_prefill_length, count=8, max_tokens=40)
