@@ -77,7 +77,7 @@ def test_engine_death_fails_requests_and_unloads_the_model(demo_model, tmp_path)
         assert error is not None and "engine" in error.message() and responses  # it had been streaming
         assert wait_for(lambda: not server.ready(), timeout=30)
         status, body = http_post(server, "generate", {"text_input": "hi"}, timeout=30)
-        assert status >= 400
+        assert status >= 400  # the model is gone: Triton answers for it
         assert time.monotonic() - started < 60
         assert process.proc.poll() is None  # the server itself keeps running
     finally:

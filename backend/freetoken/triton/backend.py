@@ -90,10 +90,6 @@ class ResponseWorker:
         self._inbox.put(("stop",))
         self._thread.join(timeout)
 
-    @property
-    def num_open(self) -> int:
-        return len(self._streams)
-
     # ----- the response thread -----
 
     def _loop(self) -> None:
@@ -305,10 +301,6 @@ class TritonBackend:
             self._pb.unload_model(self.model_name)
         except Exception as exc:
             logger.error("could not unload model %s (is model control explicit?): %s", self.model_name, exc)
-
-    @property
-    def num_open_requests(self) -> int:
-        return sum(w.num_open for w in self._workers)
 
     def finalize(self) -> None:
         self.runtime.shutdown()  # fails what is still queued or running; callbacks queue those errors

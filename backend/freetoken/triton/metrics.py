@@ -59,8 +59,9 @@ class Metrics:
         self._finished: dict[str, Any] = {}
         self._families: list[Any] = []  # kept alive as long as their metrics
         self._last_preemptions = 0
+        families = FAMILIES.items() if pb_utils is not None else ()
         try:
-            for name, (kind, description, buckets) in FAMILIES.items() if pb_utils is not None else ():
+            for name, (kind, description, buckets) in families:
                 family = pb_utils.MetricFamily(name=name, description=description, kind=getattr(pb_utils.MetricFamily, kind))
                 self._families.append(family)
                 if name == "freetoken_requests_finished_total":
