@@ -37,12 +37,19 @@ def new_empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return out
 
 
-# Triton's interpreter converts float32 to bf16 by truncation; kernels round through ``cast``, which
-# rounds to nearest-even explicitly there (the GPU's conversion already does).
 _INTERPRETED: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
-@triton.jit
+def device_function(fn):
+    """``triton.jit`` for a helper called from kernels. Under the interpreter the helper stays a
+    plain Python function: the interpreter re-patches ``triton.language`` on every call of a jitted
+    helper, which made helper-heavy kernels many times slower there."""
+    return fn if _INTERPRETED else triton.jit(fn)
+
+
+# Triton's interpreter converts float32 to bf16 by truncation; kernels round through ``cast``, which
+# rounds to nearest-even explicitly there (the GPU's conversion already does).
+@device_function
 def cast(x, dtype: tl.constexpr):
     """float32 ``x`` converted to ``dtype`` with round-to-nearest-even, also under the interpreter."""
     if _INTERPRETED and dtype == tl.bfloat16:
@@ -53,13 +60,13 @@ def cast(x, dtype: tl.constexpr):
         return x.to(dtype)
 
 
-@triton.jit
+@device_function
 def round_as(x, dtype: tl.constexpr):
     """float32 ``x`` rounded to ``dtype``'s precision, kept in float32 (where a reference rounds)."""
     return cast(x, dtype).to(tl.float32)
 
 
-@triton.jit
+@device_function
 def dot(a, b, precision: tl.constexpr):
     """``tl.dot`` accumulating in float32. The interpreter multiplies bf16 operands as raw integers,
     so there they are widened to float32 first."""

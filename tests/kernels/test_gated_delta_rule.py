@@ -1,0 +1,54 @@
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import DEVICE
+from kernel_checks import assert_close
+from freetoken.kernels import gated_delta_rule as ref
+
+
+def _inputs(rng, dtype, tokens, hk, hv, dk, dv, slots):
+    # q, k, v as the layer passes them: strided head views of one conv output row.
+    conv = torch.randn(tokens, 2 * hk * dk + hv * dv, generator=rng).to(dtype).to(DEVICE)
+    q = conv[:, : hk * dk].reshape(tokens, hk, dk)
+    k = conv[:, hk * dk : 2 * hk * dk].reshape(tokens, hk, dk)
+    v = conv[:, 2 * hk * dk :].reshape(tokens, hv, dv)
+    g = (-F.softplus(torch.randn(tokens, hv, generator=rng)) * 0.5).to(DEVICE)  # float32, <= 0
+    beta = torch.rand(tokens, hv, generator=rng).to(dtype).to(DEVICE)
+    state = (torch.randn(slots, hv, dk, dv, generator=rng) * 0.3).to(DEVICE)
+    return q, k, v, g, beta, state
+
+
+@pytest.mark.parametrize(
+    "dtype,heads,dims",
+    [(torch.float32, (2, 4), (12, 20)), (torch.bfloat16, (1, 3), (16, 8)), (torch.float32, (2, 2), (16, 16))],
+)
+def test_gated_delta_rule_prefill(rng, dtype, heads, dims):
+    from freetoken.kernels.triton.gated_delta_rule import gated_delta_rule_prefill
+
+    lens = [70, 0, 5, 129]  # several chunks with a partial last one, empty, shorter than a chunk
+    (hk, hv), (dk, dv), slots = heads, dims, 6
+    q, k, v, g, beta, state = _inputs(rng, dtype, sum(lens), hk, hv, dk, dv, slots)
+    cu = torch.tensor([0] + lens).cumsum(0).int().to(DEVICE)
+    state_slots = torch.tensor([4, 1, 2, 5], dtype=torch.int32, device=DEVICE)
+    want_state = state.clone()
+    want = ref.gated_delta_rule_prefill_reference(q, k, v, g, beta, want_state, state_slots, cu)
+    got = gated_delta_rule_prefill(q, k, v, g, beta, state, state_slots, cu)
+    assert_close(got, want)
+    assert_close(state, want_state, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_delta_rule_decode(rng, dtype):
+    from freetoken.kernels.triton.gated_delta_rule import gated_delta_rule_decode
+
+    batch, hk, hv, dk, dv, slots = 5, 2, 6, 12, 40, 7
+    q, k, v, g, beta, state = _inputs(rng, dtype, batch, hk, hv, dk, dv, slots)
+    state_slots = torch.tensor([6, 0, 3, 2, 5], dtype=torch.int32, device=DEVICE)
+    want_state = state.clone()
+    want = ref.gated_delta_rule_decode_reference(q, k, v, g, beta, want_state, state_slots)
+    got = gated_delta_rule_decode(q, k, v, g, beta, state, state_slots)
+    assert_close(got, want)
+    assert_close(state, want_state, dtype=torch.float32)
