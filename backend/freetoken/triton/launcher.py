@@ -285,11 +285,16 @@ class ServerProcess:
 
 def serve(config: EngineConfig, args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s freetoken serve: %(message)s")
-    install = find_tritonserver(args.tritonserver, args.backend_directory)
-    logger.info("tritonserver: %s (from %s)", install.binary, install.source)
-    _warn_numpy()
-    config = resolve_model(config)
-    parameters = engine_parameters(config, args)
+    try:
+        install = find_tritonserver(args.tritonserver, args.backend_directory)
+        logger.info("tritonserver: %s (from %s)", install.binary, install.source)
+        _warn_numpy()
+        config = resolve_model(config)
+        config.validate()
+        parameters = engine_parameters(config, args)
+    except (OSError, ValueError, RuntimeError) as exc:
+        logger.error("%s", exc)
+        return 2
     temporary = args.model_repository is None
     repo = Path(tempfile.mkdtemp(prefix="freetoken-repo-") if temporary else args.model_repository).resolve()
     repo.mkdir(parents=True, exist_ok=True)
