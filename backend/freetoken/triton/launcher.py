@@ -102,6 +102,7 @@ def _pytriton_install() -> TritonInstall | None:
         raise RuntimeError(f"the nvidia-pytriton wheel has no Python backend stub for Python {version}")
     backends = _cache_dir() / f"triton-backends-py{version}-{_file_tag(stub)}"
     if not (backends / "python" / "triton_python_backend_stub").exists():
+        _cache_dir().mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix="backends-", dir=_cache_dir()))
         shutil.copytree(root / "backends", staging / "b", ignore=shutil.ignore_patterns("__pycache__"))
         shutil.copy2(stub, staging / "b" / "python" / "triton_python_backend_stub")
