@@ -200,7 +200,7 @@ class ResponseWorker:
         self._metrics.record_finished(reason, time.monotonic() - stream.arrival, inter_token)
 
     def _poll(self) -> None:
-        if not self._runtime.is_alive:
+        if self._runtime.fatal_error is not None:  # died (a stopped engine, at finalize, is no failure)
             self._on_engine_death()
             self._fail_open("the engine thread died; the model is unavailable", "UNAVAILABLE")
             return
@@ -292,6 +292,8 @@ class TritonBackend:
 
     def _engine_died(self) -> None:
         """Report the model not ready: ask Triton to unload it (needs --model-control-mode=explicit)."""
+        if self.runtime.fatal_error is None:
+            return  # stopped, not dead: finalize is under way
         with self._unloading:
             if self._unload_requested:
                 return

@@ -1,0 +1,221 @@
+"""The backend's request state machine over the real engine, with a stand-in for the Python backend's
+``triton_python_backend_utils`` that enforces its rules: nothing touches a sender after its final
+flag (on 2.51 that segfaults the server), every request gets exactly one final flag."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from freetoken.triton.backend import TritonBackend
+from freetoken.triton.options import BackendOptions, to_parameters
+
+from .conftest import MAX_TOKENS, PROMPTS
+
+FINAL = 1
+
+
+class FakeSender:
+    def __init__(self) -> None:
+        self.responses: list = []
+        self.cancelled = False
+        self.closed = threading.Event()
+        self.violations: list[str] = []
+
+    def send(self, response=None, flags=0) -> None:
+        if self.closed.is_set():
+            self.violations.append("send after the final flag")
+        self.responses.append(response)
+        if flags == FINAL:
+            self.closed.set()
+
+    def is_cancelled(self) -> bool:
+        if self.closed.is_set():
+            self.violations.append("is_cancelled after the final flag")
+        return self.cancelled
+
+
+class FakeTensor:
+    def __init__(self, name: str, array: np.ndarray) -> None:
+        self.name, self.array = name, array
+
+    def as_numpy(self) -> np.ndarray:
+        return self.array
+
+
+class FakeResponse:
+    def __init__(self, output_tensors=(), error=None) -> None:
+        self.outputs = {t.name: t.array for t in output_tensors}
+        self.error = error
+
+
+class FakeError:
+    INTERNAL, INVALID_ARG, UNAVAILABLE = "INTERNAL", "INVALID_ARG", "UNAVAILABLE"
+
+    def __init__(self, message: str, code: str = "INTERNAL") -> None:
+        self.message, self.code = message, code
+
+
+class FakeMetric:
+    def __init__(self) -> None:
+        self.value, self.observations = 0.0, []
+
+    def increment(self, v):
+        self.value += v
+
+    def set(self, v):
+        self.value = v
+
+    def observe(self, v):
+        self.observations.append(v)
+
+
+class FakeMetricFamily:
+    COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
+    created: dict[str, list[FakeMetric]] = {}
+
+    def __init__(self, name, description, kind) -> None:
+        self.name = name
+
+    def Metric(self, labels, buckets=None):
+        metric = FakeMetric()
+        FakeMetricFamily.created.setdefault(self.name, []).append(metric)
+        return metric
+
+
+class FakePbUtils:
+    TRITONSERVER_RESPONSE_COMPLETE_FINAL = FINAL
+    Tensor, InferenceResponse, TritonError, MetricFamily = FakeTensor, FakeResponse, FakeError, FakeMetricFamily
+
+    def __init__(self) -> None:
+        self.unloaded: list[str] = []
+
+    @staticmethod
+    def get_input_tensor_by_name(request, name):
+        return request.inputs.get(name)
+
+    def unload_model(self, name: str) -> None:
+        self.unloaded.append(name)
+
+
+class FakeRequest:
+    def __init__(self, **values) -> None:
+        self.inputs = {}
+        for name, value in values.items():
+            array = np.array([value.encode()], dtype=np.object_) if isinstance(value, str) else np.array([value])
+            self.inputs[name] = FakeTensor(name, array)
+        self.sender = FakeSender()
+
+    def get_response_sender(self) -> FakeSender:
+        return self.sender
+
+    def parameters(self) -> str:
+        return "{}"
+
+    def request_id(self) -> str:
+        return ""
+
+
+def text(sender: FakeSender) -> str:
+    return "".join(b"".join(r.outputs["text_output"]).decode() for r in sender.responses if r is not None and r.outputs)
+
+
+@pytest.fixture
+def backend(demo_model):
+    pb = FakePbUtils()
+    params = to_parameters(_engine(demo_model), BackendOptions(cancel_poll_ms=20, metrics_interval_ms=20))
+    config = {"parameters": {k: {"string_value": v} for k, v in params.items()}}
+    instance = TritonBackend(pb, config, "freetoken", "1")
+    instance.pb = pb
+    yield instance
+    instance.finalize()
+
+
+def _engine(demo_model):
+    from freetoken.config import EngineConfig
+
+    return EngineConfig(model=str(demo_model), dtype="float32", device="cpu", num_pages=256, max_running_requests=8)
+
+
+def wait_closed(*requests: FakeRequest, timeout: float = 60) -> None:
+    for request in requests:
+        assert request.sender.closed.wait(timeout), "no final flag"
+
+
+def test_streams_complete_with_one_final_flag(backend, reference):
+    greedy = json.dumps({"temperature": 0, "max_tokens": MAX_TOKENS})
+    requests = [FakeRequest(text_input=p, stream=True, sampling_parameters=greedy) for p in PROMPTS]
+    backend.execute(requests)
+    wait_closed(*requests)
+    for prompt, request in zip(PROMPTS, requests):
+        assert text(request.sender) == reference[prompt][0]
+        assert request.sender.responses[-1].error is None and not request.sender.violations
+
+
+def test_invalid_requests_get_an_error_and_the_batch_goes_on(backend):
+    good = FakeRequest(text_input="hi", sampling_parameters=json.dumps({"max_tokens": 2}))
+    bad = FakeRequest(text_input="hi", sampling_parameters=json.dumps({"top_p": 2}))
+    backend.execute([bad, good])
+    wait_closed(bad, good)
+    assert len(bad.sender.responses) == 1 and bad.sender.responses[0].error.code == "INVALID_ARG"
+    assert "top_p" in bad.sender.responses[0].error.message
+    assert good.sender.responses[-1].error is None and text(good.sender).startswith("hi")
+
+
+def test_cancelled_request_is_aborted_and_only_closed(backend):
+    request = FakeRequest(text_input="hi", stream=True, sampling_parameters=json.dumps({"max_tokens": 4000, "ignore_eos": True}))
+    backend.execute([request])
+    deadline = time.monotonic() + 30
+    while len(request.sender.responses) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    request.sender.cancelled = True
+    wait_closed(request)
+    assert request.sender.responses[-1] is None  # the final flag alone
+    assert len(request.sender.responses) < 1000 and not request.sender.violations
+    stats = backend.runtime.stats()
+    assert (stats.pages_used, stats.slots_used, stats.num_running) == (0, 0, 0)
+    time.sleep(0.1)
+    finished = FakeMetricFamily.created["freetoken_requests_finished_total"]
+    assert sum(m.value for m in finished) >= 1
+
+
+def test_engine_death_fails_open_requests_and_unloads(backend):
+    scheduler = backend.runtime.scheduler
+    open_request = FakeRequest(text_input="hi", stream=True,
+                               sampling_parameters=json.dumps({"max_tokens": 4000, "ignore_eos": True}))
+    backend.execute([open_request])
+    while not open_request.sender.responses:
+        time.sleep(0.01)
+
+    def die():
+        raise RuntimeError("injected engine failure")
+
+    scheduler.schedule = die
+    wait_closed(open_request)
+    assert open_request.sender.responses[-1].error is not None and not open_request.sender.violations
+    later = FakeRequest(text_input="hi")
+    backend.execute([later])
+    assert later.sender.responses[-1].error.code == "UNAVAILABLE"
+    deadline = time.monotonic() + 5
+    while not backend.pb.unloaded and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert backend.pb.unloaded == ["freetoken"]
+
+
+def test_finalize_closes_open_requests_without_unloading(demo_model):
+    pb = FakePbUtils()
+    params = to_parameters(_engine(demo_model), BackendOptions(cancel_poll_ms=20))
+    backend = TritonBackend(pb, {"parameters": {k: {"string_value": v} for k, v in params.items()}}, "freetoken", "1")
+    request = FakeRequest(text_input="hi", stream=True, sampling_parameters=json.dumps({"max_tokens": 4000, "ignore_eos": True}))
+    backend.execute([request])
+    while not request.sender.responses:
+        time.sleep(0.01)
+    backend.finalize()
+    assert request.sender.closed.is_set() and request.sender.responses[-1].error is not None
+    assert not request.sender.violations
+    time.sleep(0.1)
+    assert pb.unloaded == []
