@@ -1,0 +1,65 @@
+from __future__ import annotations
+
+import torch
+
+from conftest import DEVICE
+from freetoken.kernels import sampling as ref
+
+
+def _between(sorted_values: torch.Tensor, rank: int) -> float:
+    """A value strictly between entries ``rank`` and ``rank + 1``: no float32 rounding can put the
+    boundary on the other side of a token (the reference and the kernel sum masses in different orders)."""
+    return float((sorted_values[rank] + sorted_values[rank + 1]) / 2)
+
+
+def test_sample_tokens_matches_reference(rng):
+    from freetoken.kernels.triton.sampling import sample_tokens
+
+    vocab, temperature_ = 997, 0.8
+    rows = ["greedy", "plain", "top_k", "top_p", "min_p", "all", "top_k_off", "top_p_one"]
+    batch = len(rows)
+    logits = torch.randn(batch, vocab, generator=rng) * 3
+    temperature = torch.full((batch,), temperature_)
+    temperature[0] = 0.0
+    top_k = torch.zeros(batch, dtype=torch.int32)
+    top_p = torch.ones(batch)
+    min_p = torch.zeros(batch)
+    probs = torch.softmax(logits / temperature_, dim=-1).sort(dim=-1, descending=True).values
+    mass_before = probs.cumsum(-1) - probs
+    pick = lambda: int(torch.randint(1, 40, (1,), generator=rng))  # noqa: E731
+    top_k[2] = pick()
+    top_p[3] = _between(mass_before[3], pick())
+    min_p[4] = _between(probs[4] / probs[4, 0], pick())
+    top_k[5], top_p[5], min_p[5] = 30, _between(mass_before[5], pick()), _between(probs[5] / probs[5, 0], pick())
+    top_k[6] = vocab + 5  # larger than the vocabulary: off
+    seeds = torch.randint(-(2**62), 2**62, (batch,), generator=rng)
+    logits = logits.to(DEVICE)
+    columns = [c.to(DEVICE) for c in (temperature, top_k, top_p, min_p, seeds)]
+    for step in range(4):
+        steps = torch.full((batch,), step, dtype=torch.int64, device=DEVICE) + torch.arange(batch, device=DEVICE)
+        got = sample_tokens(logits, *columns, steps)
+        want = ref.sample_tokens_reference(logits, *columns, steps)
+        assert got.dtype == torch.int64
+        assert got.tolist() == want.tolist(), f"step {step}: rows {[r for r, a, b in zip(rows, got, want) if a != b]}"
+
+
+def test_sample_tokens_keeps_only_the_filtered_set(rng):
+    """With top-k = 3 every draw, over many steps, is one of the 3 most likely tokens and all 3 occur."""
+    from freetoken.kernels.triton.sampling import sample_tokens
+
+    vocab, draws = 64, 24
+    row = torch.randn(vocab, generator=rng) * 0.1
+    row[torch.randperm(vocab, generator=rng)[:3]] += 3.0  # three likely tokens, each about 1/3
+    logits = row.expand(draws, vocab).contiguous().to(DEVICE)
+    ones = torch.ones(draws, device=DEVICE)
+    got = sample_tokens(
+        logits,
+        ones,
+        torch.full((draws,), 3, dtype=torch.int32, device=DEVICE),
+        ones,
+        torch.zeros(draws, device=DEVICE),
+        torch.full((draws,), 1234, dtype=torch.int64, device=DEVICE),
+        torch.arange(draws, device=DEVICE),
+    )
+    top3 = set(logits[0].topk(3).indices.tolist())
+    assert set(got.tolist()) == top3
