@@ -155,3 +155,18 @@ def test_perf_analyzer_configs_parse():
         for word in words:
             if word.startswith("perf_analyzer_configs/"):
                 assert (REPO_ROOT / word).exists(), f"{script.name} names a missing file {word}"
+
+
+def test_stub_python_of_another_interpreter(tmp_path):
+    import sys
+    import sysconfig
+
+    wrapper = tmp_path / "python3"
+    wrapper.write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
+    wrapper.chmod(0o755)
+    python = launcher.stub_python(str(wrapper))
+    assert python.executable == wrapper
+    assert python.version == f"{sys.version_info[0]}.{sys.version_info[1]}"
+    assert python.libdir == sysconfig.get_config_var("LIBDIR")
+    env = launcher.server_environment(launcher.TritonInstall(Path("/x"), None, [], "test"), python)
+    assert env["PATH"].split(":")[0] == str(tmp_path) and env["LD_LIBRARY_PATH"].split(":")[0] == python.libdir

@@ -36,6 +36,30 @@ class TritonInstall:
     source: str  # how it was found, for the log
 
 
+@dataclass
+class StubPython:
+    """The interpreter whose packages the Python backend stub uses (it must have freetoken and numpy<2)."""
+
+    executable: Path
+    version: str  # "3.11": picks the stub build
+    libdir: str  # its libpython's directory
+
+
+def stub_python(executable: str | None = None) -> StubPython:
+    """``executable`` (default: $FREETOKEN_STUB_PYTHON, else the running interpreter)."""
+    executable = executable or os.environ.get("FREETOKEN_STUB_PYTHON")
+    if not executable or Path(executable).resolve() == Path(sys.executable).resolve():
+        version = f"{sys.version_info.major}.{sys.version_info.minor}"
+        return StubPython(Path(sys.executable), version, sysconfig.get_config_var("LIBDIR") or "")
+    query = "import sys, sysconfig; print(f'{sys.version_info[0]}.{sys.version_info[1]}'); print(sysconfig.get_config_var('LIBDIR') or '')"
+    try:
+        out = subprocess.run([executable, "-c", query], capture_output=True, text=True, check=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise RuntimeError(f"--stub-python {executable}: cannot run it: {exc}") from None
+    version, libdir = (out.splitlines() + [""])[:2]
+    return StubPython(Path(executable), version, libdir)
+
+
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
     group.add_argument("--model-name", default="freetoken", help="name clients use in URLs (default: freetoken)")
@@ -48,6 +72,9 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--backend-directory", default=None,
                        help="Triton backends directory for a given tritonserver (default: $FREETOKEN_TRITON_BACKEND_DIR, "
                             "$TRITON_BACKEND_DIR, else the server's own)")
+    group.add_argument("--stub-python", default=None,
+                       help="interpreter whose packages the Python backend stub uses (default: $FREETOKEN_STUB_PYTHON, "
+                            "else this one); it needs freetoken and numpy<2")
     group.add_argument("--model-repository", default=None,
                        help="where to write the model repository (default: a temporary directory, removed at exit)")
     group.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
@@ -85,9 +112,9 @@ def _cache_dir() -> Path:
     return Path(root)
 
 
-def _pytriton_install() -> TritonInstall | None:
+def _pytriton_install(version: str) -> TritonInstall | None:
     """The server inside the nvidia-pytriton wheel, with a writable backends copy holding the stub
-    built for this interpreter's Python version."""
+    built for Python ``version`` ("3.11")."""
     try:
         import pytriton
     except ImportError:
@@ -96,7 +123,6 @@ def _pytriton_install() -> TritonInstall | None:
     binary = root / "bin" / "tritonserver"
     if not binary.exists():
         return None
-    version = f"{sys.version_info.major}.{sys.version_info.minor}"
     stub = root / "python_backend_stubs" / version / "triton_python_backend_stub"
     if not stub.exists():
         raise RuntimeError(f"the nvidia-pytriton wheel has no Python backend stub for Python {version}")
@@ -119,8 +145,9 @@ def _file_tag(path: Path) -> str:
     return f"{stat.st_size:x}{int(stat.st_mtime):x}"
 
 
-def find_tritonserver(flag: str | None, backend_dir: str | None) -> TritonInstall:
-    """Flag, then $FREETOKEN_TRITONSERVER, then PATH, then the nvidia-pytriton wheel."""
+def find_tritonserver(flag: str | None, backend_dir: str | None, python_version: str | None = None) -> TritonInstall:
+    """Flag, then $FREETOKEN_TRITONSERVER, then PATH, then the nvidia-pytriton wheel (with its stub
+    for ``python_version``, default this interpreter's)."""
     backend_dir = backend_dir or os.environ.get("FREETOKEN_TRITON_BACKEND_DIR") or os.environ.get("TRITON_BACKEND_DIR")
     for value, source in ((flag, "--tritonserver"), (os.environ.get("FREETOKEN_TRITONSERVER"), "$FREETOKEN_TRITONSERVER")):
         if value:
@@ -131,7 +158,7 @@ def find_tritonserver(flag: str | None, backend_dir: str | None) -> TritonInstal
     on_path = shutil.which("tritonserver")
     if on_path:
         return TritonInstall(Path(on_path), Path(backend_dir) if backend_dir else None, [], "PATH")
-    install = _pytriton_install()
+    install = _pytriton_install(python_version or f"{sys.version_info.major}.{sys.version_info.minor}")
     if install is None:
         raise FileNotFoundError(
             "no tritonserver found: pass --tritonserver, set FREETOKEN_TRITONSERVER, put one on PATH, "
@@ -142,13 +169,14 @@ def find_tritonserver(flag: str | None, backend_dir: str | None) -> TritonInstal
     return install
 
 
-def server_environment(install: TritonInstall) -> dict[str, str]:
+def server_environment(install: TritonInstall, python: StubPython | None = None) -> dict[str, str]:
     """The stub embeds libpython and finds packages through the ``python3`` first on PATH (not
-    PYTHONPATH): put this interpreter's bin first, and its libpython's directory first on
+    PYTHONPATH): put the stub interpreter's bin first, and its libpython's directory first on
     LD_LIBRARY_PATH (else another libpython3.X loads and ``import ssl`` fails in the model)."""
+    python = python or stub_python()
     env = dict(os.environ)
-    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
-    lib_dirs = [sysconfig.get_config_var("LIBDIR") or "", *map(str, install.lib_dirs), env.get("LD_LIBRARY_PATH", "")]
+    env["PATH"] = os.pathsep.join([str(python.executable.parent), env.get("PATH", "")])
+    lib_dirs = [python.libdir, *map(str, install.lib_dirs), env.get("LD_LIBRARY_PATH", "")]
     env["LD_LIBRARY_PATH"] = os.pathsep.join(d for d in lib_dirs if d)
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
@@ -287,8 +315,10 @@ class ServerProcess:
 def serve(config: EngineConfig, args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s freetoken serve: %(message)s")
     try:
-        install = find_tritonserver(args.tritonserver, args.backend_directory)
-        logger.info("tritonserver: %s (from %s)", install.binary, install.source)
+        python = stub_python(args.stub_python)
+        install = find_tritonserver(args.tritonserver, args.backend_directory, python.version)
+        logger.info("tritonserver: %s (from %s); stub Python %s (%s)", install.binary, install.source,
+                    python.version, python.executable)
         _warn_numpy()
         config = resolve_model(config)
         config.validate()
@@ -303,7 +333,7 @@ def serve(config: EngineConfig, args: argparse.Namespace) -> int:
     shm_prefix = f"freetoken{os.getpid()}_"
     cmd = tritonserver_command(install, repo, args, shm_prefix)
     logger.info("model repository %s; starting: %s", repo, " ".join(cmd))
-    server = ServerProcess(cmd, server_environment(install), shm_prefix)
+    server = ServerProcess(cmd, server_environment(install, python), shm_prefix)
     previous = {s: signal.signal(s, lambda signum, _frame: server.request_stop(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         return _supervise(server, args)
