@@ -68,10 +68,10 @@ PAGE_SIZE = 4
 
 
 @functools.cache
-def checkpoint(shape: str) -> Path:
+def checkpoint(shape: str, dtype: torch.dtype = torch.float32) -> Path:
     root = Path(tempfile.mkdtemp(prefix=f"qwen4-{shape}-"))
     atexit.register(shutil.rmtree, root, True)
-    return build_qwen4_checkpoint(root, seed=11, **SHAPES[shape])
+    return build_qwen4_checkpoint(root, seed=11, dtype=dtype, **SHAPES[shape])
 
 
 def prompts(count: int = 4, seed: int = 0) -> list[list[int]]:
@@ -84,13 +84,19 @@ def prompts(count: int = 4, seed: int = 0) -> list[list[int]]:
 
 
 @functools.cache
-def _reference_model(path: Path) -> torch.nn.Module:
+def _reference_model(path: Path, dtype: torch.dtype) -> torch.nn.Module:
     config = transformers.AutoConfig.from_pretrained(path)
-    return getattr(transformers, config.architectures[0]).from_pretrained(path, dtype=torch.float32).eval()
+    return getattr(transformers, config.architectures[0]).from_pretrained(path, dtype=dtype).eval()
 
 
-def reference_model(shape: str) -> torch.nn.Module:
-    return _reference_model(checkpoint(shape))
+def reference_model(shape: str, checkpoint_dtype: torch.dtype = torch.float32, dtype: torch.dtype = torch.float32):
+    """transformers' model of ``checkpoint(shape, checkpoint_dtype)``, computing in ``dtype``."""
+    return _reference_model(checkpoint(shape, checkpoint_dtype), dtype)
+
+
+def reference_logits(shape: str, prompt: list[int], checkpoint_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+    with torch.no_grad():
+        return reference_model(shape, checkpoint_dtype, dtype)(torch.tensor([prompt])).logits[0].float()
 
 
 @functools.cache

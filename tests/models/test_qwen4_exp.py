@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from freetoken import LLM, SamplingParams
-from qwen4_cases import PAGE_SIZE, SHAPES, checkpoint, prompts, reference_greedy
+from qwen4_cases import PAGE_SIZE, SHAPES, checkpoint, prompts, reference_greedy, reference_logits
 
 MAX_TOKENS = 16
 
@@ -73,6 +73,26 @@ def test_requests_arriving_while_others_decode():
     for index, prompt in enumerate(batch):
         expected = reference_greedy(shape, prompt, MAX_TOKENS)
         assert finished[f"r{index}"].token_ids[: len(expected)] == expected
+
+
+def test_bf16_logits_close_to_transformers():
+    """The same bf16 checkpoint: relative L2 error <= 1e-2 against transformers' bf16 forward, and
+    about as close as it to the exact logits (the bf16 weights computed in float32)."""
+    import torch
+
+    shape = "blocks_of_a_page"
+    path = checkpoint(shape, torch.bfloat16)
+    llm = LLM(model=str(path), dtype="bfloat16", device="cpu", max_prefill_length=16, page_size=PAGE_SIZE)
+
+    def error(a: torch.Tensor, b: torch.Tensor) -> float:
+        return ((a - b).norm() / b.norm()).item()
+
+    for prompt in prompts(2):
+        ours = llm.prompt_logits(prompt)
+        hf_bf16 = reference_logits(shape, prompt, torch.bfloat16, torch.bfloat16)
+        exact = reference_logits(shape, prompt, torch.bfloat16, torch.float32)
+        assert error(ours, hf_bf16) <= 1e-2
+        assert error(ours, exact) <= 1.5 * error(hf_bf16, exact)
 
 
 @pytest.mark.slow
