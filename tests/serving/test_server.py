@@ -278,3 +278,24 @@ def test_perf_analyzer_input_data_through_the_load_client(server):
         assert summary["succeeded"] == 4 and summary["failed"] == 0, summary
         assert summary["output_tokens"] > 0
     assert wait_for(lambda: pools_idle(server))
+
+
+@pytest.mark.slow
+def test_aiperf_run_completes(server, demo_model, tmp_path):
+    """perf_analyzer_configs/aiperf.sh as shipped (aiperf on PATH, e.g. from its own venv)."""
+    import os
+    import shutil
+    import subprocess
+
+    if shutil.which("aiperf") is None:
+        pytest.skip("aiperf is not installed (pip install aiperf, in a separate environment)")
+    shutil.copytree(REPO_ROOT / "perf_analyzer_configs", tmp_path / "perf_analyzer_configs")
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    env.update(HTTP=f"http://{server.http}", MODEL=server.model, TOKENIZER=str(demo_model))
+    run = subprocess.run(["bash", "perf_analyzer_configs/aiperf.sh"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    exports = list(tmp_path.glob("artifacts/*/profile_export_aiperf.json"))
+    assert exports
+    summary = json.loads(exports[0].read_text())
+    assert summary["request_count"]["avg"] == 64 and not summary.get("error_request_count")
