@@ -365,8 +365,9 @@ def _supervise(server: ServerProcess, args: argparse.Namespace) -> int:
                 announced = True
                 logger.info(
                     "ready: model '%s' on HTTP http://%s:%d (POST /v2/models/%s/generate, /generate_stream), "
-                    "gRPC %s:%d, metrics http://%s:%d/metrics",
+                    "gRPC %s:%d, metrics http://%s:%d/metrics (bound to %s)",
                     args.model_name, host, args.http_port, args.model_name, host, args.grpc_port, host, args.metrics_port,
+                    args.host,
                 )
             elif time.monotonic() - started > args.startup_timeout:
                 logger.error("model not ready after %.0f s: stopping", args.startup_timeout)
