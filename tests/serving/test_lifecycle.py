@@ -30,8 +30,9 @@ def test_serve_sigterm_stops_every_process(demo_model, tmp_path):
         assert len(processes) >= 2  # tritonserver and its Python backend stub
         shm_prefix = f"freetoken{server.proc.pid}_"
         assert glob.glob(f"/dev/shm/{shm_prefix}*")
-        log = server.log()
-        assert f"HTTP http://127.0.0.1:{server.http_port}" in log and f"gRPC 127.0.0.1:{server.grpc_port}" in log
+        announced = f"HTTP http://127.0.0.1:{server.http_port}"  # the launcher polls readiness itself, a bit later
+        assert wait_for(lambda: announced in server.log(), timeout=10)
+        assert f"gRPC 127.0.0.1:{server.grpc_port}" in server.log()
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(timeout=60) == 0
         assert not [pid for pid in processes if alive(pid)]
