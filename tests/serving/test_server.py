@@ -230,11 +230,12 @@ def test_grpc_cancel_aborts_within_a_step_and_frees_pools(server, reference):
     for _ in range(3):
         result, error = events.get(timeout=60)
         assert error is None
-    assert server.metric("freetoken_kv_cache_pages_used") > 0
+    assert wait_for(lambda: server.metric("freetoken_kv_cache_pages_used") > 0)
     client.stop_stream(cancel_requests=True)
     client.close()
     assert wait_for(lambda: server.metric("freetoken_requests_finished_total", finish_reason="abort") > aborted_before)
     assert wait_for(lambda: pools_idle(server))
+    time.sleep(0.3)  # metrics are flushed every 100 ms
     generated = server.metric("freetoken_generation_tokens_total")
     time.sleep(0.5)
     assert server.metric("freetoken_generation_tokens_total") == generated  # nothing more generated for it
