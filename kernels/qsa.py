@@ -113,7 +113,8 @@ def qsa_select_blocks_reference(
     """The blocks each query ``q [T, Hi, Di]`` attends to: int32 ``[T, block_topk]``, ascending, -1 padded.
 
     ``max_blocks`` bounds the complete blocks of any query of the batch (kernels size their scratch
-    with it, so a batch with a static bound can be captured in a CUDA graph).
+    with it, so a batch with a static bound can be captured in a CUDA graph). The reference checks
+    the bound; a kernel cannot raise, it scores only the first ``max_blocks`` blocks.
     """
     num_tokens, _, dim = q.shape
     selected = torch.full((num_tokens, block_topk), -1, dtype=torch.int32, device=q.device)

@@ -156,10 +156,10 @@ def _score_keys(score_ptr, j, ok):
 
 
 @triton.jit
-def _block_topk_kernel(score_ptr, score_st, pos_ptr, out_ptr, ratio, TOPK: tl.constexpr, BLOCK: tl.constexpr):
+def _block_topk_kernel(score_ptr, score_st, pos_ptr, out_ptr, ratio, width, TOPK: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
-    complete = (pos + 1) // ratio
+    complete = tl.minimum((pos + 1) // ratio, width)  # never read past the scratch row (max_blocks too small)
     out = out_ptr + t * TOPK
     scores = score_ptr + t * score_st
     if complete <= TOPK:
@@ -230,7 +230,7 @@ def qsa_select_blocks(
         BLOCK_H=pow2(num_heads, 16), BLOCK_D=pow2(dim, 16), BLOCK_N=block_n,
     )
     _block_topk_kernel[(num_tokens,)](
-        scores, scores.stride(0), positions, selected, compress_ratio, TOPK=block_topk, BLOCK=256,
+        scores, scores.stride(0), positions, selected, compress_ratio, width, TOPK=block_topk, BLOCK=256,
     )
     return selected
 

@@ -129,3 +129,8 @@ def test_qwen4_triton_ops_in_the_engine_equal_transformers(monkeypatch):
             monkeypatch.setattr(kernels, name, getattr(triton_module, name))
     assert os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
     _check_batch("blocks_of_a_page", max_prefill_length=16, count=2, max_tokens=8)
+
+
+def test_page_size_and_compress_ratio_must_divide_one_another():
+    with pytest.raises(ValueError, match=r"page_size \(6\) and indexer_compress_ratio \(4\)"):
+        LLM(model=str(checkpoint("blocks_of_a_page")), dtype="float32", device="cpu", page_size=6)
