@@ -24,8 +24,20 @@ def on_gpu(t: torch.Tensor) -> bool:
     return t.device.type == "cuda"
 
 
-# Tests set this to fill every output buffer the wrappers allocate with NaN (floats) or -1 (integers),
-# so an element a kernel forgot to write fails the comparison instead of holding stale memory.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def rows_per_program(num_rows: int, block_cols: int) -> int:
+    """Rows one program of a row-wise kernel handles: tiles of about 2K elements on the GPU (one
+    row of a wide tensor, several of a narrow one); under the interpreter, whose cost is per
+    program and per operation, tiles of up to 16K elements."""
+    budget = (16384 if INTERPRETED else 2048) // block_cols
+    return max(1, min(pow2(num_rows), budget, 64))
+
+
+# Tests set this to fill every buffer the wrappers allocate (outputs and intermediates) with NaN
+# (floats) or -1 (integers), so an element a kernel forgot to write, or a read of one never written,
+# fails the comparison instead of passing on stale memory.
 poison_outputs = False
 
 
@@ -37,7 +49,7 @@ def new_empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return out
 
 
-_INTERPRETED: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+_INTERPRETED: tl.constexpr = tl.constexpr(INTERPRETED)
 
 
 def device_function(fn):

@@ -13,6 +13,9 @@ Two adjustments, applied once when the kernel package is imported under the inte
   is one), which dominated the run time of small kernels. A launch already patches the language
   for its kernel and the patches of a device function's own modules persist, so each device
   function is patched on its first call only.
+* The interpreter checks every 32-bit integer addition and multiplication for overflow (a
+  ``device_assert`` per operation, the other large cost). Compiled kernels check nothing unless
+  built in debug mode; the interpreter is made to do the same.
 
 Both touch interpreter internals; if they are missing (another Triton version) nothing is changed
 and the interpreter runs as shipped.
@@ -20,6 +23,7 @@ and the interpreter runs as shipped.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 
@@ -34,6 +38,10 @@ def prepare_interpreter() -> None:
     except (ImportError, AttributeError):
         return
     _reinterpret_standard_library(interpreted_function, JITFunction)
+    builder = getattr(interpreter, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if dataclasses.is_dataclass(options) and getattr(options, "sanitize_overflow", False):
+        builder.options = dataclasses.replace(options, sanitize_overflow=False)
     if getattr(interpreted_function, "_freetoken_fast_calls", False):
         return
 

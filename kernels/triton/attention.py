@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels.triton._common import cast, dot, dot_precision, new_empty, on_gpu, pow2, round_as
+from freetoken.kernels.triton._common import cast, dot, dot_precision, new_empty, on_gpu, pow2, round_as, rows_per_program
 
 MAX_SPLITS = 32
 
@@ -28,17 +28,19 @@ MAX_SPLITS = 32
 def _store_kv_kernel(
     k_ptr, k_st, k_sh, v_ptr, v_st, v_sh,
     kc_ptr, vc_ptr, c_ss, c_sh,
-    slot_ptr, num_heads, head_dim,
-    SAME_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    slot_ptr, num_rows, num_heads, head_dim,
+    SAME_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    t = tl.program_id(0)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    cols = tl.arange(0, BLOCK_D)
-    mask = (heads[:, None] < num_heads) & (cols[None, :] < head_dim)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    dst = slot * c_ss + heads[:, None] * c_sh + cols[None, :]
-    k = tl.load(k_ptr + t * k_st + heads[:, None] * k_sh + cols[None, :], mask=mask)
-    v = tl.load(v_ptr + t * v_st + heads[:, None] * v_sh + cols[None, :], mask=mask)
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # (token, head) pairs
+    t = (rows // num_heads)[:, None]
+    h = (rows % num_heads)[:, None]
+    cols = tl.arange(0, BLOCK_D)[None, :]
+    row_ok = (rows < num_rows)[:, None]
+    mask = row_ok & (cols < head_dim)
+    slot = tl.load(slot_ptr + t, mask=row_ok, other=0).to(tl.int64)
+    dst = slot * c_ss + h * c_sh + cols
+    k = tl.load(k_ptr + t * k_st + h * k_sh + cols, mask=mask)
+    v = tl.load(v_ptr + t * v_st + h * v_sh + cols, mask=mask)
     if SAME_DTYPE:
         tl.store(kc_ptr + dst, k, mask=mask)
         tl.store(vc_ptr + dst, v, mask=mask)
@@ -63,13 +65,15 @@ def store_kv(
         v = v.contiguous()
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or k_cache.stride(0) != k_cache.shape[1] * k_cache.stride(1):
         raise ValueError("store_kv needs K and V caches with one dense layout")
-    block_h = min(pow2(num_heads), 8)
-    _store_kv_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
+    num_rows = num_tokens * num_heads
+    block_d = pow2(head_dim)
+    block_r = rows_per_program(num_rows, block_d)
+    _store_kv_kernel[(triton.cdiv(num_rows, block_r),)](
         k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
         k_cache, v_cache, k_cache.stride(1), k_cache.stride(2),
-        slot_mapping, num_heads, head_dim,
+        slot_mapping, num_rows, num_heads, head_dim,
         SAME_DTYPE=k.dtype == k_cache.dtype and v.dtype == v_cache.dtype,
-        BLOCK_H=block_h, BLOCK_D=pow2(head_dim),
+        BLOCK_R=block_r, BLOCK_D=block_d,
     )
 
 
@@ -170,32 +174,39 @@ def _attention_kernel(
 @triton.jit
 def _merge_splits_kernel(
     part_ptr, lse_ptr, gate_ptr, g_st, g_sh, out_ptr,
-    num_q_heads, head_dim,
-    NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr,
+    num_rows, num_q_heads, head_dim,
+    NUM_SPLITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr,
 ):
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    row = t * num_q_heads + h
-    splits = tl.arange(0, NUM_SPLITS)
-    cols = tl.arange(0, BLOCK_D)
-    lse = tl.load(lse_ptr + row * NUM_SPLITS + splits)
-    weights = tl.exp2(lse - tl.max(lse, 0))
-    part = tl.load(part_ptr + (row * NUM_SPLITS + splits)[:, None] * BLOCK_D + cols[None, :])
-    part = tl.where(lse[:, None] == float("-inf"), 0.0, part)
-    o = tl.sum(part * weights[:, None], 0) / tl.sum(weights, 0)
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # (token, head) pairs
+    row_ok = rows < num_rows
+    cols = tl.arange(0, BLOCK_D)[None, :]
+    lse_max = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        lse_max = tl.maximum(lse_max, tl.load(lse_ptr + rows * NUM_SPLITS + s, mask=row_ok, other=0.0))
+    total = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        lse = tl.load(lse_ptr + rows * NUM_SPLITS + s, mask=row_ok, other=0.0)
+        weight = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - lse_max))
+        part = tl.load(part_ptr + (rows * NUM_SPLITS + s)[:, None] * BLOCK_D + cols, mask=row_ok[:, None], other=0.0)
+        acc += tl.where(weight[:, None] > 0, part * weight[:, None], 0.0)
+        total += weight
+    o = acc / tl.where(total > 0, total, 1.0)[:, None]
     dtype = out_ptr.dtype.element_ty
-    col_ok = cols < head_dim
+    mask = row_ok[:, None] & (cols < head_dim)
     if HAS_GATE:
-        g = tl.load(gate_ptr + t * g_st + h * g_sh + cols, mask=col_ok, other=0.0).to(tl.float32)
+        t = (rows // num_q_heads)[:, None]
+        h = (rows % num_q_heads)[:, None]
+        g = tl.load(gate_ptr + t * g_st + h * g_sh + cols, mask=mask, other=0.0).to(tl.float32)
         o = round_as(o, dtype) * round_as(tl.sigmoid(g), dtype)
-    tl.store(out_ptr + row * head_dim + cols, cast(o, dtype), mask=col_ok)
+    tl.store(out_ptr + rows[:, None] * head_dim + cols, cast(o, dtype), mask=mask)
 
 
 def num_splits(q: torch.Tensor, programs: int) -> int:
     """Key-range splits for a launch of ``programs`` (request, KV head) pairs: enough programs to
     give every multiprocessor two, at most ``MAX_SPLITS`` (a power of two)."""
-    # Under the interpreter: as if 8 multiprocessors, so the CPU tests exercise the split path.
-    processors = torch.cuda.get_device_properties(q.device).multi_processor_count if on_gpu(q) else 8
+    # Under the interpreter: as if 4 multiprocessors, so the CPU tests exercise the split path.
+    processors = torch.cuda.get_device_properties(q.device).multi_processor_count if on_gpu(q) else 4
     return min(MAX_SPLITS, pow2(triton.cdiv(2 * processors, programs)))
 
 
@@ -243,8 +254,8 @@ def paged_attention(
     splits = num_splits(q, num_requests * num_kv_heads) if blocks_per_request == 1 else 1
     block_d = pow2(head_dim)
     if splits > 1:
-        part = torch.empty((num_tokens * num_q_heads * splits, block_d), dtype=torch.float32, device=q.device)
-        lse = torch.empty((num_tokens * num_q_heads * splits,), dtype=torch.float32, device=q.device)
+        part = new_empty((num_tokens * num_q_heads * splits, block_d), torch.float32, q.device)
+        lse = new_empty((num_tokens * num_q_heads * splits,), torch.float32, q.device)
     else:
         part = lse = out
     gate_arg = gate if gate is not None else q
@@ -261,10 +272,11 @@ def paged_attention(
         num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:
-        _merge_splits_kernel[(num_tokens, num_q_heads)](
+        num_rows = num_tokens * num_q_heads
+        block_r = rows_per_program(num_rows, block_d)
+        _merge_splits_kernel[(triton.cdiv(num_rows, block_r),)](
             part, lse, gate_arg, gate_arg.stride(0), gate_arg.stride(1), out,
-            num_q_heads, head_dim,
-            NUM_SPLITS=splits, BLOCK_D=block_d, HAS_GATE=gate is not None,
-            num_warps=4,
+            num_rows, num_q_heads, head_dim,
+            NUM_SPLITS=splits, BLOCK_R=block_r, BLOCK_D=block_d, HAS_GATE=gate is not None,
         )
     return out

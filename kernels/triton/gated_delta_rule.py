@@ -62,16 +62,17 @@ def _off_diagonal(k_i, beta_i, decay_i, k_j, decay_j, PRECISION: tl.constexpr):
 
 
 @device_function
-def _diagonal_inverse(k, beta, decay, PRECISION: tl.constexpr, SUB: tl.constexpr):
+def _diagonal_inverse(k, beta, decay, valid, PRECISION: tl.constexpr, SUB: tl.constexpr):
     """Inverse of a unit lower-triangular diagonal block by forward substitution:
-    row i is e_i - Σ_{j<i} a[i, j] · (row j of the inverse)."""
+    row i is e_i - Σ_{j<i} a[i, j] · (row j of the inverse). Rows past the ``valid`` tokens of the
+    block are rows of the identity (their keys are zero), so the substitution stops there."""
     idx = tl.arange(0, SUB)
     lower = idx[:, None] > idx[None, :]
     a = dot(k * beta[:, None], tl.trans(k), PRECISION)
     a = tl.where(lower, a * tl.exp(tl.where(lower, decay[:, None] - decay[None, :], 0.0)), 0.0)
     eye = (idx[:, None] == idx[None, :]).to(tl.float32)
     inv = eye
-    for i in range(1, SUB):
+    for i in range(1, tl.minimum(tl.maximum(valid, 1), SUB)):
         # Only row i of the product is kept; a dot is cheaper than extracting the row.
         row_i = idx[:, None] == i
         inv = tl.where(row_i, eye - dot(tl.where(row_i, a, 0.0), inv, PRECISION), inv)
@@ -92,7 +93,8 @@ def _chunk_inverse_kernel(
     HEAD_RATIO: tl.constexpr, CHUNK_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """L⁻¹ of one chunk, blockwise over four 16-row blocks: the diagonal blocks by substitution,
-    then ``X_ij = -D_i⁻¹ Σ_{j<=m<i} A_im X_mj`` for the blocks below the diagonal."""
+    then ``X_ij = -D_i⁻¹ Σ_{j<=m<i} A_im X_mj`` for the blocks below the diagonal. Only blocks on
+    or below the diagonal that hold tokens are written."""
     SUB: tl.constexpr = CHUNK_SIZE // 4
     chunk = tl.program_id(0)
     h = tl.program_id(1)
@@ -104,44 +106,46 @@ def _chunk_inverse_kernel(
         cols = tl.arange(0, BLOCK_K)
         col_ok = cols < key_dim
         kp = k_ptr + (h // HEAD_RATIO) * k_sh
-        k0, b0, d0, total = _sub_block(kp, k_st, beta_ptr, beta_st, g_ptr, g_st, h, t0 + idx, end, cols, col_ok, 0.0)
-        k1, b1, d1, total = _sub_block(kp, k_st, beta_ptr, beta_st, g_ptr, g_st, h, t0 + SUB + idx, end, cols, col_ok, total)
-        k2, b2, d2, total = _sub_block(kp, k_st, beta_ptr, beta_st, g_ptr, g_st, h, t0 + 2 * SUB + idx, end, cols, col_ok, total)
-        k3, b3, d3, total = _sub_block(kp, k_st, beta_ptr, beta_st, g_ptr, g_st, h, t0 + 3 * SUB + idx, end, cols, col_ok, total)
-        x00 = _diagonal_inverse(k0, b0, d0, PRECISION, SUB)
-        x11 = _diagonal_inverse(k1, b1, d1, PRECISION, SUB)
-        x22 = _diagonal_inverse(k2, b2, d2, PRECISION, SUB)
-        x33 = _diagonal_inverse(k3, b3, d3, PRECISION, SUB)
-        a10 = _off_diagonal(k1, b1, d1, k0, d0, PRECISION)
-        a20 = _off_diagonal(k2, b2, d2, k0, d0, PRECISION)
-        a21 = _off_diagonal(k2, b2, d2, k1, d1, PRECISION)
-        a30 = _off_diagonal(k3, b3, d3, k0, d0, PRECISION)
-        a31 = _off_diagonal(k3, b3, d3, k1, d1, PRECISION)
-        a32 = _off_diagonal(k3, b3, d3, k2, d2, PRECISION)
-        x10 = -dot(x11, dot(a10, x00, PRECISION), PRECISION)
-        x21 = -dot(x22, dot(a21, x11, PRECISION), PRECISION)
-        x32 = -dot(x33, dot(a32, x22, PRECISION), PRECISION)
-        x20 = -dot(x22, dot(a20, x00, PRECISION) + dot(a21, x10, PRECISION), PRECISION)
-        x31 = -dot(x33, dot(a31, x11, PRECISION) + dot(a32, x21, PRECISION), PRECISION)
-        x30 = -dot(x33, dot(a30, x00, PRECISION) + dot(a31, x10, PRECISION) + dot(a32, x20, PRECISION), PRECISION)
+        valid = end - t0
         base = inv_ptr + (chunk * num_v_heads + h).to(tl.int64) * (CHUNK_SIZE * CHUNK_SIZE)
-        zero = tl.zeros([SUB, SUB], tl.float32)
+        # Blocks past the chunk's last token are neither computed nor stored: the scan masks them.
+        k0, b0, d0, total = _sub_block(kp, k_st, beta_ptr, beta_st, g_ptr, g_st, h, t0 + idx, end, cols, col_ok, 0.0)
+        x00 = _diagonal_inverse(k0, b0, d0, valid, PRECISION, SUB)
         _store_block(base, x00, 0, 0, SUB, CHUNK_SIZE)
-        _store_block(base, zero, 0, 1, SUB, CHUNK_SIZE)
-        _store_block(base, zero, 0, 2, SUB, CHUNK_SIZE)
-        _store_block(base, zero, 0, 3, SUB, CHUNK_SIZE)
-        _store_block(base, x10, 1, 0, SUB, CHUNK_SIZE)
-        _store_block(base, x11, 1, 1, SUB, CHUNK_SIZE)
-        _store_block(base, zero, 1, 2, SUB, CHUNK_SIZE)
-        _store_block(base, zero, 1, 3, SUB, CHUNK_SIZE)
-        _store_block(base, x20, 2, 0, SUB, CHUNK_SIZE)
-        _store_block(base, x21, 2, 1, SUB, CHUNK_SIZE)
-        _store_block(base, x22, 2, 2, SUB, CHUNK_SIZE)
-        _store_block(base, zero, 2, 3, SUB, CHUNK_SIZE)
-        _store_block(base, x30, 3, 0, SUB, CHUNK_SIZE)
-        _store_block(base, x31, 3, 1, SUB, CHUNK_SIZE)
-        _store_block(base, x32, 3, 2, SUB, CHUNK_SIZE)
-        _store_block(base, x33, 3, 3, SUB, CHUNK_SIZE)
+        if valid > SUB:
+            k1, b1, d1, total = _sub_block(kp, k_st, beta_ptr, beta_st, g_ptr, g_st, h, t0 + SUB + idx, end, cols,
+                                           col_ok, total)
+            x11 = _diagonal_inverse(k1, b1, d1, valid - SUB, PRECISION, SUB)
+            a10 = _off_diagonal(k1, b1, d1, k0, d0, PRECISION)
+            x10 = -dot(x11, dot(a10, x00, PRECISION), PRECISION)
+            _store_block(base, x10, 1, 0, SUB, CHUNK_SIZE)
+            _store_block(base, x11, 1, 1, SUB, CHUNK_SIZE)
+            if valid > 2 * SUB:
+                k2, b2, d2, total = _sub_block(kp, k_st, beta_ptr, beta_st, g_ptr, g_st, h, t0 + 2 * SUB + idx, end,
+                                               cols, col_ok, total)
+                x22 = _diagonal_inverse(k2, b2, d2, valid - 2 * SUB, PRECISION, SUB)
+                a20 = _off_diagonal(k2, b2, d2, k0, d0, PRECISION)
+                a21 = _off_diagonal(k2, b2, d2, k1, d1, PRECISION)
+                x21 = -dot(x22, dot(a21, x11, PRECISION), PRECISION)
+                x20 = -dot(x22, dot(a20, x00, PRECISION) + dot(a21, x10, PRECISION), PRECISION)
+                _store_block(base, x20, 2, 0, SUB, CHUNK_SIZE)
+                _store_block(base, x21, 2, 1, SUB, CHUNK_SIZE)
+                _store_block(base, x22, 2, 2, SUB, CHUNK_SIZE)
+                if valid > 3 * SUB:
+                    k3, b3, d3, total = _sub_block(kp, k_st, beta_ptr, beta_st, g_ptr, g_st, h, t0 + 3 * SUB + idx,
+                                                   end, cols, col_ok, total)
+                    x33 = _diagonal_inverse(k3, b3, d3, valid - 3 * SUB, PRECISION, SUB)
+                    a30 = _off_diagonal(k3, b3, d3, k0, d0, PRECISION)
+                    a31 = _off_diagonal(k3, b3, d3, k1, d1, PRECISION)
+                    a32 = _off_diagonal(k3, b3, d3, k2, d2, PRECISION)
+                    x32 = -dot(x33, dot(a32, x22, PRECISION), PRECISION)
+                    x31 = -dot(x33, dot(a31, x11, PRECISION) + dot(a32, x21, PRECISION), PRECISION)
+                    x30 = -dot(x33, dot(a30, x00, PRECISION) + dot(a31, x10, PRECISION) + dot(a32, x20, PRECISION),
+                               PRECISION)
+                    _store_block(base, x30, 3, 0, SUB, CHUNK_SIZE)
+                    _store_block(base, x31, 3, 1, SUB, CHUNK_SIZE)
+                    _store_block(base, x32, 3, 2, SUB, CHUNK_SIZE)
+                    _store_block(base, x33, 3, 3, SUB, CHUNK_SIZE)
 
 
 @triton.jit
@@ -181,7 +185,9 @@ def _chunk_scan_kernel(
         decay = tl.cumsum(tl.load(g_ptr + rows * g_st + h, mask=row_ok, other=0.0).to(tl.float32), 0)
         decay_last = tl.sum(tl.where(idx == CHUNK_SIZE - 1, decay, 0.0), 0)
         inv_base = inv_ptr + ((first_chunk + c) * num_v_heads + h).to(tl.int64) * (CHUNK_SIZE * CHUNK_SIZE)
-        inv = tl.load(inv_base + idx[:, None] * CHUNK_SIZE + idx[None, :])
+        # Only the block-lower-triangular part over the chunk's tokens was written.
+        inv_mask = ((idx[:, None] // (CHUNK_SIZE // 4)) >= (idx[None, :] // (CHUNK_SIZE // 4))) & row_ok[:, None] & row_ok[None, :]
+        inv = tl.load(inv_base + idx[:, None] * CHUNK_SIZE + idx[None, :], mask=inv_mask, other=0.0)
         # W = L⁻¹ (β k e^decay) reads the state; U = L⁻¹ (β v) are the new values before correction.
         w = dot(inv, k * (beta * tl.exp(decay))[:, None], PRECISION)
         u = dot(inv, v * beta[:, None], PRECISION)
@@ -239,7 +245,7 @@ def gated_delta_rule_prefill(
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
     cu_chunks = F.pad(torch.cumsum((lens + CHUNK - 1) // CHUNK, 0), (1, 0)).to(torch.int32)
     max_chunks = triton.cdiv(num_tokens, CHUNK) + num_requests
-    inverse = torch.empty((max_chunks, num_v_heads, CHUNK, CHUNK), dtype=torch.float32, device=v.device)
+    inverse = new_empty((max_chunks, num_v_heads, CHUNK, CHUNK), torch.float32, v.device)
     precision = dot_precision(v.dtype)
     block_k = pow2(key_dim, 16)
     ratio = num_v_heads // num_k_heads

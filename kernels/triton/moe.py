@@ -20,33 +20,47 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels.triton._common import cast, device_function, dot, dot_precision, new_empty, pow2, round_as
+from freetoken.kernels.triton._common import (
+    INTERPRETED,
+    cast,
+    device_function,
+    dot,
+    dot_precision,
+    new_empty,
+    pow2,
+    round_as,
+    rows_per_program,
+)
 
 
 @triton.jit
 def _topk_softmax_kernel(
-    logits_ptr, l_st, weights_ptr, ids_ptr, num_experts,
-    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    logits_ptr, l_st, weights_ptr, ids_ptr, num_tokens, num_experts,
+    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
-    t = tl.program_id(0)
-    e = tl.arange(0, BLOCK_E)
-    logits = tl.load(logits_ptr + t * l_st + e, mask=e < num_experts, other=float("-inf")).to(tl.float32)
-    p = tl.exp(logits - tl.max(logits, 0))
-    p = p / tl.sum(p, 0)
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T))[:, None]
+    t_ok = t < num_tokens
+    e = tl.arange(0, BLOCK_E)[None, :]
+    logits = tl.load(logits_ptr + t * l_st + e, mask=t_ok & (e < num_experts), other=0.0).to(tl.float32)
+    logits = tl.where(e < num_experts, logits, float("-inf"))
+    p = tl.exp(logits - tl.max(logits, 1)[:, None])
+    p = p / tl.sum(p, 1)[:, None]
     p = tl.where(e < num_experts, p, -1.0)
-    j = tl.arange(0, BLOCK_K)
-    top_w = tl.zeros([BLOCK_K], tl.float32)
-    top_i = tl.zeros([BLOCK_K], tl.int32)
+    j = tl.arange(0, BLOCK_K)[None, :]
+    top_w = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
+    top_i = tl.zeros([BLOCK_T, BLOCK_K], tl.int32)
     for choice in tl.static_range(TOP_K):
-        best = tl.max(p, 0)
-        best_i = tl.min(tl.where(p == best, e, BLOCK_E), 0)  # the lowest index among ties
+        best = tl.max(p, 1)[:, None]
+        best_i = tl.min(tl.where(p == best, e, BLOCK_E), 1)[:, None]  # the lowest index among ties
         top_w = tl.where(j == choice, best, top_w)
         top_i = tl.where(j == choice, best_i, top_i)
         p = tl.where(e == best_i, -2.0, p)
     if RENORMALIZE:
-        top_w = top_w / tl.sum(tl.where(j < TOP_K, top_w, 0.0), 0)
-    tl.store(weights_ptr + t * TOP_K + j, cast(top_w, weights_ptr.dtype.element_ty), mask=j < TOP_K)
-    tl.store(ids_ptr + t * TOP_K + j, top_i, mask=j < TOP_K)
+        top_w = top_w / tl.sum(tl.where(j < TOP_K, top_w, 0.0), 1)[:, None]
+    mask = t_ok & (j < TOP_K)
+    tl.store(weights_ptr + t * TOP_K + j, cast(top_w, weights_ptr.dtype.element_ty), mask=mask)
+    tl.store(ids_ptr + t * TOP_K + j, top_i, mask=mask)
 
 
 def moe_topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,9 +72,11 @@ def moe_topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool)
     weights = new_empty((num_tokens, top_k), router_logits.dtype, router_logits.device)
     ids = new_empty((num_tokens, top_k), torch.int32, router_logits.device)
     if num_tokens:
-        _topk_softmax_kernel[(num_tokens,)](
-            router_logits, router_logits.stride(0), weights, ids, num_experts,
-            TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=pow2(num_experts), BLOCK_K=pow2(top_k),
+        block_e = pow2(num_experts)
+        block_t = rows_per_program(num_tokens, block_e)
+        _topk_softmax_kernel[(triton.cdiv(num_tokens, block_t),)](
+            router_logits, router_logits.stride(0), weights, ids, num_tokens, num_experts,
+            TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=pow2(top_k),
         )
     return weights, ids
 
@@ -102,7 +118,7 @@ def moe_sort_tokens(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Ten
     device = topk_ids.device
     order = new_empty((num_pairs,), torch.int32, device)
     offsets = new_empty((num_experts + 1,), torch.int32, device)
-    counts = torch.empty((num_experts,), dtype=torch.int32, device=device)
+    counts = new_empty((num_experts,), torch.int32, device)
     block = min(pow2(num_pairs), 1024)
     _count_kernel[(num_experts,)](flat, counts, num_pairs, BLOCK=block)
     _scatter_kernel[(num_experts,)](
@@ -188,11 +204,12 @@ def _down_kernel(
 
 
 @triton.jit
-def _sum_choices_kernel(y_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
-    t = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < hidden
-    acc = tl.zeros([BLOCK], tl.float32)
+def _sum_choices_kernel(y_ptr, out_ptr, num_tokens, hidden, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T))[:, None]
+    cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
+    ok = (t < num_tokens) & (cols < hidden)
+    acc = tl.zeros([BLOCK_T, BLOCK], tl.float32)
     for j in tl.static_range(TOP_K):
         acc += tl.load(y_ptr + (t * TOP_K + j).to(tl.int64) * hidden + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * hidden + cols, cast(acc, out_ptr.dtype.element_ty), mask=ok)
@@ -203,6 +220,8 @@ def _gemm_tiles(dtype: torch.dtype, num_pairs: int, num_experts: int) -> tuple[i
     batches route a few tokens to each expert); float32 tiles are narrower to fit shared memory."""
     mean_rows = num_pairs / max(num_experts, 1)
     block_m = 16 if mean_rows <= 16 else 32 if mean_rows <= 48 else 64
+    if INTERPRETED:  # few, large programs: the interpreter's cost is per program and operation
+        return block_m, 128, 256, 1
     if dtype == torch.float32:
         return block_m, 64, 32, 2
     return block_m, 64, 64, 3
@@ -231,14 +250,14 @@ def fused_experts(
     block_m, block_n, block_k, stages = _gemm_tiles(x.dtype, num_pairs, num_experts)
     max_tiles = triton.cdiv(num_pairs, block_m) + num_experts
     precision = dot_precision(x.dtype)
-    h = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
+    h = new_empty((num_pairs, inter), x.dtype, x.device)
     _gate_up_kernel[(max_tiles, triton.cdiv(inter, block_n))](
         x, x.stride(0), w13, w13.stride(0), w13.stride(1), order, offsets, h,
         hidden, inter, num_experts,
         TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         BLOCK_E=pow2(num_experts), PRECISION=precision, num_warps=4, num_stages=stages,
     )
-    y = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
+    y = new_empty((num_pairs, hidden), x.dtype, x.device)
     _down_kernel[(max_tiles, triton.cdiv(hidden, block_n))](
         h, w2, w2.stride(0), w2.stride(1), order, offsets, topk_weights, y,
         hidden, inter, num_experts,
@@ -246,15 +265,18 @@ def fused_experts(
         BLOCK_E=pow2(num_experts), PRECISION=precision, num_warps=4, num_stages=stages,
     )
     block = min(pow2(hidden), 1024)
-    _sum_choices_kernel[(num_tokens, triton.cdiv(hidden, block))](y, out, hidden, TOP_K=top_k, BLOCK=block)
+    block_t = rows_per_program(num_tokens, block)
+    _sum_choices_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(hidden, block))](
+        y, out, num_tokens, hidden, TOP_K=top_k, BLOCK_T=block_t, BLOCK=block
+    )
     return out
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, x_st, out_ptr, inter, BLOCK: tl.constexpr):
-    t = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < inter
+def _silu_and_mul_kernel(x_ptr, x_st, out_ptr, num_rows, inter, BLOCK_T: tl.constexpr, BLOCK: tl.constexpr):
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T))[:, None]
+    cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
+    ok = (t < num_rows) & (cols < inter)
     dtype = out_ptr.dtype.element_ty
     gate = tl.load(x_ptr + t * x_st + cols, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + t * x_st + inter + cols, mask=ok, other=0.0).to(tl.float32)
@@ -269,19 +291,25 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = new_empty((*x.shape[:-1], inter), x.dtype, x.device)
-    if rows.shape[0]:
+    num_rows = rows.shape[0]
+    if num_rows:
         block = min(pow2(inter), 1024)
-        _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(inter, block))](rows, rows.stride(0), out, inter, BLOCK=block)
+        block_t = rows_per_program(num_rows, block)
+        _silu_and_mul_kernel[(triton.cdiv(num_rows, block_t), triton.cdiv(inter, block))](
+            rows, rows.stride(0), out, num_rows, inter, BLOCK_T=block_t, BLOCK=block
+        )
     return out
 
 
 @triton.jit
-def _shared_combine_kernel(routed_ptr, shared_ptr, gate_ptr, g_st, out_ptr, hidden, BLOCK: tl.constexpr):
-    t = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < hidden
+def _shared_combine_kernel(routed_ptr, shared_ptr, gate_ptr, g_st, out_ptr, num_tokens, hidden,
+                           BLOCK_T: tl.constexpr, BLOCK: tl.constexpr):
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T))[:, None]
+    cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
+    t_ok = t < num_tokens
+    ok = t_ok & (cols < hidden)
     dtype = out_ptr.dtype.element_ty
-    gate = round_as(tl.sigmoid(tl.load(gate_ptr + t * g_st).to(tl.float32)), dtype)
+    gate = round_as(tl.sigmoid(tl.load(gate_ptr + t * g_st, mask=t_ok, other=0.0).to(tl.float32)), dtype)
     shared = tl.load(shared_ptr + t * hidden + cols, mask=ok, other=0.0).to(tl.float32)
     routed = tl.load(routed_ptr + t * hidden + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * hidden + cols, cast(routed + round_as(gate * shared, dtype), dtype), mask=ok)
@@ -298,7 +326,8 @@ def shared_expert_combine(routed: torch.Tensor, shared: torch.Tensor, gate_logit
     out = new_empty((num_tokens, hidden), routed.dtype, routed.device)
     if num_tokens:
         block = min(pow2(hidden), 1024)
-        _shared_combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
-            routed, shared, gate_logit, gate_logit.stride(0), out, hidden, BLOCK=block
+        block_t = rows_per_program(num_tokens, block)
+        _shared_combine_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(hidden, block))](
+            routed, shared, gate_logit, gate_logit.stride(0), out, num_tokens, hidden, BLOCK_T=block_t, BLOCK=block
         )
     return out

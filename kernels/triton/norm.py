@@ -1,6 +1,6 @@
 """Triton RMSNorm kernels: plain / zero-centred, with a fused residual add, and the gated (SiLU) norm.
 
-One program normalises one row. Inputs may be strided views of up to three dims (``q`` and the
+One program normalises a block of rows (one row of the hidden size, several head rows). Inputs may be strided views of up to three dims (``q`` and the
 Gated DeltaNet gate ``z`` are slices of a packed projection): rows are addressed as ``(i, j)`` with
 one stride each, the last dim must be unit-stride (otherwise it is copied). Rounding follows the
 references: the sum of the residual add and the normalised value of the plain/gated norms are
@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels.triton._common import cast, new_empty, pow2, round_as
+from freetoken.kernels.triton._common import cast, new_empty, pow2, round_as, rows_per_program
 
 
 @triton.jit
@@ -23,28 +23,30 @@ def _rms_norm_kernel(
     gate_ptr, gate_s0, gate_s1,
     w_ptr,
     out_ptr, sum_ptr,
-    inner, dim, eps,
+    num_rows, inner, dim, eps,
     HAS_RESIDUAL: tl.constexpr,
     HAS_GATE: tl.constexpr,
     ZERO_CENTERED: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    i = row // inner
-    j = row % inner
-    cols = tl.arange(0, BLOCK_D)
-    mask = cols < dim
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    i = (rows // inner)[:, None]
+    j = (rows % inner)[:, None]
+    cols = tl.arange(0, BLOCK_D)[None, :]
+    mask = (rows < num_rows)[:, None] & (cols < dim)
     # Arithmetic in float32 (Triton's interpreter cannot compute in bf16); ``round_as`` rounds where
     # the reference rounds.
     x = tl.load(x_ptr + i * x_s0 + j * x_s1 + cols, mask=mask, other=0.0)
     xf = x.to(tl.float32)
+    out_offs = rows[:, None] * dim + cols
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + i * res_s0 + j * res_s1 + cols, mask=mask, other=0.0).to(tl.float32)
         xf = round_as(xf + r, x.dtype)
-        tl.store(sum_ptr + row * dim + cols, cast(xf, x.dtype), mask=mask)
-    inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / dim + eps)
+        tl.store(sum_ptr + out_offs, cast(xf, x.dtype), mask=mask)
+    inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=1) / dim + eps)[:, None]
     normed = xf * inv_rms
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=cols < dim, other=0.0).to(tl.float32)
     if ZERO_CENTERED:
         y = normed * (1.0 + w)
     else:
@@ -52,7 +54,7 @@ def _rms_norm_kernel(
     if HAS_GATE:
         g = tl.load(gate_ptr + i * gate_s0 + j * gate_s1 + cols, mask=mask, other=0.0).to(tl.float32)
         y = y * (g * tl.sigmoid(g))
-    tl.store(out_ptr + row * dim + cols, cast(y, out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + out_offs, cast(y, out_ptr.dtype.element_ty), mask=mask)
 
 
 def _rows(t: torch.Tensor) -> tuple[torch.Tensor, int, int, int, int]:
@@ -87,18 +89,21 @@ def _launch(
     gv, _, _, gs0, gs1 = _rows(gate) if gate is not None else (xv, 0, 0, 0, 0)
     num_rows = outer * inner
     if num_rows:
-        _rms_norm_kernel[(num_rows,)](
+        block_d = pow2(dim)
+        block_r = rows_per_program(num_rows, block_d)
+        _rms_norm_kernel[(triton.cdiv(num_rows, block_r),)](
             xv, xs0, xs1,
             rv, rs0, rs1,
             gv, gs0, gs1,
             weight.contiguous(),
             out, summed if summed is not None else out,
-            inner, dim, eps,
+            num_rows, inner, dim, eps,
             HAS_RESIDUAL=residual is not None,
             HAS_GATE=gate is not None,
             ZERO_CENTERED=zero_centered,
-            BLOCK_D=pow2(dim),
-            num_warps=4 if dim <= 1024 else 8,
+            BLOCK_R=block_r,
+            BLOCK_D=block_d,
+            num_warps=4 if block_r * block_d <= 1024 else 8,
         )
     return out, summed
 
