@@ -57,9 +57,10 @@ def _pool_blocks_kernel(
         lo_c = tl.arange(0, BLOCK_HALF)
         rest_c = rotary_dim + tl.arange(0, BLOCK_REST)
         lo_ok, rest_ok = lo_c < half, rest_c < dim
-        lo = tl.sum(tl.load(cache_ptr + rows + lo_c[None, :], mask=m_ok[:, None] & lo_ok[None, :], other=0.0).to(tl.float32), 0)
-        hi = tl.sum(tl.load(cache_ptr + rows + (half + lo_c)[None, :], mask=m_ok[:, None] & lo_ok[None, :], other=0.0).to(tl.float32), 0)
-        rest = tl.sum(tl.load(cache_ptr + rows + rest_c[None, :], mask=m_ok[:, None] & rest_ok[None, :], other=0.0).to(tl.float32), 0)
+        lo_mask, rest_mask = m_ok[:, None] & lo_ok[None, :], m_ok[:, None] & rest_ok[None, :]
+        lo = tl.sum(tl.load(cache_ptr + rows + lo_c[None, :], mask=lo_mask, other=0.0).to(tl.float32), 0)
+        hi = tl.sum(tl.load(cache_ptr + rows + (half + lo_c)[None, :], mask=lo_mask, other=0.0).to(tl.float32), 0)
+        rest = tl.sum(tl.load(cache_ptr + rows + rest_c[None, :], mask=rest_mask, other=0.0).to(tl.float32), 0)
         lo, hi, rest = round_as(lo / ratio, dtype), round_as(hi / ratio, dtype), round_as(rest / ratio, dtype)
         inv_rms = tl.rsqrt((tl.sum(lo * lo, 0) + tl.sum(hi * hi, 0) + tl.sum(rest * rest, 0)) / dim + eps)
         w_lo = tl.load(w_ptr + lo_c, mask=lo_ok, other=0.0).to(tl.float32)

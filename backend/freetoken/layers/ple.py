@@ -64,7 +64,6 @@ class NGramEmbedding(nn.Module):
 
     def __init__(self, config, ple_layer_index: int) -> None:
         super().__init__()
-        self.ngram_size = config.ngram_size
         self.heads_per_ngram = config.heads_per_ngram
         num_heads = (config.ngram_size - 1) * config.heads_per_ngram
         self.head_dim = config.ple_embed_dim // num_heads
@@ -136,7 +135,6 @@ class PLELayer(nn.Module):
         width = config.hc_count * config.hidden_size
         self.width = width
         self.dilation = config.ngram_size
-        self.kernel_size = config.ple_conv_kernel_size
         self.state_len = (config.ple_conv_kernel_size - 1) * config.ngram_size
         self.embedding = NGramEmbedding(config, ple_layer_index)
         self.key_value = new_param(width + config.hidden_size, config.ple_embed_dim)
