@@ -15,7 +15,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+from kernel_checks import DEVICE  # noqa: E402,F401  (also importable from here)
 
 
 @pytest.fixture(autouse=True)

@@ -4,8 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import DEVICE
-from kernel_checks import assert_close
+from kernel_checks import DEVICE, assert_close
 from freetoken.kernels import gated_delta_rule as ref
 
 

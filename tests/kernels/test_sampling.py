@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from conftest import DEVICE
+from kernel_checks import DEVICE
 from freetoken.kernels import sampling as ref
 
 
