@@ -264,7 +264,7 @@ def gated_delta_rule_prefill(
         state_slots, cu_seqlens, cu_chunks, inverse, out,
         num_v_heads, key_dim, value_dim, key_dim**-0.5,
         HEAD_RATIO=ratio, CHUNK_SIZE=CHUNK, BLOCK_K=block_k, BLOCK_V=block_v, PRECISION=precision,
-        num_warps=4,
+        num_warps=8, num_stages=1,  # the loop over chunks is sequential; staging its loads overflows shared memory
     )
     return out
 
