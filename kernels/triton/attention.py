@@ -15,6 +15,8 @@ short context writes an empty partial.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -206,8 +208,13 @@ def num_splits(q: torch.Tensor, programs: int) -> int:
     """Key-range splits for a launch of ``programs`` (request, KV head) pairs: enough programs to
     give every multiprocessor two, at most ``MAX_SPLITS`` (a power of two)."""
     # Under the interpreter: as if 4 multiprocessors, so the CPU tests exercise the split path.
-    processors = torch.cuda.get_device_properties(q.device).multi_processor_count if on_gpu(q) else 4
+    processors = _multiprocessors(q.device.index or 0) if on_gpu(q) else 4
     return min(MAX_SPLITS, pow2(triton.cdiv(2 * processors, programs)))
+
+
+@functools.cache
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _tile_sizes(dtype: torch.dtype, head_dim: int, group: int, max_seqlen_q: int) -> tuple[int, int, int, int]:

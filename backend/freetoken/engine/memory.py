@@ -34,8 +34,13 @@ class PoolSizes:
 
 
 def pool_budget_bytes(config: EngineConfig, device: torch.device, hidden_size: int) -> int:
+    """Bytes for KV pages and state slots: on a GPU, ``gpu_memory_fraction`` (``--gpu-memory-fraction``,
+    default 0.85) of the memory free once the weights are loaded, less ``GPU_HEADROOM_BYTES`` and the
+    activations of one ``max_prefill_length`` chunk."""
     if device.type != "cuda":
         return int(config.cpu_kv_cache_gib * GiB)
+    # Blocks the caching allocator kept from loading (temporaries) are free for the pools too.
+    torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info(device)
     activations = config.max_prefill_length * hidden_size * ACTIVATION_BYTES_PER_TOKEN_PER_HIDDEN
     return max(0, int(free * config.gpu_memory_fraction) - GPU_HEADROOM_BYTES - activations)

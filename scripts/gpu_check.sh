@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The GPU check, for one NVIDIA GPU with torch + Triton installed (the lent H200 machine):
+#   1. tests/gpu (pytest -m gpu): every Triton kernel against its torch reference at the real model
+#      sizes, and float32 end-to-end greedy parity with transformers on CUDA;
+#   2. tests/kernels compiled on the GPU (the CI kernel suite at small odd sizes, CPU e2e test too);
+#   3. kernel timings against the measured hardware floor (tests/gpu/bench_kernels.py).
+# Logs go under $OUT (default /tmp/freetoken-gpu); a summary table is printed last.
+# FreeToken is used from this checkout (copied into a site folder, no build). A newer transformers
+# can travel as a wheel in .whl/ (git-ignored): it is installed first when present.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/freetoken-gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+SITE=$(mktemp -d)
+cp -r backend/freetoken "$SITE/freetoken" && rm -rf "$SITE/freetoken/kernels" && cp -r kernels "$SITE/freetoken/kernels"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
+        || echo "wheel install failed" | tee -a "$OUT/setup.log"
+fi
+export PYTHONPATH="$SITE"
+python3 - <<'PY' 2>&1 | tee "$OUT/versions.log"
+import torch, triton, transformers, freetoken
+print(f"python torch {torch.__version__} triton {triton.__version__} transformers {transformers.__version__}")
+print(f"device {torch.cuda.get_device_name()} ({torch.cuda.get_device_properties(0).multi_processor_count} SMs)")
+print(f"freetoken from {freetoken.__file__}")
+PY
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv | tee -a "$OUT/versions.log"
+
+rm -f "$OUT/errors.jsonl"
+FREETOKEN_GPU_REPORT="$OUT/errors.jsonl" timeout 300 python3 -m pytest tests/gpu -m gpu -q -rfE -p no:cacheprovider \
+    --junitxml="$OUT/gpu-junit.xml" 2>&1 | tee "$OUT/pytest-gpu.log"
+timeout 120 python3 -m pytest tests/kernels -q -rfE -p no:cacheprovider --junitxml="$OUT/kernels-junit.xml" 2>&1 \
+    | tee "$OUT/pytest-kernels.log"
+timeout 120 python3 tests/gpu/bench_kernels.py --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+
+python3 - "$OUT" <<'PY'
+import json, os, sys, xml.etree.ElementTree as ET
+out = sys.argv[1]
+print("\n==== SUMMARY ====")
+for name in ("gpu-junit.xml", "kernels-junit.xml"):
+    path = os.path.join(out, name)
+    if not os.path.exists(path):
+        print(f"{name}: missing (stage crashed or timed out)")
+        continue
+    root = ET.parse(path).getroot()
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    a = suite.attrib
+    print(f"{name}: {a['tests']} tests, {a['failures']} failures, {a['errors']} errors, {a['skipped']} skipped, {float(a['time']):.0f}s")
+    for case in suite.iter("testcase"):
+        if case.find("failure") is not None or case.find("error") is not None:
+            print(f"   FAILED {case.attrib['name']}")
+path = os.path.join(out, "errors.jsonl")
+if os.path.exists(path):
+    worst = {}
+    for line in open(path):
+        r = json.loads(line)
+        key = (r["name"], r["dtype"])
+        worst[key] = max(worst.get(key, (0.0, r["bound"]))[0], r["rel_error"]), r["bound"]
+    print("| kernel | dtype | max rel L2 error | bound |")
+    for (n, d), (e, b) in sorted(worst.items()):
+        print(f"| {n} | {d} | {e:.2e} | {b:.0e} |")
+print(open(os.path.join(out, "bench.log")).read().split("measured ceilings")[-1] if os.path.exists(os.path.join(out, "bench.log")) else "no bench")
+PY
