@@ -23,7 +23,7 @@ import triton.language as tl
 
 from freetoken.kernels.triton._common import cast, dot, dot_precision, new_empty, on_gpu, pow2, round_as, rows_per_program
 
-MAX_SPLITS = 32
+MAX_SPLITS = 128
 
 
 @triton.jit
@@ -183,11 +183,11 @@ def _merge_splits_kernel(
     row_ok = rows < num_rows
     cols = tl.arange(0, BLOCK_D)[None, :]
     lse_max = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
+    for s in range(NUM_SPLITS):
         lse_max = tl.maximum(lse_max, tl.load(lse_ptr + rows * NUM_SPLITS + s, mask=row_ok, other=0.0))
     total = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
+    for s in range(NUM_SPLITS):
         lse = tl.load(lse_ptr + rows * NUM_SPLITS + s, mask=row_ok, other=0.0)
         weight = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - lse_max))
         part = tl.load(part_ptr + (rows * NUM_SPLITS + s)[:, None] * BLOCK_D + cols, mask=row_ok[:, None], other=0.0)
@@ -220,7 +220,7 @@ def _multiprocessors(device_index: int) -> int:
 def _tile_sizes(dtype: torch.dtype, head_dim: int, group: int, max_seqlen_q: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages): float32 tiles are halved to fit shared memory."""
     wide = dtype == torch.float32
-    block_m_max = 32 if wide or head_dim > 128 else 64
+    block_m_max = 32 if wide and head_dim > 128 else 64
     block_m = max(min(block_m_max, pow2(group * max_seqlen_q, 16)), pow2(group))
     block_n = 32 if wide and head_dim > 128 else 64
     num_warps = 8 if block_m * pow2(head_dim) >= 64 * 128 else 4
