@@ -183,11 +183,11 @@ def _merge_splits_kernel(
     row_ok = rows < num_rows
     cols = tl.arange(0, BLOCK_D)[None, :]
     lse_max = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    for s in range(NUM_SPLITS):
+    for s in tl.static_range(NUM_SPLITS):
         lse_max = tl.maximum(lse_max, tl.load(lse_ptr + rows * NUM_SPLITS + s, mask=row_ok, other=0.0))
     total = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-    for s in range(NUM_SPLITS):
+    for s in tl.static_range(NUM_SPLITS):
         lse = tl.load(lse_ptr + rows * NUM_SPLITS + s, mask=row_ok, other=0.0)
         weight = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - lse_max))
         part = tl.load(part_ptr + (rows * NUM_SPLITS + s)[:, None] * BLOCK_D + cols, mask=row_ok[:, None], other=0.0)
