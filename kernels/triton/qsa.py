@@ -22,7 +22,7 @@ import triton.language as tl
 from freetoken.kernels.qsa import blocks_per_page
 from freetoken.kernels.triton._common import cast, device_function, dot, dot_precision, new_empty, pow2, round_as
 
-_LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(1.4426950408889634)  # a plain float global is rejected by compiled Triton
 
 
 @triton.jit
