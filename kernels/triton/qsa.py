@@ -172,7 +172,7 @@ def _block_topk_kernel(score_ptr, score_st, pos_ptr, out_ptr, ratio, width, TOPK
         prefix = tl.full([], 0, tl.int32)  # the bits of the k-th largest key found so far
         remaining = tl.full([], TOPK, tl.int32)  # blocks still to take among keys matching the prefix
         for p in tl.static_range(4):
-            shift: tl.constexpr = 24 - 8 * p
+            shift = 24 - 8 * p  # p is a static_range constexpr, so shift is one too
             hist = tl.zeros([256], tl.int32)
             for start in range(0, complete, BLOCK):
                 j = start + tl.arange(0, BLOCK)

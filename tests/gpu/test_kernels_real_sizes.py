@@ -233,8 +233,19 @@ def test_sample_tokens_full_vocabulary(rng):
     top_k[5], top_p[5], min_p[5] = 100, between(mass_before[5], 60), between(probs[5] / probs[5, 0], 80)
     top_k[6] = 1
     seeds = torch.randint(-(2**62), 2**62, (batch,), generator=rng, device=CUDA)
+    mismatches = 0
     for step in range(8):
         steps = torch.full((batch,), step, dtype=torch.int64, device=CUDA)
         args = (logits, temperature, top_k, top_p, min_p, seeds, steps)
         got = sampling.sample_tokens(*args)
-        assert got.tolist() == ref_sampling.sample_tokens_reference(*args).tolist()
+        expected = ref_sampling.sample_tokens_reference(*args)
+        for row in (got != expected).nonzero().flatten().tolist():
+            # Two implementations of the softmax may round the race of two near-equal candidates
+            # apart; over 248320 tokens that happens now and then. Anything else is a bug.
+            race = torch.softmax(logits[row] / temperature_, -1) / -torch.log(
+                ref_sampling.uniform_noise(seeds[row : row + 1], steps[row : row + 1], VOCAB)[0]
+            )
+            a, b = race[got[row]].item(), race[expected[row]].item()
+            assert abs(a - b) <= 1e-5 * max(a, b), f"row {row}: {got[row]} vs {expected[row]}, race {a} vs {b}"
+            mismatches += 1
+    assert mismatches <= 1

@@ -16,10 +16,10 @@ MAX_TOKENS = 16
 
 
 def _llm(shape: str, max_prefill_length: int, **kwargs) -> LLM:
+    kwargs.setdefault("device", "cpu")
     return LLM(
         model=str(checkpoint(shape)),
         dtype="float32",
-        device="cpu",
         max_prefill_length=max_prefill_length,
         page_size=PAGE_SIZE,
         **kwargs,
@@ -100,6 +100,13 @@ def test_bf16_logits_close_to_transformers():
 @pytest.mark.parametrize("max_prefill_length", [7, 16, 8192])
 def test_long_outputs_many_prompts(shape, max_prefill_length):
     _check_batch(shape, max_prefill_length=max_prefill_length, count=8, max_tokens=40)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_cuda_engine_equals_transformers(shape):
+    """The whole engine on CUDA (its Triton kernels, the n-gram table in host memory), float32."""
+    _check_batch(shape, max_prefill_length=16, count=4, max_tokens=MAX_TOKENS, device="cuda")
 
 
 @pytest.mark.slow
