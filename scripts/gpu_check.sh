@@ -6,7 +6,7 @@
 #   3. kernel timings against the measured hardware floor (tests/gpu/bench_kernels.py).
 # Logs go under $OUT (default /tmp/freetoken-gpu); a summary table is printed last.
 # GPU_TESTS (default: tests/gpu) and KERNEL_TESTS (default: tests/kernels; "none" skips the stage)
-# narrow a re-run to what changed.
+# narrow a re-run to what changed; BENCH=none skips the timings.
 # FreeToken is used from this checkout (copied into a site folder, no build). A newer transformers
 # can travel as a wheel in .whl/ (git-ignored): it is installed first when present.
 set -uo pipefail
@@ -36,7 +36,9 @@ if [ "${KERNEL_TESTS:-tests/kernels}" != none ]; then
     timeout 120 python3 -m pytest ${KERNEL_TESTS:-tests/kernels} -q -rfE -p no:cacheprovider \
         --junitxml="$OUT/kernels-junit.xml" 2>&1 | tee "$OUT/pytest-kernels.log"
 fi
-timeout 120 python3 tests/gpu/bench_kernels.py --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+if [ "${BENCH:-yes}" != none ]; then
+    timeout 120 python3 tests/gpu/bench_kernels.py --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+fi
 
 python3 - "$OUT" <<'PY'
 import json, os, sys, xml.etree.ElementTree as ET
