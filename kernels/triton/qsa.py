@@ -160,7 +160,9 @@ def _score_keys(score_ptr, j, ok):
 def _block_topk_kernel(score_ptr, score_st, pos_ptr, out_ptr, ratio, width, TOPK: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
-    complete = tl.minimum((pos + 1) // ratio, width)  # never read past the scratch row (max_blocks too small)
+    # int32 like the constexpr loop bounds of the other branch (compiled Triton wants one type per
+    # loop variable); never read past the scratch row (max_blocks too small)
+    complete = tl.minimum((pos + 1) // ratio, width).to(tl.int32)
     out = out_ptr + t * TOPK
     scores = score_ptr + t * score_st
     if complete <= TOPK:
