@@ -33,11 +33,14 @@ def test_generate_prints_text(demo_checkpoint):
     assert re.search(r"\[(length|stop): \d+ tokens\]", done.stderr)
 
 
-def test_demo_model_builds_a_loadable_checkpoint(tmp_path):
-    done = _freetoken("demo-model", str(tmp_path / "demo"))
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen4_exp"])
+def test_demo_model_builds_a_checkpoint_that_generates(tmp_path, family):
+    done = _freetoken("demo-model", str(tmp_path / "demo"), "--family", family)
     assert done.returncode == 0, done.stderr
     for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
         assert (tmp_path / "demo" / name).exists()
+    done = _freetoken("generate", "--model", str(tmp_path / "demo"), "--prompt", "The quick", "--max-tokens", "4")
+    assert done.returncode == 0, done.stderr
 
 
 def test_every_engine_option_is_a_flag():

@@ -63,7 +63,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _demo_model(args: argparse.Namespace) -> int:
     from freetoken.demo import ensure_demo_model
 
-    path = ensure_demo_model(args.dir)
+    path = ensure_demo_model(args.dir, args.family)
     print(path)
     return 0
 
@@ -97,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser("demo-model", help="build the embedded tiny demo checkpoint (no downloads)")
     demo.add_argument("dir", nargs="?", default=None, help="where to write it (default: the cache)")
+    demo.add_argument("--family", choices=["qwen3_5_moe", "qwen4_exp"], default="qwen3_5_moe")
     demo.set_defaults(run=_demo_model)
     return parser
 

@@ -1,9 +1,10 @@
 """Tiny random checkpoints with a small trained tokenizer, built locally with no downloads.
 
 ``freetoken demo-model DIR`` writes one; the server and ``freetoken generate`` use one when given no
-model; tests build checkpoints of several shapes with ``build_checkpoint``. Checkpoints are saved by
-transformers itself (``save_pretrained`` of the released model classes), so they have the released
-layout. The tokenizer is byte-level BPE with Qwen3.5's pre-tokenizer and NFC normalisation,
+model; tests build checkpoints of several shapes and both families with ``build_checkpoint``.
+Checkpoints are saved by transformers itself (``save_pretrained`` of the released model classes),
+so they have the released layout (Qwen4-Exp's n-gram tables split into ``split_ngram_parts``
+shards). The tokenizer is byte-level BPE with Qwen3.5's pre-tokenizer and NFC normalisation,
 exactly what ``AutoTokenizer`` rebuilds for these model types.
 """
 
@@ -48,6 +49,46 @@ DEMO_TEXT_CONFIG: dict[str, Any] = dict(
     max_position_embeddings=4096,
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
 )
+QWEN4_EXP_TEXT_CONFIG: dict[str, Any] = dict(
+    hidden_size=32,
+    num_hidden_layers=4,
+    layer_types=["linear_attention", "indexed_attention", "linear_attention", "indexed_attention"],
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    moe_intermediate_size=16,
+    shared_expert_intermediate_size=24,
+    num_experts=4,
+    num_experts_per_tok=2,
+    hc_count=3,
+    hc_lowrank=8,
+    ple_layer_ids=[1, 3],
+    ple_embed_dim=16,
+    ngram_size=3,
+    heads_per_ngram=2,
+    ngram_vocab_size_base=61,
+    make_ngram_vocab_size_divisible_by=16,
+    split_ngram_parts=12,
+    # Eight indexer heads: a block scores 0 only when all eight see it negatively, so exact ties
+    # (which torch.topk breaks arbitrarily) between dropped and kept blocks stay out of the tests.
+    indexer_n_heads=8,
+    indexer_kv_heads=1,
+    indexer_head_dim=8,
+    indexer_budget=8,
+    indexer_compress_ratio=4,
+    max_position_embeddings=1024,
+    initializer_range=0.05,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+)
+# family -> (transformers class-name prefix, default text config)
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3_5_moe": ("Qwen3_5Moe", DEMO_TEXT_CONFIG),
+    "qwen4_exp": ("Qwen4Exp", QWEN4_EXP_TEXT_CONFIG),
+}
 DEMO_VERSION = "1"
 
 
@@ -96,20 +137,28 @@ def build_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 400) -> int:
     return len(hf_tokenizer)
 
 
-def randomize_norms(model: torch.nn.Module, generator: torch.Generator) -> None:
-    """Give every norm a non-trivial multiplier (transformers initialises zero-centred ones to 0)."""
+def randomize_parameters(model: torch.nn.Module, generator: torch.Generator) -> None:
+    """Give the parameters transformers initialises to constants non-trivial values: norm
+    multipliers (zero-centred ones around 0, the gated GDN norm around 1), Qwen4-Exp's PLE
+    convolutions (zeros) and n-gram tables large enough that a wrong row changes the output."""
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                noise = torch.randn(param.shape, generator=generator) * 0.2
-                base = 1.0 if ".linear_attn.norm." in name else 0.0  # the gated norm is not zero-centred
-                param.copy_(base + noise)
+            noise = torch.randn(param.shape, generator=generator)
+            if name.endswith(".linear_attn.norm.weight"):
+                param.copy_(1.0 + 0.2 * noise)
+            elif "norm" in name.rsplit(".", 2)[-2]:
+                param.copy_(0.2 * noise)
+            elif name.endswith(".ple.conv1d.weight"):
+                param.copy_(0.3 * noise)
+            elif name.endswith("ngram_embedding.weight"):
+                param.copy_(noise)
 
 
 def build_checkpoint(
     out_dir: str | os.PathLike,
     text_config: dict[str, Any] | None = None,
     *,
+    family: str = "qwen3_5_moe",
     vocab_size: int | None = None,
     text_only: bool = False,
     tie_word_embeddings: bool = False,
@@ -118,21 +167,19 @@ def build_checkpoint(
     tokenizer_vocab_size: int = 400,
     max_shard_size: str | None = None,
 ) -> Path:
-    """A random Qwen3.5-MoE checkpoint plus tokenizer in ``out_dir``. ``vocab_size`` above the
-    tokenizer's pads the vocabulary (as released checkpoints do)."""
-    from transformers import (
-        GenerationConfig,
-        Qwen3_5MoeConfig,
-        Qwen3_5MoeForCausalLM,
-        Qwen3_5MoeForConditionalGeneration,
-        Qwen3_5MoeTextConfig,
-    )
+    """A random checkpoint of ``family`` (``qwen3_5_moe`` or ``qwen4_exp``) plus tokenizer in
+    ``out_dir``; ``text_config`` overrides the family's tiny defaults. ``vocab_size`` above the
+    tokenizer's pads the vocabulary (as released checkpoints do). EOS is ``<|im_end|>``."""
+    import transformers
 
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {family!r}")
+    prefix, defaults = FAMILIES[family]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer_size = build_tokenizer(out, tokenizer_vocab_size)
     eos_id = tokenizer_size - 1  # <|im_end|>
-    fields = {**DEMO_TEXT_CONFIG, **(text_config or {})}
+    fields = {**defaults, **(text_config or {})}
     fields.update(
         vocab_size=vocab_size or tokenizer_size,
         eos_token_id=eos_id,
@@ -141,33 +188,34 @@ def build_checkpoint(
     )
     torch.manual_seed(seed)
     if text_only:
-        config = Qwen3_5MoeTextConfig(**fields)
-        config.architectures = ["Qwen3_5MoeForCausalLM"]
-        model = Qwen3_5MoeForCausalLM(config)
+        config = getattr(transformers, f"{prefix}TextConfig")(**fields)
+        config.architectures = [f"{prefix}ForCausalLM"]
+        model = getattr(transformers, f"{prefix}ForCausalLM")(config)
     else:
         vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=fields["hidden_size"])
-        config = Qwen3_5MoeConfig(
+        config = getattr(transformers, f"{prefix}Config")(
             text_config=fields, vision_config=vision, tie_word_embeddings=tie_word_embeddings
         )
-        model = Qwen3_5MoeForConditionalGeneration(config)
-    randomize_norms(model, torch.Generator().manual_seed(seed + 1))
+        model = getattr(transformers, f"{prefix}ForConditionalGeneration")(config)
+    randomize_parameters(model, torch.Generator().manual_seed(seed + 1))
     model = model.to(dtype)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(str(out), **kwargs)
-    GenerationConfig(eos_token_id=eos_id, pad_token_id=fields["pad_token_id"]).save_pretrained(str(out))
+    transformers.GenerationConfig(eos_token_id=eos_id, pad_token_id=fields["pad_token_id"]).save_pretrained(str(out))
     return out
 
 
-def default_demo_dir() -> Path:
+def default_demo_dir(family: str = "qwen3_5_moe") -> Path:
     root = os.environ.get("FREETOKEN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "freetoken")
-    return Path(root) / f"demo-model-v{DEMO_VERSION}"
+    suffix = "" if family == "qwen3_5_moe" else f"-{family}"
+    return Path(root) / f"demo-model{suffix}-v{DEMO_VERSION}"
 
 
-def ensure_demo_model(out_dir: str | os.PathLike | None = None) -> Path:
-    """The embedded demo model's directory, built on first use."""
-    out = Path(out_dir) if out_dir else default_demo_dir()
+def ensure_demo_model(out_dir: str | os.PathLike | None = None, family: str = "qwen3_5_moe") -> Path:
+    """The embedded demo model's directory (a Qwen3.5-MoE by default), built on first use."""
+    out = Path(out_dir) if out_dir else default_demo_dir(family)
     marker = out / ".freetoken-demo"
     if not marker.exists():
-        build_checkpoint(out, seed=1234)
+        build_checkpoint(out, family=family, seed=1234)
         marker.write_text(DEMO_VERSION)
     return out

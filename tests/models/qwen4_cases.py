@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from freetoken.models.qwen4_exp.testing import build_qwen4_checkpoint
+from freetoken.demo import build_checkpoint
 
 EOS = 399  # <|im_end|> of the 400-token test tokenizer
 
@@ -71,7 +71,7 @@ PAGE_SIZE = 4
 def checkpoint(shape: str, dtype: torch.dtype = torch.float32) -> Path:
     root = Path(tempfile.mkdtemp(prefix=f"qwen4-{shape}-"))
     atexit.register(shutil.rmtree, root, True)
-    return build_qwen4_checkpoint(root, seed=11, dtype=dtype, **SHAPES[shape])
+    return build_checkpoint(root, family="qwen4_exp", seed=11, dtype=dtype, **SHAPES[shape])
 
 
 def prompts(count: int = 4, seed: int = 0) -> list[list[int]]:

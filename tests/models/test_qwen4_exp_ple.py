@@ -11,14 +11,14 @@ from freetoken.layers.ple import NGramEmbedding
 from freetoken.layers.weights import chunked_targets
 from freetoken.models.loader import load_model
 from freetoken.models.qwen4_exp import Qwen4ExpModel
-from freetoken.models.qwen4_exp.testing import TINY_TEXT_CONFIG
+from freetoken.demo import QWEN4_EXP_TEXT_CONFIG
 from qwen4_cases import EOS, checkpoint, reference_model
 
 
 def _text_config(**overrides):
     from transformers import Qwen4ExpTextConfig
 
-    return Qwen4ExpTextConfig(**{**TINY_TEXT_CONFIG, "vocab_size": 400, "eos_token_id": EOS, **overrides})
+    return Qwen4ExpTextConfig(**{**QWEN4_EXP_TEXT_CONFIG, "vocab_size": 400, "eos_token_id": EOS, **overrides})
 
 
 @pytest.mark.parametrize("ngram_size", [2, 3, 5])

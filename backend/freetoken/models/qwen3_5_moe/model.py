@@ -7,19 +7,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from freetoken import kernels
 from freetoken.batch import ForwardBatch
 from freetoken.layers.attention import GatedAttention
 from freetoken.layers.gated_deltanet import GatedDeltaNet
 from freetoken.layers.moe import SparseMoE
 from freetoken.layers.norm import RMSNorm
+from freetoken.layers.rotary import rotary_cache_of, rotary_dim_of
 from freetoken.layers.weights import WeightTarget, new_param
 from freetoken.models.base import CausalLM
-
-
-def rotary_dim_of(text_config) -> int:
-    rope = text_config.rope_parameters or {}
-    return int(text_config.head_dim * rope.get("partial_rotary_factor", 1.0))
 
 
 class DecoderLayer(nn.Module):
@@ -28,15 +23,7 @@ class DecoderLayer(nn.Module):
         self.layer_type = layer_type
         eps = config.rms_norm_eps
         if layer_type == "linear_attention":
-            self.mixer: nn.Module = GatedDeltaNet(
-                config.hidden_size,
-                config.linear_num_key_heads,
-                config.linear_num_value_heads,
-                config.linear_key_head_dim,
-                config.linear_value_head_dim,
-                config.linear_conv_kernel_dim,
-                eps,
-            )
+            self.mixer: nn.Module = GatedDeltaNet(config)
         elif layer_type == "full_attention":
             self.mixer = GatedAttention(
                 config.hidden_size,
@@ -91,17 +78,7 @@ class Qwen3_5MoeModel(CausalLM):
         self.vocab_size = text_config.vocab_size
         self.max_position_embeddings = text_config.max_position_embeddings
         self.tie_word_embeddings = tie_word_embeddings
-        rope = text_config.rope_parameters or {}
-        self.register_buffer(
-            "rotary_cache",
-            kernels.build_rotary_cache(
-                rotary_dim_of(text_config),
-                text_config.max_position_embeddings,
-                rope.get("rope_theta", 10000.0),
-                torch.get_default_device(),
-            ),
-            persistent=False,
-        )
+        self.register_buffer("rotary_cache", rotary_cache_of(text_config), persistent=False)
         self.embed_tokens = new_param(text_config.vocab_size, text_config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(text_config, layer_type, self.rotary_cache) for layer_type in text_config.layer_types

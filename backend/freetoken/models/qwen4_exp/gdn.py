@@ -12,15 +12,7 @@ class Qwen4GatedDeltaNet(GatedDeltaNet):
     """``output_gate_type`` (default ``hidden_act``) is ``silu`` or ``sigmoid``."""
 
     def __init__(self, config) -> None:
-        super().__init__(
-            config.hidden_size,
-            config.linear_num_key_heads,
-            config.linear_num_value_heads,
-            config.linear_key_head_dim,
-            config.linear_value_head_dim,
-            config.linear_conv_kernel_dim,
-            config.rms_norm_eps,
-        )
+        super().__init__(config)
         self.gate_activation = config.output_gate_type or config.hidden_act
         if self.gate_activation not in ("silu", "sigmoid"):
             raise ValueError(f"output_gate_type must be silu or sigmoid, got {self.gate_activation!r}")

@@ -15,17 +15,13 @@ from freetoken.batch import ForwardBatch
 from freetoken.layers.hyper_connection import HyperConnection
 from freetoken.layers.moe import SparseMoE
 from freetoken.layers.ple import PLELayer
+from freetoken.layers.rotary import rotary_cache_of, rotary_dim_of
 from freetoken.layers.weights import WeightTarget, new_param
 from freetoken.models.base import CausalLM
 from freetoken.models.qwen4_exp.attention import IndexedAttention
 from freetoken.models.qwen4_exp.gdn import Qwen4GatedDeltaNet
 
 _QSA_FIELDS = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
-
-
-def rotary_dim_of(config) -> int:
-    rope = config.rope_parameters or {}
-    return int(config.head_dim * rope.get("partial_rotary_factor", 1.0))
 
 
 def check_config(config) -> None:
@@ -118,17 +114,7 @@ class Qwen4ExpModel(CausalLM):
         self.eos_token_id = eos[0] if isinstance(eos, (list, tuple)) else eos
         self.compress_ratio = text_config.indexer_compress_ratio
         self.qsa_max_blocks: int | None = None
-        rope = text_config.rope_parameters or {}
-        self.register_buffer(
-            "rotary_cache",
-            kernels.build_rotary_cache(
-                rotary_dim_of(text_config),
-                text_config.max_position_embeddings,
-                rope.get("rope_theta", 10000.0),
-                torch.get_default_device(),
-            ),
-            persistent=False,
-        )
+        self.register_buffer("rotary_cache", rotary_cache_of(text_config), persistent=False)
         self.embed_tokens = new_param(text_config.vocab_size, text_config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(text_config, i, self.rotary_cache) for i in range(text_config.num_hidden_layers)
