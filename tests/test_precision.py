@@ -36,20 +36,24 @@ def test_loaded_norm_weights_are_the_checkpoints_zero_centred_values(checkpoint_
 
 
 def test_bf16_logits_within_1e_2_of_transformers(checkpoint_factory):
-    """Against transformers running the same bf16 checkpoint: relative L2 error <= 1e-2. Against
-    the exact logits (the same bf16 weights computed in float32) the engine must be about as
-    accurate as transformers' own bf16 forward (within 1.5x: a router near a tie may pick another
-    expert in either implementation)."""
+    """Against transformers running the same bf16 checkpoint: relative L2 error <= 1e-2, in prefill
+    chunks of 16. Against the exact logits (the same bf16 weights computed in float32) the engine is
+    as accurate as transformers' own bf16 forward at a typical position (the median over positions:
+    a router near a tie may send one position to another expert in either implementation, which
+    moves that position's logits by a few percent)."""
     path = checkpoint_factory("demo", torch.bfloat16)
     llm = LLM(model=str(path), dtype="bfloat16", device="cpu", max_prefill_length=16, page_size=4)
+
+    def error(a: torch.Tensor, b: torch.Tensor) -> float:
+        return ((a - b).norm() / b.norm()).item()
+
+    def typical_error(a: torch.Tensor, b: torch.Tensor) -> float:
+        return ((a - b).norm(dim=-1) / b.norm(dim=-1)).median().item()
+
     for prompt in PROMPTS:
         ids = llm.runtime.tokenize(prompt)
         ours = llm.prompt_logits(ids)
         hf_bf16 = reference_logits(path, ids, torch.bfloat16)
         exact = reference_logits(path, ids, torch.float32)
-
-        def error(a: torch.Tensor, b: torch.Tensor) -> float:
-            return ((a - b).norm() / b.norm()).item()
-
         assert error(ours, hf_bf16) <= 1e-2
-        assert error(ours, exact) <= 1.5 * error(hf_bf16, exact)
+        assert typical_error(ours, exact) <= 1.25 * typical_error(hf_bf16, exact)
