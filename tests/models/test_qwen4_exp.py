@@ -77,7 +77,8 @@ def test_requests_arriving_while_others_decode():
 
 def test_bf16_logits_close_to_transformers():
     """The same bf16 checkpoint: relative L2 error <= 1e-2 against transformers' bf16 forward, and
-    about as close as it to the exact logits (the bf16 weights computed in float32)."""
+    about as close as it to the exact logits (the bf16 weights computed in float32) at a typical
+    position (the median: a router near a tie may flip one position in either implementation)."""
     import torch
 
     shape = "blocks_of_a_page"
@@ -87,12 +88,15 @@ def test_bf16_logits_close_to_transformers():
     def error(a: torch.Tensor, b: torch.Tensor) -> float:
         return ((a - b).norm() / b.norm()).item()
 
+    def typical_error(a: torch.Tensor, b: torch.Tensor) -> float:
+        return ((a - b).norm(dim=-1) / b.norm(dim=-1)).median().item()
+
     for prompt in prompts(2):
         ours = llm.prompt_logits(prompt)
         hf_bf16 = reference_logits(shape, prompt, torch.bfloat16, torch.bfloat16)
         exact = reference_logits(shape, prompt, torch.bfloat16, torch.float32)
         assert error(ours, hf_bf16) <= 1e-2
-        assert error(ours, exact) <= 1.5 * error(hf_bf16, exact)
+        assert typical_error(ours, exact) <= 1.25 * typical_error(hf_bf16, exact)
 
 
 @pytest.mark.slow
