@@ -143,7 +143,7 @@ def main() -> None:
         rows.append(dict(kernel=name, ms=ms, floor_ms=floor_ms, gb=bytes_ / 1e9, gflop=flops / 1e9,
                          achieved_tbs=bytes_ / (ms * 1e-3) / 1e12, achieved_tflops=flops / (ms * 1e-3) / 1e12))
         torch.cuda.empty_cache()
-    print(f"| kernel | time (us) | floor (us) | time/floor | GB moved | GFLOP | TB/s | TFLOP/s |")
+    print("| kernel | time (us) | floor (us) | time/floor | GB moved | GFLOP | TB/s | TFLOP/s |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['kernel']} | {r['ms'] * 1e3:.1f} | {r['floor_ms'] * 1e3:.1f} | {r['ms'] / r['floor_ms']:.1f}x | "

@@ -7,48 +7,19 @@ import pytest
 import torch
 
 from freetoken import LLM, SamplingParams
-from freetoken.demo import build_checkpoint
-from kernel_checks import reference_greedy
+from oracle import PROMPTS, reference_greedy, reference_logits
 
 pytestmark = pytest.mark.gpu
 
-SHAPES = {
-    "demo": {},
-    # odd head counts, more GDN value heads than key heads, padded vocabulary, attention first
-    "odd_heads": dict(
-        hidden_size=48,
-        num_attention_heads=3,
-        num_key_value_heads=1,
-        head_dim=24,
-        linear_num_key_heads=1,
-        linear_num_value_heads=3,
-        linear_key_head_dim=12,
-        linear_value_head_dim=20,
-        num_experts=5,
-        num_experts_per_tok=3,
-        moe_intermediate_size=24,
-        shared_expert_intermediate_size=40,
-        num_hidden_layers=4,
-        layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention"],
-    ),
-}
-PROMPTS = [
-    "The quick brown fox jumps over the lazy dog, and the lazy dog sleeps in the warm sun all day long.",
-    "Numbers: 0 1 2 3 42 1024 3.14159 café 日本語の文章 🙂",
-    "hi",
-    "Gated DeltaNet layers keep a recurrent state; full attention layers keep paged keys and values.",
-]
+SHAPES = ["demo", "odd_heads_padded_vocab"]
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    return {
-        name: build_checkpoint(tmp_path_factory.mktemp(name), text, vocab_size=437 if name == "odd_heads" else None, seed=3)
-        for name, text in SHAPES.items()
-    }
+def checkpoints(checkpoint_factory):
+    return {name: checkpoint_factory(name) for name in SHAPES}
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("kernel_backend", ["auto", "triton"])
 def test_float32_greedy_tokens_equal_transformers_on_cuda(checkpoints, shape, kernel_backend):
     path = checkpoints[shape]
@@ -85,16 +56,11 @@ def test_pools_sized_from_free_gpu_memory(checkpoints):
 
 def test_bf16_logits_close_to_transformers(checkpoints):
     """bf16 on CUDA against the exact logits (float32 transformers on the CPU): relative L2 <= 2e-2."""
-    import transformers
-
     path = checkpoints["demo"]
     llm = LLM(model=str(path), dtype="bfloat16", device="cuda", max_prefill_length=16, page_size=4)
-    config = transformers.AutoConfig.from_pretrained(path)
-    exact_model = getattr(transformers, config.architectures[0]).from_pretrained(path, dtype=torch.float32).eval()
     for prompt in PROMPTS:
         ids = llm.runtime.tokenize(prompt)
         ours = llm.prompt_logits(ids).float().cpu()
-        with torch.no_grad():
-            exact = exact_model(torch.tensor([ids])).logits[0].float()
+        exact = reference_logits(path, ids, torch.float32)
         err = ((ours - exact).norm() / exact.norm()).item()
         assert err <= 2e-2, (prompt, err)

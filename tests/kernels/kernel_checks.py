@@ -1,8 +1,6 @@
-"""Shared by the kernel tests: the device they run on, error bounds, the transformers oracle."""
+"""Shared by the kernel tests: the device they run on and the error bounds."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import torch
 
@@ -27,20 +25,3 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype | Non
     bound = REL_TOL[dtype or want.dtype] * scale
     err = rel_error(got[finite], want[finite])
     assert err <= bound, f"relative error {err:.3g} > {bound:.3g}"
-
-
-def reference_greedy(path: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' float32 greedy continuation of one prompt, on the CPU (stops at EOS, as the engine)."""
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(path)
-    model = getattr(transformers, config.architectures[0]).from_pretrained(path, dtype=torch.float32).eval()
-    ids = torch.tensor([prompt_ids])
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-        )
-    return out[0, len(prompt_ids) :].tolist()

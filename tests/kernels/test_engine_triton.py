@@ -5,11 +5,11 @@ and a decode batch."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from kernel_checks import DEVICE, reference_greedy
 from freetoken import LLM, SamplingParams
 from freetoken.demo import build_checkpoint
+from kernel_checks import DEVICE
+from oracle import reference_greedy
 
 # Both layer kinds, GQA, partial rotary, more GDN value heads than key heads, top-2 of 4 experts;
 # two layers keep the interpreter run short.
