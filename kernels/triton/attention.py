@@ -229,6 +229,16 @@ def _tile_sizes(dtype: torch.dtype, head_dim: int, group: int, max_seqlen_q: int
     return block_m, block_n, num_warps, 2
 
 
+def check_attention_shapes(
+    op: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, gate: torch.Tensor | None
+) -> None:
+    """``q [T, Hq, D]`` fits the caches ``[pages, page_size, Hkv, D]`` (GQA: Hkv divides Hq); ``gate`` is q's shape."""
+    if q.shape[1] % k_cache.shape[2] or k_cache.shape[3] != q.shape[2] or v_cache.shape != k_cache.shape:
+        raise ValueError(f"{op}: q {tuple(q.shape)} does not fit the caches {tuple(k_cache.shape)}")
+    if gate is not None and gate.shape != q.shape:
+        raise ValueError(f"{op}: gate {tuple(gate.shape)} != q {tuple(q.shape)}")
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -240,12 +250,9 @@ def paged_attention(
     max_seqlen_q: int,
     gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    check_attention_shapes("paged_attention", q, k_cache, v_cache, gate)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    if num_q_heads % num_kv_heads or k_cache.shape[3] != head_dim or v_cache.shape != k_cache.shape:
-        raise ValueError(f"paged_attention: q {tuple(q.shape)} does not fit the caches {tuple(k_cache.shape)}")
-    if gate is not None and gate.shape != q.shape:
-        raise ValueError(f"paged_attention: gate {tuple(gate.shape)} != q {tuple(q.shape)}")
     out = new_empty((num_tokens, num_q_heads, head_dim), q.dtype, q.device)
     num_requests = seq_lens.shape[0]
     if num_tokens == 0 or num_requests == 0:

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels.qsa import blocks_per_page
+from freetoken.kernels.triton.attention import check_attention_shapes
 from freetoken.kernels.triton._common import cast, device_function, dot, dot_precision, new_empty, pow2, round_as
 
 _LOG2E = tl.constexpr(1.4426950408889634)  # a plain float global is rejected by compiled Triton
@@ -304,12 +305,9 @@ def qsa_sparse_attention(
     scale: float,
     gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    check_attention_shapes("qsa_sparse_attention", q, k_cache, v_cache, gate)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    if num_q_heads % num_kv_heads or k_cache.shape[3] != head_dim or v_cache.shape != k_cache.shape:
-        raise ValueError(f"qsa_sparse_attention: q {tuple(q.shape)} does not fit the caches {tuple(k_cache.shape)}")
-    if gate is not None and gate.shape != q.shape:
-        raise ValueError(f"qsa_sparse_attention: gate {tuple(gate.shape)} != q {tuple(q.shape)}")
     if selected.shape[0] != num_tokens or not selected.is_contiguous():
         raise ValueError(f"qsa_sparse_attention: selected {tuple(selected.shape)} must be contiguous [tokens, topk]")
     out = new_empty((num_tokens, num_q_heads, head_dim), q.dtype, q.device)

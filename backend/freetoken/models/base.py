@@ -20,6 +20,7 @@ class CausalLM(nn.Module, ABC):
 
     vocab_size: int
     max_position_embeddings: int
+    tie_word_embeddings: bool = False
 
     @abstractmethod
     def weight_targets(self) -> dict[str, WeightTarget]:
@@ -43,4 +44,4 @@ class CausalLM(nn.Module, ABC):
 
     def tied_weights(self) -> dict[str, str]:
         """Parameters that may be absent from a checkpoint and copied from another: ``{missing: source}``."""
-        return {}
+        return {"lm_head.weight": "embed_tokens.weight"} if self.tie_word_embeddings else {}

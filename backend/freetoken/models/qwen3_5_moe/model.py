@@ -93,9 +93,6 @@ class Qwen3_5MoeModel(CausalLM):
         targets.update(self.norm.weight_targets("norm."))
         return targets
 
-    def tied_weights(self) -> dict[str, str]:
-        return {"lm_head.weight": "embed_tokens.weight"} if self.tie_word_embeddings else {}
-
     def _attention_layers(self) -> list[GatedAttention]:
         return [layer.mixer for layer in self.layers if isinstance(layer.mixer, GatedAttention)]
 

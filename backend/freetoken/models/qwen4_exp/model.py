@@ -132,9 +132,6 @@ class Qwen4ExpModel(CausalLM):
         targets.update(self.final_mixer.weight_targets("hyper_connection_mixer."))
         return targets
 
-    def tied_weights(self) -> dict[str, str]:
-        return {"lm_head.weight": "embed_tokens.weight"} if self.tie_word_embeddings else {}
-
     def _of_type(self, cls: type) -> list[nn.Module]:
         return [layer.mixer for layer in self.layers if isinstance(layer.mixer, cls)]
 
