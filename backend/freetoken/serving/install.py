@@ -1,7 +1,4 @@
-"""Finding a tritonserver install and the interpreter its Python backend stub runs.
-
-Only the standard library is imported, so ``freetoken --help`` stays fast.
-"""
+"""Finding a tritonserver install and the interpreter its Python backend stub runs."""
 
 from __future__ import annotations
 
@@ -125,8 +122,8 @@ def server_environment(install: TritonInstall, python: StubPython | None = None)
     return env
 
 
-
 def warn_numpy() -> None:
+    """Warn when this interpreter has numpy 2: a stub using its packages (the default) gets corrupted tensors."""
     try:
         import numpy
     except ImportError:
