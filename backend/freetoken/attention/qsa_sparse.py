@@ -78,7 +78,7 @@ class QSAIndexer(nn.Module):
             k,
             self.index_cache,
             self.block_cache,
-            batch.slot_mapping,
+            batch.kv_locations,
             batch.page_table,
             token_request,
             batch.positions,

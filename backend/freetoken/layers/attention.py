@@ -70,7 +70,7 @@ class GatedAttention(nn.Module):
         k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = kernels.apply_rotary(q, k, batch.positions, self.rotary_cache, self.rotary_dim)
-        kernels.store_kv(k, v, self.k_cache, self.v_cache, batch.slot_mapping)
+        kernels.store_kv(k, v, self.k_cache, self.v_cache, batch.kv_locations)
         out = kernels.paged_attention(
             q,
             self.k_cache,

@@ -87,7 +87,7 @@ class IndexedAttention(nn.Module):
         k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = kernels.apply_rotary(q, k, batch.positions, self.rotary_cache, self.rotary_dim)
-        kernels.store_kv(k, v, self.k_cache, self.v_cache, batch.slot_mapping)
+        kernels.store_kv(k, v, self.k_cache, self.v_cache, batch.kv_locations)
         selected = self.indexer.select(index_qk, batch, token_request, max_blocks)
         out = kernels.qsa_sparse_attention(
             q,
