@@ -44,10 +44,10 @@ def test_pools_return_to_full_after_finished_and_aborted_requests(demo_checkpoin
 
 
 def test_request_larger_than_free_pages_waits_then_completes(demo_checkpoint):
-    # 12 pages of 4 tokens (11 usable): one 30-token prompt + 10 outputs needs 10 pages, so the
+    # 11 usable pages of 4 tokens: one 30-token prompt + 10 outputs needs 10 pages, so the
     # second request must wait for the first to finish.
     llm = LLM(
-        model=str(demo_checkpoint), dtype="float32", device="cpu", page_size=4, num_pages=12, max_prefill_length=64
+        model=str(demo_checkpoint), dtype="float32", device="cpu", page_size=4, num_pages=11, max_prefill_length=64
     )
     runtime = llm.runtime
     rng = random.Random(1)
@@ -74,7 +74,7 @@ def test_preempted_requests_are_recomputed_and_complete(demo_checkpoint):
     # Both prompts fit at once, their outputs do not: the newer request is preempted when pages
     # run out, recomputed later, and both still produce transformers' greedy tokens.
     llm = LLM(
-        model=str(demo_checkpoint), dtype="float32", device="cpu", page_size=4, num_pages=14, max_prefill_length=64
+        model=str(demo_checkpoint), dtype="float32", device="cpu", page_size=4, num_pages=13, max_prefill_length=64
     )
     runtime = llm.runtime
     rng = random.Random(2)
@@ -91,7 +91,7 @@ def test_preempted_requests_are_recomputed_and_complete(demo_checkpoint):
 
 
 def test_prompt_that_can_never_fit_is_rejected(demo_checkpoint):
-    llm = LLM(model=str(demo_checkpoint), dtype="float32", device="cpu", page_size=4, num_pages=6)
+    llm = LLM(model=str(demo_checkpoint), dtype="float32", device="cpu", page_size=4, num_pages=5)
     try:
         llm.generate({"prompt_token_ids": list(range(40))}, SamplingParams(max_tokens=2))
     except ValueError as exc:
@@ -101,7 +101,7 @@ def test_prompt_that_can_never_fit_is_rejected(demo_checkpoint):
 
 
 def test_output_stops_at_the_kv_cache_capacity(demo_checkpoint):
-    llm = LLM(model=str(demo_checkpoint), dtype="float32", device="cpu", page_size=4, num_pages=6)
+    llm = LLM(model=str(demo_checkpoint), dtype="float32", device="cpu", page_size=4, num_pages=5)
     out = llm.generate({"prompt_token_ids": list(range(10))}, SamplingParams(max_tokens=50, ignore_eos=True))[0]
     assert out.finish_reason is FinishReason.LENGTH
     assert 10 + len(out.token_ids) == 5 * 4
