@@ -12,9 +12,11 @@ Threads and who owns what:
   request exactly once.
 - A metrics thread publishes freetoken_* families (see metrics.py).
 
-- A tokenizer pool (``TOKENIZE_THREADS`` threads) tokenizes accepted prompts and submits them, so
-  that no prompt, however long, holds ``execute`` (and every request queued behind it); a prompt
-  above the byte limit derived from the context is refused before tokenizing.
+- Tokenizer threads tokenize accepted prompts and submit them, so that no prompt, however long,
+  holds ``execute`` (and every request queued behind it): prompts up to ``SMALL_PROMPT_BYTES`` on
+  one lane, longer ones on another (``LARGE_PROMPT_THREADS``), so that long prompts never queue
+  ahead of short ones. A prompt above the byte limit derived from the context is refused before
+  tokenizing.
 - A control thread watches the launcher's control directory (control.py): on a stop deadline it
   refuses new requests and, once the deadline passes, ends what is still in flight with an error
   naming the shutdown, so Triton's wait for in-flight requests ends before its exit timeout.
@@ -46,7 +48,8 @@ from freetoken.serving.responses import ResponseWorker, Stream, error_response
 
 logger = logging.getLogger(__name__)
 
-TOKENIZE_THREADS = 2
+SMALL_PROMPT_BYTES = 8192  # tokenized in a few ms
+LARGE_PROMPT_THREADS = 2
 CONTROL_POLL_S = 0.1
 SHUTDOWN_MESSAGE = "the server is shutting down"
 
@@ -82,7 +85,8 @@ class TritonBackend:
                            options.cancel_poll_ms / 1000, self._engine_died)
             for i in range(options.response_threads)
         ]
-        self._tokenizers = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="freetoken-tokenize")
+        self._small_prompts = ThreadPoolExecutor(1, thread_name_prefix="freetoken-tokenize-small")
+        self._large_prompts = ThreadPoolExecutor(LARGE_PROMPT_THREADS, thread_name_prefix="freetoken-tokenize-large")
         self._stop_deadline: float | None = None  # set by the control thread when the launcher stops the server
         self._closing = threading.Event()
         self.control = InstanceControl(model_name)  # last: a stub-<pid> file means a live, initialized instance
@@ -115,25 +119,31 @@ class TritonBackend:
             tensor = self._pb.get_input_tensor_by_name(request, name)
             return None if tensor is None else tensor.as_numpy()
 
-        self._check_prompt_bytes(get_input(TEXT_INPUT))
+        text = get_input(TEXT_INPUT)
+        size = self._check_prompt_bytes(text)
         spec = parse_request(get_input, request.parameters())
+        if text is None:
+            size = 4 * len(spec.prompt)
         n = next(self._ids)
         engine_id = f"{n}:{request.request_id()}"
         tokenizer, prompt = self.runtime.tokenizer, spec.prompt
         prompt_text = (lambda: prompt) if isinstance(prompt, str) else functools.partial(tokenizer.decode, prompt)
         worker = self._workers[n % len(self._workers)]
         worker.adopt(Stream(engine_id, spec, request.get_response_sender(), prompt_text))
-        self._tokenizers.submit(self._admit, worker, engine_id, spec)
+        lane = self._small_prompts if size <= SMALL_PROMPT_BYTES else self._large_prompts
+        lane.submit(self._admit, worker, engine_id, spec)
 
-    def _check_prompt_bytes(self, text: np.ndarray | None) -> None:
+    def _check_prompt_bytes(self, text: np.ndarray | None) -> int:
+        """The prompt's size in bytes, refused above the limit (before any decoding or tokenizing)."""
         if text is None:
-            return
+            return 0
         size = sum(len(item) for item in np.asarray(text, dtype=np.object_).reshape(-1) if isinstance(item, bytes))
         if size > self.prompt_byte_limit:
             raise ProtocolError(
                 f"input '{TEXT_INPUT}' has {size} bytes; at most {self.prompt_byte_limit} can fit the "
                 f"{self.runtime.max_total_tokens}-token context"
             )
+        return size
 
     def _admit(self, worker: ResponseWorker, engine_id: str, spec: GenerateSpec) -> None:
         """Tokenize and submit (a tokenizer thread); a refusal goes through the stream's owner."""
@@ -190,7 +200,8 @@ class TritonBackend:
     def finalize(self) -> None:
         self._closing.set()
         try:
-            self._tokenizers.shutdown(wait=True, cancel_futures=True)
+            for lane in (self._small_prompts, self._large_prompts):
+                lane.shutdown(wait=True, cancel_futures=True)
             self.runtime.shutdown()  # fails what is still queued or running; callbacks queue those errors
             for worker in self._workers:
                 worker.stop(timeout=10)
