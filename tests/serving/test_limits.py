@@ -122,3 +122,31 @@ def test_ready_line_names_metrics_only_when_served():
     assert "Triton's only" in launcher._ready_line(args, "127.0.0.1")
     args.tritonserver_arg = ["--allow-metrics=false"]
     assert "metrics" not in launcher._ready_line(args, "127.0.0.1")
+
+
+def test_grpc_stream_errors_carry_status_codes_when_asked(server):
+    """Triton's stream protocol has no code field; a client starting its stream with the header
+    ``triton_grpc_error: true`` gets the error's code as the gRPC status (and the stream closes)."""
+    import queue
+
+    import grpc
+    import tritonclient.grpc as grpcclient
+
+    from .test_server import grpc_inputs
+
+    for params, code in ((sampling(top_p=5), grpc.StatusCode.INVALID_ARGUMENT),
+                         (sampling(max_tokens=10**30), grpc.StatusCode.INVALID_ARGUMENT)):
+        events: queue.SimpleQueue = queue.SimpleQueue()
+        client = grpcclient.InferenceServerClient(server.grpc)
+        client.start_stream(callback=lambda result, error: events.put((result, error)),
+                            headers={"triton_grpc_error": "true"})
+        try:
+            client.async_stream_infer(server.model, grpc_inputs(text_input="hi", stream=True, sampling_parameters=params),
+                                      enable_empty_final_response=True)
+            _, error = events.get(timeout=30)
+        finally:
+            client.stop_stream()
+            client.close()
+        assert error is not None and error.status() == str(code), (error, error and error.status())
+    status, body = http_post(server, "generate", {"text_input": "hi", "sampling_parameters": sampling(max_tokens=2)})
+    assert status == 200, body
