@@ -37,6 +37,10 @@ class EngineConfig:
     )
     cpu_kv_cache_gib: float = _opt(2.0, "on the CPU, memory for KV pages and states in GiB")
     seed: int = _opt(0, "seed from which unseeded requests draw their sampling seeds")
+    enforce_eager: bool = _opt(False, "run every step eagerly: no CUDA graphs for decode steps")
+    cuda_graph_max_bs: int | None = _opt(
+        None, "largest decode batch replayed from a CUDA graph (default: max_running_requests); larger ones run eagerly"
+    )
 
     @classmethod
     def option_names(cls) -> list[str]:
@@ -51,5 +55,7 @@ class EngineConfig:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {self.num_pages}")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
             raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
