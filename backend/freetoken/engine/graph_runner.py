@@ -58,7 +58,11 @@ class DecodeGraphRunner:
         self.cu_seqlens = torch.arange(max_batch_size + 1, dtype=torch.int32, device=device)
         self.rows = torch.arange(max_batch_size, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        # Every graph leaves its logits here: one [max_batch_size, vocab] buffer, not one per size
+        # (float32 rows of a 248k vocabulary are 1 MB each).
+        self.logits = (
+            torch.empty(max_batch_size, model.vocab_size, dtype=torch.float32, device=device) if use_graphs else None
+        )
 
     def supports(self, batch: ForwardBatch) -> bool:
         """Decode-only steps of at most ``max_batch_size`` requests."""
@@ -109,7 +113,7 @@ class DecodeGraphRunner:
         self.load(batch, size)
         if self.use_graphs:
             self.graphs[size].replay()
-            logits = self.outputs[size]
+            logits = self.logits[:size]
         else:
             logits = self.model(self.static_batch(size))
         return logits[batch.logits_indices]
@@ -128,7 +132,7 @@ class DecodeGraphRunner:
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self.model(batch)
+                self.logits[:size].copy_(self.model(batch))
             pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize()
