@@ -42,9 +42,12 @@ def _check_replays(runs: list[tuple[int, int]], max_bs: int) -> None:
     assert all(n <= size <= max_bs for n, size in runs)
 
 
-@pytest.mark.parametrize("shape", ["demo", "odd_heads_padded_vocab"])
-@pytest.mark.parametrize("max_prefill_length", [16, 8192], ids=["chunked16", "unchunked"])
-@pytest.mark.parametrize("max_bs", [4, 2], ids=["padded", "large_steps_eager"])
+@pytest.mark.parametrize(
+    "shape, max_prefill_length, max_bs",
+    [("demo", 16, 4), ("demo", 8192, 4), ("odd_heads_padded_vocab", 16, 4), ("odd_heads_padded_vocab", 8192, 4),
+     ("demo", 16, 2)],
+    ids=["demo-chunked16", "demo-unchunked", "odd_heads-chunked16", "odd_heads-unchunked", "demo-large_steps_eager"],
+)
 def test_qwen3_5_float32_greedy_with_graphs_equals_transformers(checkpoint_factory, shape, max_prefill_length, max_bs):
     """4 prompts: 3 decodes pad to 4 (max_bs 4); with max_bs 2, steps of 3-4 decodes run eagerly."""
     path = checkpoint_factory(shape)
