@@ -36,7 +36,7 @@ def _decode_batch(rows: list[tuple[int, int, int, list[int]]]) -> ForwardBatch:
         cu_seqlens=torch.arange(len(rows) + 1, dtype=torch.int32),
         seq_lens=column([r[1] + 1 for r in rows], torch.int32),
         page_table=column([r[3] + [0] * (width - len(r[3])) for r in rows], torch.int32),
-        slot_mapping=column([r[3][r[1] // 4] * 4 + r[1] % 4 for r in rows], torch.int64),
+        kv_locations=column([r[3][r[1] // 4] * 4 + r[1] % 4 for r in rows], torch.int64),
         state_slots=column([r[2] for r in rows], torch.int32),
         logits_indices=torch.arange(len(rows)),
         num_decodes=len(rows),
@@ -53,7 +53,7 @@ def test_padding_rows_point_at_the_scratch_page_and_slot():
     batch = runner.static_batch(4)
     assert batch.input_ids.tolist() == [11, 12, 0, 0]
     assert batch.positions.tolist() == [6, 0, 0, 0]
-    assert batch.slot_mapping.tolist() == [13 * 4 + 2, 14 * 4, 0, 0]
+    assert batch.kv_locations.tolist() == [13 * 4 + 2, 14 * 4, 0, 0]
     assert batch.seq_lens.tolist() == [7, 1, 1, 1]
     assert batch.state_slots.tolist() == [5, 6, 0, 0]
     assert batch.page_table.tolist() == [[12, 13, 0, 0, 0], [14, 0, 0, 0, 0], [0] * 5, [0] * 5]

@@ -29,8 +29,8 @@ MAX_SPLITS = 32
 @triton.jit
 def _store_kv_kernel(
     k_ptr, k_st, k_sh, v_ptr, v_st, v_sh,
-    kc_ptr, vc_ptr, c_ss, c_sh,
-    slot_ptr, num_rows, num_heads, head_dim,
+    kc_ptr, vc_ptr, c_st, c_sh,
+    loc_ptr, num_rows, num_heads, head_dim,
     SAME_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # (token, head) pairs
@@ -39,8 +39,8 @@ def _store_kv_kernel(
     cols = tl.arange(0, BLOCK_D)[None, :]
     row_ok = (rows < num_rows)[:, None]
     mask = row_ok & (cols < head_dim)
-    slot = tl.load(slot_ptr + t, mask=row_ok, other=0).to(tl.int64)
-    dst = slot * c_ss + h * c_sh + cols
+    loc = tl.load(loc_ptr + t, mask=row_ok, other=0).to(tl.int64)
+    dst = loc * c_st + h * c_sh + cols
     k = tl.load(k_ptr + t * k_st + h * k_sh + cols, mask=mask)
     v = tl.load(v_ptr + t * v_st + h * v_sh + cols, mask=mask)
     if SAME_DTYPE:
@@ -52,7 +52,7 @@ def _store_kv_kernel(
 
 
 def store_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_locations: torch.Tensor
 ) -> None:
     num_tokens, num_heads, head_dim = k.shape
     if v.shape != k.shape or k_cache.shape[2:] != (num_heads, head_dim) or v_cache.shape != k_cache.shape:
@@ -73,7 +73,7 @@ def store_kv(
     _store_kv_kernel[(triton.cdiv(num_rows, block_r),)](
         k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
         k_cache, v_cache, k_cache.stride(1), k_cache.stride(2),
-        slot_mapping, num_rows, num_heads, head_dim,
+        kv_locations, num_rows, num_heads, head_dim,
         SAME_DTYPE=k.dtype == k_cache.dtype and v.dtype == v_cache.dtype,
         BLOCK_R=block_r, BLOCK_D=block_d,
     )
@@ -82,7 +82,7 @@ def store_kv(
 @triton.jit
 def _attention_kernel(
     q_ptr, q_st, q_sh,
-    k_ptr, v_ptr, c_sp, c_ss, c_sh,
+    k_ptr, v_ptr, c_sp, c_st, c_sh,
     pt_ptr, pt_sb,
     cu_ptr, seq_ptr,
     gate_ptr, g_st, g_sh,
@@ -131,7 +131,7 @@ def _attention_kernel(
             n = start + tl.arange(0, BLOCK_N)
             n_ok = n < hi
             page = tl.load(pt_ptr + b * pt_sb + n // page_size, mask=n_ok, other=0).to(tl.int64)
-            offs = page * c_sp + (n % page_size) * c_ss + kv_head * c_sh
+            offs = page * c_sp + (n % page_size) * c_st + kv_head * c_sh
             kv_mask = n_ok[:, None] & col_ok[None, :]
             k = tl.load(k_ptr + offs[:, None] + cols[None, :], mask=kv_mask, other=0.0)
             s = dot(q, tl.trans(k), PRECISION) * qk_scale

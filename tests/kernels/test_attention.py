@@ -30,10 +30,10 @@ def test_store_kv_strided(rng, dtype):
     v = packed[:, h * d + 3 :].reshape(t, h, d)
     k_cache = torch.randn(pages, page_size, h, d, generator=rng).to(dtype).to(DEVICE)
     v_cache = torch.randn(pages, page_size, h, d, generator=rng).to(dtype).to(DEVICE)
-    slots = (torch.randperm(pages * page_size, generator=rng)[:t]).to(DEVICE)
+    kv_locations = (torch.randperm(pages * page_size, generator=rng)[:t]).to(DEVICE)
     want_k, want_v = k_cache.clone(), v_cache.clone()
-    ref.store_kv_reference(k, v, want_k, want_v, slots)
-    store_kv(k, v, k_cache, v_cache, slots)
+    ref.store_kv_reference(k, v, want_k, want_v, kv_locations)
+    store_kv(k, v, k_cache, v_cache, kv_locations)
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
 
 

@@ -79,7 +79,7 @@ class DecodeGraphRunner:
             cu_seqlens=self.cu_seqlens[: size + 1],
             seq_lens=self.seq_lens[:size],
             page_table=self.page_table[:size],
-            slot_mapping=self.kv_locations[:size],
+            kv_locations=self.kv_locations[:size],
             state_slots=self.state_slots[:size],
             logits_indices=self.rows[:size],
             num_decodes=size,
@@ -93,7 +93,7 @@ class DecodeGraphRunner:
         n = batch.num_requests
         self.input_ids[:n].copy_(batch.input_ids)
         self.positions[:n].copy_(batch.positions)
-        self.kv_locations[:n].copy_(batch.slot_mapping)
+        self.kv_locations[:n].copy_(batch.kv_locations)
         self.seq_lens[:n].copy_(batch.seq_lens)
         self.state_slots[:n].copy_(batch.state_slots)
         self.page_table[:size].zero_()
