@@ -10,6 +10,7 @@ from typing import Any, Literal
 DType = Literal["auto", "bfloat16", "float16", "float32"]
 Device = Literal["auto", "cuda", "cpu"]
 KernelBackendName = Literal["auto", "torch", "triton"]
+LoadFormat = Literal["auto", "dummy"]
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -21,6 +22,9 @@ class EngineConfig:
     model: str | None = _opt(None, "Hugging Face model directory; none serves/uses the embedded demo model")
     tokenizer: str | None = _opt(None, "tokenizer directory (default: the model directory)")
     dtype: DType = _opt("auto", "weights and activations dtype; auto takes the checkpoint's (bf16 if unset)")
+    load_format: LoadFormat = _opt(
+        "auto", "auto: the model directory's safetensors; dummy: random weights made on the device (config.json only)"
+    )
     device: Device = _opt("auto", "cuda if a GPU is visible, else cpu")
     kernel_backend: KernelBackendName = _opt(
         "auto", "ops implementation: triton on CUDA and torch on CPU by default; triton on CPU runs the interpreter"
