@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from freetoken.bench.presets import preset_config, write_preset_dir
-from freetoken.bench.timing import busy_time
+from freetoken.bench.timing import StepRecorder, busy_time
 from freetoken.cli import build_parser, main
 
 
@@ -85,3 +87,29 @@ def test_plots_from_the_json(tmp_path):
     assert plot_main([str(tmp_path / "run.json"), "--out", str(tmp_path / "png")]) == 0
     for name in ("decode_ms_per_step.png", "ratio_to_floor.png"):
         assert (tmp_path / "png" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+class _FakeRuntime:
+    """Steps of 3 requests: one prefill step that samples every first token, then decodes."""
+
+    def __init__(self, batch_size: int, max_tokens: int) -> None:
+        self.batch_size, self.max_tokens, self.produced = batch_size, max_tokens, 0
+
+    def step(self):
+        self.produced += 1
+        return [SimpleNamespace(token_ids=[0] * self.produced, new_token_ids=[0]) for _ in range(self.batch_size)]
+
+
+def test_recorder_times_steady_steps_and_profiles_a_window_of_them():
+    runtime = _FakeRuntime(3, 12)
+    cpu_only = (torch.profiler.ProfilerActivity.CPU,)
+    with StepRecorder(runtime, 3, max_tokens=12, profile_steps=4, profiler_activities=cpu_only) as recorder:
+        for _ in range(12):
+            runtime.step()
+    assert "step" not in vars(runtime)  # unwrapped
+    assert [r.num_first_tokens for r in recorder.records[:2]] == [3, 0]
+    assert [r.profiled for r in recorder.records] == [False] * 3 + [True] * 4 + [False] * 5
+    assert len(recorder.steady_records()) == 11 - 4
+    assert recorder.profiled_wall > 0
+    # Only CPU activity recorded: no GPU interval, so the "GPU" was idle throughout.
+    assert recorder.gpu_idle_share == pytest.approx(1.0)

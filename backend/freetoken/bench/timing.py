@@ -63,15 +63,25 @@ class StepRecorder:
 
     ``profile_steps`` > 0 (CUDA only) measures ``gpu_idle_share`` once, over that many steady steps
     after ``PROFILE_AFTER_STEADY_STEPS`` of them, while every request still has tokens to go.
-    ``progress`` (a tqdm bar) advances by the tokens each step yields.
+    ``progress`` (a tqdm bar) advances by the tokens each step yields. ``profiler_activities``: what
+    the profiler records (CUDA; the CPU tests record CPU ops, none of which counts as busy).
     """
 
-    def __init__(self, runtime: Any, batch_size: int, max_tokens: int, profile_steps: int = 0, progress: Any = None):
+    def __init__(
+        self,
+        runtime: Any,
+        batch_size: int,
+        max_tokens: int,
+        profile_steps: int = 0,
+        progress: Any = None,
+        profiler_activities: tuple[torch.profiler.ProfilerActivity, ...] = (torch.profiler.ProfilerActivity.CUDA,),
+    ):
         self.runtime = runtime
         self.batch_size = batch_size
         self.max_tokens = max_tokens
         self.profile_steps = profile_steps
         self.progress = progress
+        self.profiler_activities = list(profiler_activities)
         self.records: list[StepRecord] = []
         self.gpu_idle_share: float | None = None
         self.profiled_wall: float | None = None
@@ -105,7 +115,7 @@ class StepRecorder:
     def _timed_step(self):
         if self._should_profile():
             self._profile_tried = True
-            self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            self._profiler = torch.profiler.profile(activities=self.profiler_activities)
             self._profiler.start()
         profiling = self._profiler is not None
         start = time.perf_counter()
@@ -131,7 +141,8 @@ class StepRecorder:
         return outputs
 
     def _finish_profile(self) -> None:
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         self._profiler.stop()
         intervals = gpu_intervals_ns(self._profiler)
         self._profiler = None
