@@ -63,7 +63,8 @@ def test_transformers_copy_computes_the_same_logits(dummy_llm, hf_model):
     with torch.no_grad():
         theirs = hf_model(torch.tensor([prompt])).logits[0].float()
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
-    greedy = dummy_llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    greedy = dummy_llm.generate({"prompt_token_ids": prompt}, params)
     with torch.no_grad():
         reference = hf_model.generate(torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, do_sample=False)
     assert greedy[0].token_ids == reference[0, len(prompt):].tolist()

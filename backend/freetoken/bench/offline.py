@@ -48,7 +48,9 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--hbm-bandwidth", type=float, default=DEFAULT_HBM_BANDWIDTH, help="bytes/s of the floor (4.3e12, H200)"
     )
-    group.add_argument("--profile-steps", type=int, default=5, help="steady steps profiled for the GPU idle share (0: off)")
+    group.add_argument(
+        "--profile-steps", type=int, default=5, help="steady steps profiled for the GPU idle share (5; 0: off)"
+    )
     group.add_argument("--compare-transformers", action="store_true", help="also time transformers' generate()")
     group.add_argument("--json", dest="json_path", default=None, metavar="FILE", help="write the results as JSON")
 
@@ -97,8 +99,6 @@ def random_prompts(batch_size: int, input_len: int, vocab_size: int, seed: int) 
 
 def bench_batch(llm, batch_size: int, args: argparse.Namespace, traffic, progress) -> dict[str, Any]:
     """Warm up, then time one ``LLM.generate`` of ``batch_size`` requests."""
-    import torch
-
     from freetoken.bench.floor import decode_floor
     from freetoken.bench.timing import StepRecorder
     from freetoken.core import SamplingParams
@@ -127,6 +127,7 @@ def bench_batch(llm, batch_size: int, args: argparse.Namespace, traffic, progres
         "gpu_idle_share": rec.gpu_idle_share,
         "profiled_ms_per_step": rec.profiled_wall / args.profile_steps * 1e3 if rec.profiled_wall else None,
         "decode_ms_per_step": None,
+        "decode_ms_p90": None,
         "decode_tok_s": None,
         "floor": None,
         "ratio_to_floor": None,
@@ -144,8 +145,6 @@ def bench_batch(llm, batch_size: int, args: argparse.Namespace, traffic, progres
         )
     else:
         logger.warning("batch %d: no steady decode step (raise --output-len)", batch_size)
-    if on_cuda:
-        torch.cuda.synchronize()
     return result
 
 
@@ -155,9 +154,9 @@ def _quantile(values: list[float], q: float) -> float:
 
 
 def bench_transformers(hf_model, batch_size: int, args: argparse.Namespace, vocab_size: int, floor_ms: float | None):
-    from freetoken.bench.transformers_compare import time_transformers
-
     import torch
+
+    from freetoken.bench.transformers_compare import time_transformers
 
     prompts = random_prompts(batch_size, args.input_len, vocab_size, args.seed + batch_size)
     try:
@@ -177,23 +176,26 @@ def bench_transformers(hf_model, batch_size: int, args: argparse.Namespace, voca
 
 def run_bench(args: argparse.Namespace) -> int:
     _check(args)
+    json_path = Path(args.json_path) if args.json_path else None
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="freetoken-bench-") as scratch:
         model_dir = args.model
         if args.preset is not None:
             from freetoken.bench.presets import write_preset_dir
 
             model_dir = str(write_preset_dir(args.preset, scratch, args.num_layers))
-        report = _run(args, engine_config_for(args, model_dir))
+        report = _run(args, engine_config_for(args, model_dir), json_path)
     from freetoken.bench.report import print_report
 
     print_report(report)
-    if args.json_path:
-        Path(args.json_path).write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {args.json_path}", file=sys.stderr)
+    if json_path is not None:
+        print(f"wrote {json_path}", file=sys.stderr)
     return 0
 
 
-def _run(args: argparse.Namespace, config) -> dict[str, Any]:
+def _run(args: argparse.Namespace, config, json_path: Path | None) -> dict[str, Any]:
+    """Every batch size in turn; the JSON is rewritten after each, so a run cut short keeps its results."""
     import torch
     import transformers
     from tqdm.auto import tqdm
@@ -210,18 +212,7 @@ def _run(args: argparse.Namespace, config) -> dict[str, Any]:
         from freetoken.bench.transformers_compare import transformers_model_of
 
         hf_model = transformers_model_of(model, engine.loaded.config, engine.loaded.dtype)
-    per_batch = WARMUP_TOKENS + args.output_len + (args.output_len + 3 if hf_model is not None else 0)
-    results = []
-    with tqdm(total=sum(args.batch_sizes) * per_batch, desc="freetoken bench", unit="tok") as progress:
-        for batch_size in args.batch_sizes:
-            progress.set_postfix(batch=batch_size)
-            result = bench_batch(llm, batch_size, args, traffic, progress)
-            if hf_model is not None:
-                floor_ms = result["floor"]["ms"] if result["floor"] else None
-                result["transformers"] = bench_transformers(hf_model, batch_size, args, engine.vocab_size, floor_ms)
-                progress.update(batch_size * (args.output_len + 3))
-            results.append(result)
-    return {
+    report: dict[str, Any] = {
         "args": {name: value for name, value in vars(args).items() if name != "run"},
         "preset": args.preset,
         "model": args.model,
@@ -233,5 +224,19 @@ def _run(args: argparse.Namespace, config) -> dict[str, Any]:
         "transformers": transformers.__version__,
         "hbm_bandwidth": args.hbm_bandwidth,
         "engine_config": dataclasses.asdict(config),
-        "results": results,
+        "results": [],
     }
+    hf_tokens = args.output_len + 3 if hf_model is not None else 0  # warm-up (2), prefill (1), timed run
+    per_batch = min(WARMUP_TOKENS, args.output_len) + args.output_len + hf_tokens
+    with tqdm(total=sum(args.batch_sizes) * per_batch, desc="freetoken bench", unit="tok") as progress:
+        for batch_size in args.batch_sizes:
+            progress.set_postfix(batch=batch_size)
+            result = bench_batch(llm, batch_size, args, traffic, progress)
+            if hf_model is not None:
+                floor_ms = result["floor"]["ms"] if result["floor"] else None
+                result["transformers"] = bench_transformers(hf_model, batch_size, args, engine.vocab_size, floor_ms)
+                progress.update(batch_size * hf_tokens)
+            report["results"].append(result)
+            if json_path is not None:
+                json_path.write_text(json.dumps(report, indent=2) + "\n")
+    return report
