@@ -81,7 +81,7 @@ class Engine:
         page_size = self.config.page_size
         input_ids: list[int] = []
         positions: list[int] = []
-        slot_mapping: list[int] = []
+        kv_locations: list[int] = []
         cu_seqlens = [0]
         seq_lens: list[int] = []
         logits_indices: list[int] = []
@@ -90,7 +90,7 @@ class Engine:
             start, end = entry.num_computed, entry.num_computed + entry.num_tokens
             input_ids += entry.token_ids[start:end]
             positions += range(start, end)
-            slot_mapping += [entry.pages[p // page_size] * page_size + p % page_size for p in range(start, end)]
+            kv_locations += [entry.pages[p // page_size] * page_size + p % page_size for p in range(start, end)]
             first_token = cu_seqlens[-1]
             cu_seqlens.append(first_token + entry.num_tokens)
             seq_lens.append(end)
@@ -113,7 +113,7 @@ class Engine:
             cu_seqlens=to_device(cu_seqlens, torch.int32),
             seq_lens=to_device(seq_lens, torch.int32),
             page_table=page_table.to(self.device, non_blocking=True),
-            slot_mapping=to_device(slot_mapping, torch.int64),
+            kv_locations=to_device(kv_locations, torch.int64),
             state_slots=to_device([e.slot for e in entries], torch.int32),
             logits_indices=to_device(logits_indices, torch.int64),
             num_decodes=num_decodes,
