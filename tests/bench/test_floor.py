@@ -66,3 +66,17 @@ def test_qwen3_6_preset_floor_is_the_published_one(batch_size, floor_ms):
     assert sum(p.numel() for p in model.parameters()) == pytest.approx(34.66e9, rel=1e-3)
     floor = decode_floor(decode_traffic_of(model), batch_size, context_len=1024 + 64)
     assert floor.seconds * 1e3 == pytest.approx(floor_ms, abs=0.06)
+
+
+def test_qsa_layers_read_their_selected_blocks_and_the_block_keys():
+    model = build_model(preset_config("qwen4-exp", num_layers=4), torch.bfloat16, torch.device("meta"))
+    traffic = decode_traffic_of(model)
+    # indexer budget 2048 tokens in blocks of 4 (512 blocks) plus the query's own block; block keys
+    # of 128 bf16 values per 4 tokens.
+    assert traffic.kv_layers == (KVRead(2 * 2 * 256 * 2, max_tokens=513 * 4, index_bytes_per_token=128 * 2 / 4),)
+    assert (traffic.num_experts, traffic.top_k) == (512, 10)
+    # The PLE n-gram table lives in host memory: not HBM traffic.
+    host_table = model.layers[0].ple.embedding.table.nbytes
+    experts = 4 * 512 * traffic.expert_bytes
+    total = sum(p.nbytes for p in model.parameters())
+    assert traffic.dense_weight_bytes == total - host_table - experts - model.embed_tokens.nbytes

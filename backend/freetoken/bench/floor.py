@@ -98,9 +98,9 @@ def decode_floor(
 def decode_traffic_of(model) -> DecodeTraffic:
     """The ``DecodeTraffic`` of a FreeToken ``CausalLM`` (its pools need not be allocated)."""
     from freetoken.layers.attention import GatedAttention
+    from freetoken.layers.indexed_attention import IndexedAttention
     from freetoken.layers.moe import SparseMoE
     from freetoken.layers.ple import NGramEmbedding
-    from freetoken.models.qwen4_exp.attention import IndexedAttention
 
     dtype = model.embed_tokens.dtype
     moe = [m for m in model.modules() if isinstance(m, SparseMoE)]
@@ -110,9 +110,7 @@ def decode_traffic_of(model) -> DecodeTraffic:
     dense = sum(p.nbytes for p in model.parameters() if id(p) not in excluded)
     kv_layers = []
     for m in model.modules():
-        if isinstance(m, GatedAttention):
-            kv_layers.append(KVRead(2 * m.num_kv_heads * m.head_dim * dtype.itemsize))
-        elif isinstance(m, IndexedAttention):
+        if isinstance(m, IndexedAttention):  # before GatedAttention, its base
             indexer = m.indexer
             ratio = indexer.compress_ratio
             kv_layers.append(
@@ -122,6 +120,8 @@ def decode_traffic_of(model) -> DecodeTraffic:
                     index_bytes_per_token=indexer.head_dim * dtype.itemsize / ratio,
                 )
             )
+        elif isinstance(m, GatedAttention):
+            kv_layers.append(KVRead(2 * m.num_kv_heads * m.head_dim * dtype.itemsize))
     first = moe[0] if moe else None
     return DecodeTraffic(
         dense_weight_bytes=dense,
