@@ -12,6 +12,7 @@ from freetoken.fields import option
 DType = Literal["auto", "bfloat16", "float16", "float32"]
 Device = Literal["auto", "cuda", "cpu"]
 KernelBackendName = Literal["auto", "torch", "triton"]
+LoadFormat = Literal["auto", "dummy"]
 
 
 @dataclass
@@ -19,6 +20,9 @@ class EngineConfig:
     model: str | None = option(None, "Hugging Face model directory; none serves/uses the embedded demo model")
     tokenizer: str | None = option(None, "tokenizer directory (default: the model directory)")
     dtype: DType = option("auto", "weights and activations dtype; auto takes the checkpoint's (bf16 if unset)")
+    load_format: LoadFormat = option(
+        "auto", "auto: the model directory's safetensors; dummy: random weights made on the device (config.json only)"
+    )
     device: Device = option("auto", "cuda if a GPU is visible, else cpu")
     kernel_backend: KernelBackendName = option(
         "auto", "ops implementation: triton on CUDA and torch on CPU by default; triton on CPU runs the interpreter"

@@ -14,7 +14,7 @@ from freetoken.engine.graph_runner import DecodeGraphRunner
 from freetoken.engine.memory import PoolSizes, size_pools
 from freetoken.engine.sample import SampleResult, sample
 from freetoken.kernels import KernelBackend, get_kernel_backend, set_kernel_backend
-from freetoken.models.loader import LoadedModel, load_model
+from freetoken.models.loader import LoadedModel, load_model, load_random_model, read_config
 from freetoken.models.registry import text_config_of
 from freetoken.scheduler.cache import PagePool, SlotPool
 from freetoken.scheduler.scheduler import ScheduledBatch
@@ -55,7 +55,10 @@ class Engine:
         self.config = config
         self.device = resolve_device(config.device)
         set_kernel_backend(None if config.kernel_backend == "auto" else config.kernel_backend)
-        self.loaded: LoadedModel = load_model(model_dir, config.dtype, self.device)
+        if config.load_format == "dummy":
+            self.loaded: LoadedModel = load_random_model(read_config(model_dir), config.dtype, self.device, config.seed)
+        else:
+            self.loaded = load_model(model_dir, config.dtype, self.device)
         self.model = self.loaded.model
         configure_precision(self.loaded.dtype)
         text_config = text_config_of(self.loaded.config)
