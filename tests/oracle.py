@@ -53,6 +53,8 @@ def text_only_tied_sharded(max_shard_size: str) -> dict:
     return dict(text_only=True, tie_word_embeddings=True, max_shard_size=max_shard_size)
 
 
+LINEAR, FULL, INDEXED = "linear_attention", "full_attention", "indexed_attention"  # layer types
+
 # Shapes the engine must get exactly right, the first of each family its demo model.
 SHAPES: dict[str, dict[str, dict]] = {
     # Each differs from the demo model in something that went wrong in some engine once: odd head
@@ -63,44 +65,20 @@ SHAPES: dict[str, dict[str, dict]] = {
         "demo": dict(text_config={}),
         "odd_heads_padded_vocab": dict(
             text_config=dict(
-                hidden_size=48,
-                num_attention_heads=3,
-                num_key_value_heads=1,
-                head_dim=24,
-                linear_num_key_heads=1,
-                linear_num_value_heads=3,
-                linear_key_head_dim=12,
-                linear_value_head_dim=20,
-                num_experts=5,
-                num_experts_per_tok=3,
-                moe_intermediate_size=24,
-                shared_expert_intermediate_size=40,
-                num_hidden_layers=4,
-                layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+                hidden_size=48, num_hidden_layers=4, layer_types=[LINEAR, FULL, LINEAR, FULL],
+                num_attention_heads=3, num_key_value_heads=1, head_dim=24,
+                linear_num_key_heads=1, linear_num_value_heads=3, linear_key_head_dim=12, linear_value_head_dim=20,
+                num_experts=5, num_experts_per_tok=3, moe_intermediate_size=24, shared_expert_intermediate_size=40,
             ),
             vocab_size=437,
         ),
         "text_only_tied_sharded": dict(
             text_config=dict(
-                hidden_size=40,
-                num_attention_heads=5,
-                num_key_value_heads=5,
-                head_dim=16,
-                linear_num_key_heads=2,
-                linear_num_value_heads=2,
-                linear_key_head_dim=8,
-                linear_value_head_dim=8,
-                num_experts=6,
-                num_experts_per_tok=1,
-                num_hidden_layers=5,
-                layer_types=[
-                    "full_attention",
-                    "linear_attention",
-                    "linear_attention",
-                    "full_attention",
-                    "linear_attention",
-                ],
+                hidden_size=40, num_hidden_layers=5, layer_types=[FULL, LINEAR, LINEAR, FULL, LINEAR],
+                num_attention_heads=5, num_key_value_heads=5, head_dim=16,
                 rope_parameters={"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.5},
+                linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                num_experts=6, num_experts_per_tok=1,
             ),
             **text_only_tied_sharded("100KB"),
         ),
@@ -108,20 +86,10 @@ SHAPES: dict[str, dict[str, dict]] = {
         # experts in two layers: short enough for Triton's interpreter.
         "two_layers": dict(
             text_config=dict(
-                hidden_size=48,
-                num_hidden_layers=2,
-                layer_types=["linear_attention", "full_attention"],
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                head_dim=16,
-                linear_num_key_heads=1,
-                linear_num_value_heads=2,
-                linear_key_head_dim=16,
-                linear_value_head_dim=16,
-                num_experts=4,
-                num_experts_per_tok=2,
-                moe_intermediate_size=24,
-                shared_expert_intermediate_size=32,
+                hidden_size=48, num_hidden_layers=2, layer_types=[LINEAR, FULL],
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=32,
             ),
         ),
     },
@@ -134,16 +102,10 @@ SHAPES: dict[str, dict[str, dict]] = {
         # tied embeddings, sharded safetensors.
         "blocks_within_pages": dict(
             text_config=dict(
-                indexer_compress_ratio=2,
-                indexer_budget=6,
-                hc_count=2,
-                ngram_size=4,
-                heads_per_ngram=1,
-                ple_embed_dim=24,
-                ple_layer_ids=[3],
-                output_gate_type="sigmoid",
-                split_ngram_parts=5,
-                layer_types=["indexed_attention", "linear_attention", "linear_attention", "indexed_attention"],
+                layer_types=[INDEXED, LINEAR, LINEAR, INDEXED],
+                indexer_compress_ratio=2, indexer_budget=6,
+                hc_count=2, output_gate_type="sigmoid",
+                ngram_size=4, heads_per_ngram=1, ple_embed_dim=24, ple_layer_ids=[3], split_ngram_parts=5,
             ),
             **text_only_tied_sharded("60KB"),
         ),
@@ -151,23 +113,10 @@ SHAPES: dict[str, dict[str, dict]] = {
         # index head.
         "blocks_across_pages": dict(
             text_config=dict(
-                indexer_compress_ratio=8,
-                indexer_budget=16,
-                indexer_n_heads=7,
-                num_attention_heads=3,
-                num_key_value_heads=1,
-                head_dim=16,
-                indexer_head_dim=8,
-                hc_count=3,
-                ple_layer_ids=[1, 2, 5],
-                num_hidden_layers=5,
-                layer_types=[
-                    "linear_attention",
-                    "linear_attention",
-                    "indexed_attention",
-                    "linear_attention",
-                    "linear_attention",
-                ],
+                num_hidden_layers=5, layer_types=[LINEAR, LINEAR, INDEXED, LINEAR, LINEAR],
+                num_attention_heads=3, num_key_value_heads=1, head_dim=16,
+                indexer_compress_ratio=8, indexer_budget=16, indexer_n_heads=7, indexer_head_dim=8,
+                hc_count=3, ple_layer_ids=[1, 2, 5],
             ),
         ),
     },
