@@ -27,6 +27,15 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     for f in dataclasses.fields(EngineConfig):
         flag_type, choices = _flag_type(hints[f.name])
+        if flag_type is bool:  # --overlap-schedule / --no-overlap-schedule
+            group.add_argument(
+                "--" + f.name.replace("_", "-"),
+                dest=f.name,
+                action=argparse.BooleanOptionalAction,
+                default=f.default,
+                help=f"{f.metadata['help']} (default: {f.default})",
+            )
+            continue
         group.add_argument(
             "--" + f.name.replace("_", "-"),
             dest=f.name,

@@ -37,6 +37,9 @@ class EngineConfig:
     )
     cpu_kv_cache_gib: float = _opt(2.0, "on the CPU, memory for KV pages and states in GiB")
     seed: int = _opt(0, "seed from which unseeded requests draw their sampling seeds")
+    overlap_schedule: bool = _opt(
+        True, "schedule and stage the next step, and resolve the previous one, while the device runs a step"
+    )
 
     @classmethod
     def option_names(cls) -> list[str]:

@@ -1,0 +1,244 @@
+"""Persistent device inputs of a step, filled from one pinned staging buffer by one copy.
+
+Every per-token and per-row input of ``ForwardBatch`` lives at a fixed device address, sized for
+the largest step (``max_rows`` requests, ``max_tokens`` tokens). A step of ``B`` rows and ``T``
+tokens is the view of the first ``B`` rows / ``T`` tokens, so a CUDA graph captured over
+``decode_view(B)`` replays any later decode step of ``B`` (padded) rows.
+
+The host builds a step's inputs with numpy in a pinned staging buffer laid out exactly like the
+device buffer (byte segments of int64 and int32 arrays) and copies it in one host->device copy.
+Two staging buffers alternate, so the CPU writes step N+1's while step N's copy may still be
+pending; an event says when a staging buffer may be written again.
+
+The page table lives on the device as ``[num_slots, max_pages_per_slot]`` int32, indexed by
+state slot, and changes only where a plan adds pages (one scatter). ``ForwardBatch.page_table`` is
+its rows gathered by the step's state slots into a persistent ``[max_rows, max_pages_per_slot]``
+buffer (one ``index_select``), so attention kernels keep indexing by batch row. A host mirror of
+the table gives the KV write location of each new token without reading the device.
+
+Padding rows (``stage(plan, pad_to=...)``) point at the reserved scratch entries: state slot 0,
+page 0 (slot 0's page-table row is all zeros and never written), position 0, one token each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from freetoken.batch import ForwardBatch
+from freetoken.plan import StepPlan
+
+# (name, dtype, length key): "T" max tokens, "B" max rows, "B1" max rows + 1, "U" page updates.
+_SEGMENTS = (
+    ("input_ids", torch.int64, "T"),  # -1: take the slot's last sampled token
+    ("positions", torch.int64, "T"),
+    ("kv_locations", torch.int64, "T"),
+    ("logits_indices", torch.int64, "T"),
+    ("page_index", torch.int64, "U"),  # flat index into the page table
+    ("cu_seqlens", torch.int32, "B1"),
+    ("seq_lens", torch.int32, "B"),
+    ("state_slots", torch.int32, "B"),
+    ("sample_slots", torch.int32, "T"),  # state slot of each logits row (0 where none samples)
+    ("page_values", torch.int32, "U"),
+)
+
+
+def _layout(lengths: dict[str, int]) -> tuple[dict[str, tuple[int, int, torch.dtype]], int]:
+    """Byte offset, length and dtype of each segment; every segment is 8-byte aligned."""
+    offsets, offset = {}, 0
+    for name, dtype, key in _SEGMENTS:
+        count = lengths[key]
+        offsets[name] = (offset, count, dtype)
+        offset += -(-count * dtype.itemsize // 8) * 8
+    return offsets, offset
+
+
+def _views(buffer: torch.Tensor, layout: dict[str, tuple[int, int, torch.dtype]]) -> dict[str, torch.Tensor]:
+    return {
+        name: buffer[offset : offset + count * dtype.itemsize].view(dtype)
+        for name, (offset, count, dtype) in layout.items()
+    }
+
+
+@dataclass
+class StagedStep:
+    """A step's device batch and, per logits row, the state slot to sample into."""
+
+    batch: ForwardBatch
+    sample_slots: torch.Tensor  # [N] int32 device view
+    # For each logits row, the index of the plan's sampling row it is, or -1 (padding or a row
+    # that does not sample).
+    sampled_rows: list[int]
+
+
+class StepBuffers:
+    def __init__(
+        self,
+        max_rows: int,
+        max_tokens: int,
+        num_slots: int,
+        max_pages_per_slot: int,
+        page_size: int,
+        device: torch.device,
+    ) -> None:
+        self.max_rows, self.max_tokens, self.page_size = max_rows, max_tokens, page_size
+        self.max_pages_per_slot = max_pages_per_slot
+        self.device = device
+        # A row adds at most num_new / page_size + 1 pages in a step.
+        self.max_page_updates = max_tokens // page_size + max_rows + 1
+        lengths = {"T": max_tokens, "B": max_rows, "B1": max_rows + 1, "U": self.max_page_updates}
+        self._layout, nbytes = _layout(lengths)
+        pin = device.type == "cuda"
+        self._staging = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+        self._staging_views = [{k: v.numpy() for k, v in _views(s, self._layout).items()} for s in self._staging]
+        self._staging_free: list[torch.cuda.Event | None] = [None, None]
+        self._next = 0
+        self._device_bytes = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        self.inputs = _views(self._device_bytes, self._layout)
+        self.page_table = torch.zeros(num_slots, max_pages_per_slot, dtype=torch.int32, device=device)
+        self._page_mirror = np.zeros((num_slots, max_pages_per_slot), dtype=np.int64)
+        self.page_rows = torch.zeros(max_rows, max_pages_per_slot, dtype=torch.int32, device=device)
+
+    # ----- views -----
+
+    def decode_view(self, num_rows: int) -> ForwardBatch:
+        """The fixed-shape batch of a decode step of ``num_rows`` rows (what a graph captures);
+        its logits rows are all ``num_rows`` rows."""
+        return self._view(num_rows, num_rows, num_rows, num_rows, [1] * num_rows)
+
+    def _view(self, rows: int, tokens: int, logits: int, num_decodes: int, query_lens: list[int]) -> ForwardBatch:
+        inputs = self.inputs
+        return ForwardBatch(
+            input_ids=inputs["input_ids"][:tokens],
+            positions=inputs["positions"][:tokens],
+            cu_seqlens=inputs["cu_seqlens"][: rows + 1],
+            seq_lens=inputs["seq_lens"][:rows],
+            page_table=self.page_rows[:rows],
+            slot_mapping=inputs["kv_locations"][:tokens],
+            state_slots=inputs["state_slots"][:rows],
+            logits_indices=inputs["logits_indices"][:logits],
+            num_decodes=num_decodes,
+            max_query_len=max(query_lens),
+            query_lens=query_lens,
+        )
+
+    # ----- staging -----
+
+    def stage(
+        self,
+        plan: StepPlan,
+        last_tokens: torch.Tensor,
+        pad_to: int | None = None,
+        all_logits: bool = False,
+    ) -> StagedStep:
+        """Write ``plan``'s inputs to the device: one copy, then the page-table scatter, decode
+        tokens from ``last_tokens`` (the per-slot last-token pool) and the page-row gather.
+
+        ``pad_to`` pads a decode-only plan to that many rows (logits for every row);
+        ``all_logits`` asks for logits at every token (prompt logits) instead of sampling rows.
+        """
+        rows = plan.rows
+        num_rows = len(rows)
+        if not 0 < num_rows <= self.max_rows:
+            raise ValueError(f"a step has 1..{self.max_rows} rows, this plan has {num_rows}")
+        num_decodes = plan.num_decodes
+        if pad_to is not None and (num_decodes != num_rows or not num_rows <= pad_to <= self.max_rows):
+            raise ValueError(f"pad_to={pad_to}: only a decode-only plan of at most pad_to <= {self.max_rows} rows pads")
+        staging = self._acquire_staging()
+        self._apply_page_updates(plan, staging)
+        num_updates = sum(len(u.pages) for u in plan.page_updates)
+
+        slots = np.fromiter((r.slot for r in rows), np.int64, num_rows)
+        computed = np.fromiter((r.num_computed for r in rows), np.int64, num_rows)
+        new = np.fromiter((r.num_new for r in rows), np.int64, num_rows)
+        samples = np.fromiter((r.samples for r in rows), np.bool_, num_rows)
+        total_rows = pad_to or num_rows
+        if total_rows > num_rows:  # padding: scratch slot 0, one token at position 0 of page 0
+            pad = total_rows - num_rows
+            slots = np.concatenate([slots, np.zeros(pad, np.int64)])
+            computed = np.concatenate([computed, np.zeros(pad, np.int64)])
+            new = np.concatenate([new, np.ones(pad, np.int64)])
+            samples = np.concatenate([samples, np.zeros(pad, np.bool_)])
+        cu = np.zeros(total_rows + 1, np.int64)
+        np.cumsum(new, out=cu[1:])
+        num_tokens = int(cu[-1])
+        if num_tokens > self.max_tokens:
+            raise ValueError(f"a step has at most {self.max_tokens} tokens, this plan has {num_tokens}")
+        token_row = np.repeat(np.arange(total_rows), new)
+        positions = computed[token_row] + np.arange(num_tokens) - cu[token_row]
+        if int((computed + new).max()) > self.max_pages_per_slot * self.page_size:
+            raise ValueError(f"a row passes max_model_len ({self.max_pages_per_slot * self.page_size} tokens)")
+        pages = self._page_mirror[slots[token_row], positions // self.page_size]
+        staging["input_ids"][:num_tokens] = 0
+        staging["input_ids"][:num_decodes] = -1  # decode rows: one token each, from the pool unless given
+        for index, row in enumerate(rows):
+            if row.token_ids is not None:
+                staging["input_ids"][cu[index] : cu[index + 1]] = row.token_ids
+        staging["positions"][:num_tokens] = positions
+        staging["kv_locations"][:num_tokens] = pages * self.page_size + positions % self.page_size
+        staging["cu_seqlens"][: total_rows + 1] = cu
+        staging["seq_lens"][:total_rows] = computed + new
+        staging["state_slots"][:total_rows] = slots
+        sampling_index = np.cumsum(samples) - 1
+        if all_logits:
+            logits_rows = np.arange(num_tokens)
+            sample_slots = np.zeros(num_tokens, np.int64)
+            sampled_rows = [-1] * num_tokens
+        elif pad_to is not None:
+            logits_rows = cu[1:] - 1
+            sample_slots = np.where(samples, slots, 0)
+            sampled_rows = np.where(samples, sampling_index, -1).tolist()
+        else:
+            logits_rows = (cu[1:] - 1)[samples]
+            sample_slots = slots[samples]
+            sampled_rows = list(range(len(logits_rows)))
+        num_logits = len(logits_rows)
+        staging["logits_indices"][:num_logits] = logits_rows
+        staging["sample_slots"][:num_logits] = sample_slots
+        self._copy_in(staging)
+        inputs = self.inputs
+        if num_updates:
+            self.page_table.view(-1).index_copy_(
+                0, inputs["page_index"][:num_updates], inputs["page_values"][:num_updates]
+            )
+        pool_rows = sum(1 for row in rows[:num_decodes] if row.token_ids is None)
+        if pool_rows:
+            ids = inputs["input_ids"][:num_decodes]
+            ids.copy_(torch.where(ids < 0, last_tokens[inputs["state_slots"][:num_decodes]], ids))
+        torch.index_select(self.page_table, 0, inputs["state_slots"][:total_rows], out=self.page_rows[:total_rows])
+        query_lens = new.tolist()
+        batch = self._view(total_rows, num_tokens, num_logits, num_decodes + (total_rows - num_rows), query_lens)
+        return StagedStep(batch, inputs["sample_slots"][:num_logits], sampled_rows)
+
+    def _apply_page_updates(self, plan: StepPlan, staging: dict[str, np.ndarray]) -> None:
+        """Record the plan's new pages in the host mirror and stage their device scatter."""
+        count = 0
+        for update in plan.page_updates:
+            end = update.start + len(update.pages)
+            if update.slot == 0 or end > self.max_pages_per_slot:
+                raise ValueError(f"page update of slot {update.slot} for entries [{update.start}, {end}) is out of range")
+            self._page_mirror[update.slot, update.start : end] = update.pages
+            n = len(update.pages)
+            if count + n > self.max_page_updates:
+                raise ValueError(f"a step adds at most {self.max_page_updates} pages")
+            staging["page_index"][count : count + n] = update.slot * self.max_pages_per_slot + np.arange(update.start, end)
+            staging["page_values"][count : count + n] = update.pages
+            count += n
+
+    def _acquire_staging(self) -> dict[str, np.ndarray]:
+        index = self._next
+        event = self._staging_free[index]
+        if event is not None:
+            event.synchronize()  # its previous copy (two steps ago) has been read
+        return self._staging_views[index]
+
+    def _copy_in(self, staging: dict[str, np.ndarray]) -> None:
+        index = self._next
+        self._device_bytes.copy_(self._staging[index], non_blocking=True)
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            self._staging_free[index] = event
+        self._next = 1 - index
