@@ -134,8 +134,18 @@ def test_preemption_mid_flight(demo_checkpoint):
                   max_prefill_length=64, overlap_schedule=overlap)
         prompts = _prompts(2, [17, 18, 6])
         params = SamplingParams(temperature=1.0, seed=8, max_tokens=12, ignore_eos=True, frequency_penalty=0.5)
+        scheduler = llm.runtime.scheduler
+        preempt, in_flight_at_preemption = scheduler._preempt, []
+
+        def recording_preempt(req):
+            in_flight_at_preemption.append(req.num_in_flight)
+            preempt(req)
+
+        scheduler._preempt = recording_preempt
         finished = _drive(llm, prompts, params, {})
-        assert llm.runtime.scheduler.num_preemptions >= 1
+        assert scheduler.num_preemptions >= 1
+        if overlap:  # the victim's last token was still on its way to the host
+            assert max(in_flight_at_preemption) >= 1
         _assert_pools_full(llm)
         outputs[overlap] = {k: (v.token_ids, v.text) for k, v in finished.items()}
     assert outputs[True] == outputs[False]

@@ -5,10 +5,11 @@ the largest step (``max_rows`` requests, ``max_tokens`` tokens). A step of ``B``
 tokens is the view of the first ``B`` rows / ``T`` tokens, so a CUDA graph captured over
 ``decode_view(B)`` replays any later decode step of ``B`` (padded) rows.
 
-The host builds a step's inputs with numpy in a pinned staging buffer laid out exactly like the
-device buffer (byte segments of int64 and int32 arrays) and copies it in one host->device copy.
-Two staging buffers alternate, so the CPU writes step N+1's while step N's copy may still be
-pending; an event says when a staging buffer may be written again.
+The host builds a step's inputs with numpy and packs what the step uses of each, back to back, in
+a pinned staging buffer; one host->device copy moves those bytes (a few KB for a decode step) to a
+device landing buffer, and one ``_foreach_copy_`` puts each array in its persistent buffer. Two
+staging buffers alternate, so the CPU writes step N+1's while step N's copy may still be pending;
+an event says when a staging buffer may be written again.
 
 The page table lives on the device as ``[num_slots, max_pages_per_slot]`` int32, indexed by
 state slot, and changes only where a plan adds pages (one scatter). ``ForwardBatch.page_table`` is
@@ -30,36 +31,19 @@ import torch
 from freetoken.batch import ForwardBatch
 from freetoken.plan import StepPlan
 
-# (name, dtype, length key): "T" max tokens, "B" max rows, "B1" max rows + 1, "U" page updates.
-_SEGMENTS = (
-    ("input_ids", torch.int64, "T"),  # -1: take the slot's last sampled token
+# The persistent inputs: (name, dtype, capacity key), "T" max tokens, "B" max rows, "B1" max rows + 1.
+_INPUTS = (
+    ("input_ids", torch.int64, "T"),  # staged -1: take the slot's last sampled token
     ("positions", torch.int64, "T"),
     ("kv_locations", torch.int64, "T"),
     ("logits_indices", torch.int64, "T"),
-    ("page_index", torch.int64, "U"),  # flat index into the page table
     ("cu_seqlens", torch.int32, "B1"),
     ("seq_lens", torch.int32, "B"),
     ("state_slots", torch.int32, "B"),
     ("sample_slots", torch.int32, "T"),  # state slot of each logits row (0 where none samples)
-    ("page_values", torch.int32, "U"),
 )
-
-
-def _layout(lengths: dict[str, int]) -> tuple[dict[str, tuple[int, int, torch.dtype]], int]:
-    """Byte offset, length and dtype of each segment; every segment is 8-byte aligned."""
-    offsets, offset = {}, 0
-    for name, dtype, key in _SEGMENTS:
-        count = lengths[key]
-        offsets[name] = (offset, count, dtype)
-        offset += -(-count * dtype.itemsize // 8) * 8
-    return offsets, offset
-
-
-def _views(buffer: torch.Tensor, layout: dict[str, tuple[int, int, torch.dtype]]) -> dict[str, torch.Tensor]:
-    return {
-        name: buffer[offset : offset + count * dtype.itemsize].view(dtype)
-        for name, (offset, count, dtype) in layout.items()
-    }
+_DTYPES = {name: dtype for name, dtype, _ in _INPUTS} | {"page_index": torch.int64, "page_values": torch.int32}
+_NUMPY = {torch.int64: np.int64, torch.int32: np.int32}
 
 
 @dataclass
@@ -88,15 +72,18 @@ class StepBuffers:
         self.device = device
         # A row adds at most num_new / page_size + 1 pages in a step.
         self.max_page_updates = max_tokens // page_size + max_rows + 1
-        lengths = {"T": max_tokens, "B": max_rows, "B1": max_rows + 1, "U": self.max_page_updates}
-        self._layout, nbytes = _layout(lengths)
+        capacity = {"T": max_tokens, "B": max_rows, "B1": max_rows + 1}
+        self.inputs = {
+            name: torch.zeros(capacity[key], dtype=dtype, device=device) for name, dtype, key in _INPUTS
+        }
+        # Bound of one step's packed bytes: every input at capacity, and the page updates.
+        nbytes = sum(t.numel() * t.element_size() + 8 for t in self.inputs.values()) + 12 * self.max_page_updates + 16
         pin = device.type == "cuda"
         self._staging = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
-        self._staging_views = [{k: v.numpy() for k, v in _views(s, self._layout).items()} for s in self._staging]
+        self._staging_np = [s.numpy() for s in self._staging]
         self._staging_free: list[torch.cuda.Event | None] = [None, None]
         self._next = 0
-        self._device_bytes = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-        self.inputs = _views(self._device_bytes, self._layout)
+        self._landing = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         self.page_table = torch.zeros(num_slots, max_pages_per_slot, dtype=torch.int32, device=device)
         self._page_mirror = np.zeros((num_slots, max_pages_per_slot), dtype=np.int64)
         self.page_rows = torch.zeros(max_rows, max_pages_per_slot, dtype=torch.int32, device=device)
@@ -143,17 +130,14 @@ class StepBuffers:
         num_rows = len(rows)
         if not 0 < num_rows <= self.max_rows:
             raise ValueError(f"a step has 1..{self.max_rows} rows, this plan has {num_rows}")
-        num_decodes = plan.num_decodes
+        table = np.array([(r.slot, r.num_computed, r.num_new, r.samples) for r in rows], dtype=np.int64)
+        slots, computed, new, samples = table[:, 0], table[:, 1], table[:, 2], table[:, 3].astype(np.bool_)
+        multi = np.flatnonzero(new != 1)
+        num_decodes = int(multi[0]) if len(multi) else num_rows
         if pad_to is not None and (num_decodes != num_rows or not num_rows <= pad_to <= self.max_rows):
             raise ValueError(f"pad_to={pad_to}: only a decode-only plan of at most pad_to <= {self.max_rows} rows pads")
-        staging = self._acquire_staging()
-        self._apply_page_updates(plan, staging)
-        num_updates = sum(len(u.pages) for u in plan.page_updates)
+        page_index, page_values = self._page_updates(plan)
 
-        slots = np.fromiter((r.slot for r in rows), np.int64, num_rows)
-        computed = np.fromiter((r.num_computed for r in rows), np.int64, num_rows)
-        new = np.fromiter((r.num_new for r in rows), np.int64, num_rows)
-        samples = np.fromiter((r.samples for r in rows), np.bool_, num_rows)
         total_rows = pad_to or num_rows
         if total_rows > num_rows:  # padding: scratch slot 0, one token at position 0 of page 0
             pad = total_rows - num_rows
@@ -166,21 +150,19 @@ class StepBuffers:
         num_tokens = int(cu[-1])
         if num_tokens > self.max_tokens:
             raise ValueError(f"a step has at most {self.max_tokens} tokens, this plan has {num_tokens}")
-        token_row = np.repeat(np.arange(total_rows), new)
-        positions = computed[token_row] + np.arange(num_tokens) - cu[token_row]
         if int((computed + new).max()) > self.max_pages_per_slot * self.page_size:
             raise ValueError(f"a row passes max_model_len ({self.max_pages_per_slot * self.page_size} tokens)")
+        token_row = np.repeat(np.arange(total_rows), new)
+        positions = computed[token_row] + np.arange(num_tokens) - cu[token_row]
         pages = self._page_mirror[slots[token_row], positions // self.page_size]
-        staging["input_ids"][:num_tokens] = 0
-        staging["input_ids"][:num_decodes] = -1  # decode rows: one token each, from the pool unless given
+        input_ids = np.zeros(num_tokens, np.int64)
+        input_ids[:num_decodes] = -1  # decode rows: one token each, from the pool unless given
+        from_pool = False
         for index, row in enumerate(rows):
             if row.token_ids is not None:
-                staging["input_ids"][cu[index] : cu[index + 1]] = row.token_ids
-        staging["positions"][:num_tokens] = positions
-        staging["kv_locations"][:num_tokens] = pages * self.page_size + positions % self.page_size
-        staging["cu_seqlens"][: total_rows + 1] = cu
-        staging["seq_lens"][:total_rows] = computed + new
-        staging["state_slots"][:total_rows] = slots
+                input_ids[cu[index] : cu[index + 1]] = row.token_ids
+            else:
+                from_pool = True
         sampling_index = np.cumsum(samples) - 1
         if all_logits:
             logits_rows = np.arange(num_tokens)
@@ -194,51 +176,70 @@ class StepBuffers:
             logits_rows = (cu[1:] - 1)[samples]
             sample_slots = slots[samples]
             sampled_rows = list(range(len(logits_rows)))
-        num_logits = len(logits_rows)
-        staging["logits_indices"][:num_logits] = logits_rows
-        staging["sample_slots"][:num_logits] = sample_slots
-        self._copy_in(staging)
+        arrays = {
+            "input_ids": input_ids,
+            "positions": positions,
+            "kv_locations": pages * self.page_size + positions % self.page_size,
+            "logits_indices": logits_rows,
+            "cu_seqlens": cu,
+            "seq_lens": computed + new,
+            "state_slots": slots,
+            "sample_slots": sample_slots,
+            "page_index": page_index,
+            "page_values": page_values,
+        }
+        landed = self._copy_in(arrays)
         inputs = self.inputs
-        if num_updates:
-            self.page_table.view(-1).index_copy_(
-                0, inputs["page_index"][:num_updates], inputs["page_values"][:num_updates]
-            )
-        pool_rows = sum(1 for row in rows[:num_decodes] if row.token_ids is None)
-        if pool_rows:
+        persistent = [name for name in inputs if name in landed]
+        torch._foreach_copy_([inputs[n][: landed[n].numel()] for n in persistent], [landed[n] for n in persistent])
+        if "page_index" in landed:
+            self.page_table.view(-1).index_copy_(0, landed["page_index"], landed["page_values"])
+        if from_pool:
             ids = inputs["input_ids"][:num_decodes]
             ids.copy_(torch.where(ids < 0, last_tokens[inputs["state_slots"][:num_decodes]], ids))
         torch.index_select(self.page_table, 0, inputs["state_slots"][:total_rows], out=self.page_rows[:total_rows])
-        query_lens = new.tolist()
-        batch = self._view(total_rows, num_tokens, num_logits, num_decodes + (total_rows - num_rows), query_lens)
+        num_logits = len(logits_rows)
+        batch = self._view(total_rows, num_tokens, num_logits, num_decodes + (total_rows - num_rows), new.tolist())
         return StagedStep(batch, inputs["sample_slots"][:num_logits], sampled_rows)
 
-    def _apply_page_updates(self, plan: StepPlan, staging: dict[str, np.ndarray]) -> None:
-        """Record the plan's new pages in the host mirror and stage their device scatter."""
-        count = 0
+    def _page_updates(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray]:
+        """Record the plan's new pages in the host mirror; their flat page-table indices and values."""
+        indices, values = [], []
         for update in plan.page_updates:
             end = update.start + len(update.pages)
             if update.slot == 0 or end > self.max_pages_per_slot:
                 raise ValueError(f"page update of slot {update.slot} for entries [{update.start}, {end}) is out of range")
             self._page_mirror[update.slot, update.start : end] = update.pages
-            n = len(update.pages)
-            if count + n > self.max_page_updates:
-                raise ValueError(f"a step adds at most {self.max_page_updates} pages")
-            staging["page_index"][count : count + n] = update.slot * self.max_pages_per_slot + np.arange(update.start, end)
-            staging["page_values"][count : count + n] = update.pages
-            count += n
+            indices.append(update.slot * self.max_pages_per_slot + np.arange(update.start, end))
+            values.append(np.asarray(update.pages, np.int64))
+        if not indices:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        index = np.concatenate(indices)
+        if len(index) > self.max_page_updates:
+            raise ValueError(f"a step adds at most {self.max_page_updates} pages, this plan adds {len(index)}")
+        return index, np.concatenate(values)
 
-    def _acquire_staging(self) -> dict[str, np.ndarray]:
+    def _copy_in(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """Pack the non-empty arrays into the next staging buffer, copy the packed bytes to the
+        device in one copy; returns each array's device view of the landing buffer."""
         index = self._next
         event = self._staging_free[index]
         if event is not None:
             event.synchronize()  # its previous copy (two steps ago) has been read
-        return self._staging_views[index]
-
-    def _copy_in(self, staging: dict[str, np.ndarray]) -> None:
-        index = self._next
-        self._device_bytes.copy_(self._staging[index], non_blocking=True)
+        staging = self._staging_np[index]
+        offsets, offset = {}, 0
+        for name, values in arrays.items():
+            if not len(values):
+                continue
+            dtype = _DTYPES[name]
+            nbytes = len(values) * dtype.itemsize
+            staging[offset : offset + nbytes].view(_NUMPY[dtype])[:] = values
+            offsets[name] = (offset, len(values), dtype)
+            offset += -(-nbytes // 8) * 8
+        self._landing[:offset].copy_(self._staging[index][:offset], non_blocking=True)
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
             self._staging_free[index] = event
         self._next = 1 - index
+        return {name: self._landing[o : o + n * d.itemsize].view(d) for name, (o, n, d) in offsets.items()}
