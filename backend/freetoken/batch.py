@@ -20,7 +20,7 @@ class ForwardBatch:
     cu_seqlens: torch.Tensor  # [B + 1] int32, token offsets of the requests
     seq_lens: torch.Tensor  # [B] int32, tokens in the cache after this step
     page_table: torch.Tensor  # [B, max_pages] int32, unused entries point at page 0
-    slot_mapping: torch.Tensor  # [T] int64, flat cache slot (page * page_size + offset) of each token
+    kv_locations: torch.Tensor  # [T] int64, flat KV-cache location (page * page_size + offset) of each token
     state_slots: torch.Tensor  # [B] int32, recurrent-state slot of each request
     logits_indices: torch.Tensor  # [N] int64, tokens whose logits are wanted (a request's last token)
     num_decodes: int  # requests (and tokens) at the front that are single-token decodes

@@ -103,7 +103,7 @@ class StepBuffers:
             cu_seqlens=inputs["cu_seqlens"][: rows + 1],
             seq_lens=inputs["seq_lens"][:rows],
             page_table=self.page_rows[:rows],
-            slot_mapping=inputs["kv_locations"][:tokens],
+            kv_locations=inputs["kv_locations"][:tokens],
             state_slots=inputs["state_slots"][:rows],
             logits_indices=inputs["logits_indices"][:logits],
             num_decodes=num_decodes,
