@@ -42,10 +42,12 @@ def test_decode_staging_and_sampling_do_not_synchronize(checkpoint_factory):
     for i, prompt in enumerate(PROMPTS):
         params = SamplingParams(temperature=1.0, seed=i, max_tokens=64, ignore_eos=True, repetition_penalty=1.2)
         runtime.submit(runtime.make_request(f"r{i}", prompt, params))
-    for _ in range(8):  # past the prompts: every running request decodes
-        runtime.step()
-    runtime._land(*runtime._in_flight)
-    runtime._in_flight = None
+    scheduler = runtime.scheduler
+    while scheduler.waiting or any(r.num_output_tokens == 0 for r in scheduler.running):
+        runtime.step()  # until every request is past its prompt and decodes
+    if runtime._in_flight is not None:
+        runtime._land(*runtime._in_flight)
+        runtime._in_flight = None
     step = runtime.scheduler.schedule()
     assert step.plan.num_decodes == len(step.plan.rows) and not step.plan.admissions
     engine = runtime.engine

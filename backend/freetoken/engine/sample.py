@@ -133,8 +133,11 @@ class SlotSampler:
             self.seed[slots],
             num_outputs,
         ).long()
-        self.last_token[slots] = token_ids
-        self.output_counts.index_put_((slots, token_ids), torch.ones_like(token_ids, dtype=torch.int32), accumulate=True)
-        self.num_outputs.index_put_((slots,), torch.ones_like(num_outputs), accumulate=True)
+        # Scatters (atomic adds where slots repeat: padding rows all write scratch slot 0) never
+        # wait for the device, unlike an accumulating index_put.
+        self.last_token.scatter_(0, slots, token_ids)
+        ones = torch.ones_like(token_ids)
+        self.output_counts.view(-1).scatter_add_(0, slots * self.vocab_size + token_ids, ones.int())
+        self.num_outputs.scatter_add_(0, slots, ones)
         logprobs = None if raw_logprobs is None else raw_logprobs.gather(1, token_ids[:, None])[:, 0]
         return token_ids, logprobs
