@@ -95,7 +95,10 @@ class StepBuffers:
         its logits rows are all ``num_rows`` rows."""
         return self._view(num_rows, num_rows, num_rows, num_rows, [1] * num_rows)
 
-    def _view(self, rows: int, tokens: int, logits: int, num_decodes: int, query_lens: list[int]) -> ForwardBatch:
+    def _view(
+        self, rows: int, tokens: int, logits: int, num_decodes: int, query_lens: list[int], max_seq_len: int | None = None
+    ) -> ForwardBatch:
+        """``max_seq_len`` defaults to the static bound (the page-table width), as a graph needs."""
         inputs = self.inputs
         return ForwardBatch(
             input_ids=inputs["input_ids"][:tokens],
@@ -109,6 +112,7 @@ class StepBuffers:
             num_decodes=num_decodes,
             max_query_len=max(query_lens),
             query_lens=query_lens,
+            max_seq_len=max_seq_len or self.max_pages_per_slot * self.page_size,
         )
 
     # ----- staging -----
@@ -199,7 +203,10 @@ class StepBuffers:
             ids.copy_(torch.where(ids < 0, last_tokens[inputs["state_slots"][:num_decodes]], ids))
         torch.index_select(self.page_table, 0, inputs["state_slots"][:total_rows], out=self.page_rows[:total_rows])
         num_logits = len(logits_rows)
-        batch = self._view(total_rows, num_tokens, num_logits, num_decodes + (total_rows - num_rows), new.tolist())
+        max_seq_len = None if pad_to is not None else int((computed + new).max())
+        batch = self._view(
+            total_rows, num_tokens, num_logits, num_decodes + (total_rows - num_rows), new.tolist(), max_seq_len
+        )
         return StagedStep(batch, inputs["sample_slots"][:num_logits], sampled_rows)
 
     def _page_updates(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray]:
@@ -243,3 +250,39 @@ class StepBuffers:
             self._staging_free[index] = event
         self._next = 1 - index
         return {name: self._landing[o : o + n * d.itemsize].view(d) for name, (o, n, d) in offsets.items()}
+
+
+def split_decodes(batch: ForwardBatch, num_decode_logits: int) -> tuple[ForwardBatch, ForwardBatch]:
+    """A mixed step as its decode rows and its prefill chunks, each a batch of its own; the first
+    ``num_decode_logits`` logits rows are the decodes'."""
+    nd = batch.num_decodes
+    _, cu_seqlens, state_slots = batch.prefill_part()
+    decodes = ForwardBatch(
+        input_ids=batch.input_ids[:nd],
+        positions=batch.positions[:nd],
+        cu_seqlens=batch.cu_seqlens[: nd + 1],
+        seq_lens=batch.seq_lens[:nd],
+        page_table=batch.page_table[:nd],
+        kv_locations=batch.kv_locations[:nd],
+        state_slots=batch.state_slots[:nd],
+        logits_indices=batch.logits_indices[:num_decode_logits],
+        num_decodes=nd,
+        max_query_len=1,
+        query_lens=batch.query_lens[:nd],
+        max_seq_len=batch.max_seq_len,
+    )
+    chunks = ForwardBatch(
+        input_ids=batch.input_ids[nd:],
+        positions=batch.positions[nd:],
+        cu_seqlens=cu_seqlens,
+        seq_lens=batch.seq_lens[nd:],
+        page_table=batch.page_table[nd:],
+        kv_locations=batch.kv_locations[nd:],
+        state_slots=state_slots,
+        logits_indices=batch.logits_indices[num_decode_logits:] - nd,
+        num_decodes=0,
+        max_query_len=batch.max_query_len,
+        query_lens=batch.query_lens[nd:],
+        max_seq_len=batch.max_seq_len,
+    )
+    return decodes, chunks

@@ -7,12 +7,14 @@ import logging
 import torch
 
 from freetoken.config import EngineConfig
-from freetoken.engine.buffers import StepBuffers
+from freetoken.batch import ForwardBatch
+from freetoken.engine.buffers import StepBuffers, split_decodes
+from freetoken.engine.graph_runner import DecodeGraphRunner
 from freetoken.engine.memory import PoolSizes, size_pools
 from freetoken.engine.outputs import OutputRing, StepOutput
 from freetoken.engine.sample import SlotSampler
-from freetoken.kernels import set_kernel_backend
-from freetoken.models.loader import LoadedModel, load_model
+from freetoken.kernels import KernelBackend, get_kernel_backend, set_kernel_backend
+from freetoken.models.loader import LoadedModel, load_model, load_random_model, read_config
 from freetoken.models.registry import text_config_of
 from freetoken.plan import PageUpdate, PlanRow, StepPlan
 
@@ -46,7 +48,10 @@ class Engine:
         self.config = config
         self.device = resolve_device(config.device)
         set_kernel_backend(None if config.kernel_backend == "auto" else config.kernel_backend)
-        self.loaded: LoadedModel = load_model(model_dir, config.dtype, self.device)
+        if config.load_format == "dummy":
+            self.loaded: LoadedModel = load_random_model(read_config(model_dir), config.dtype, self.device, config.seed)
+        else:
+            self.loaded = load_model(model_dir, config.dtype, self.device)
         self.model = self.loaded.model
         configure_precision(self.loaded.dtype)
         text_config = text_config_of(self.loaded.config)
@@ -69,6 +74,23 @@ class Engine:
         )
         self.sampler = SlotSampler(num_slots, self.model.vocab_size, self.device)
         self.outputs = OutputRing(max_rows, self.device)
+        self.graph_runner: DecodeGraphRunner | None = None
+        if self._graphs_wanted():
+            max_bs = min(config.cuda_graph_max_bs or config.max_running_requests, config.max_running_requests)
+            self.graph_runner = DecodeGraphRunner(
+                self.model, self.device, max_bs, self.max_pages_per_request, self.max_model_len, use_graphs=True
+            )
+            self.graph_runner.capture()
+
+    def _graphs_wanted(self) -> bool:
+        """CUDA graphs on CUDA with the Triton kernels, unless ``enforce_eager``. The torch reference
+        ops read sizes back to the host (``.tolist()``), which a graph cannot capture."""
+        if self.config.enforce_eager or self.device.type != "cuda":
+            return False
+        if get_kernel_backend() is KernelBackend.TORCH:
+            logger.info("CUDA graphs off: kernel_backend torch reads sizes back to the host")
+            return False
+        return True
 
     @property
     def vocab_size(self) -> int:
@@ -86,12 +108,28 @@ class Engine:
         """Queue the plan's forward and sampling; the result comes through the returned output."""
         self._prepare(plan)
         staged = self.buffers.stage(plan, self.sampler.last_token)
-        logits = self.model(staged.batch)
+        decode_logits = sum(1 for row in plan.rows[: plan.num_decodes] if row.samples)
+        logits = self._forward(staged.batch, decode_logits)
         host_slots = [row.slot for row in plan.sampling_rows]
         if not host_slots:  # prompt chunks only
             return self.outputs.send(torch.zeros(0, dtype=torch.int64, device=self.device), None, [])
         token_ids, logprobs = self.sampler.sample(logits, staged.sample_slots, host_slots)
         return self.outputs.send(token_ids, logprobs, staged.sampled_rows)
+
+    def _forward(self, batch: ForwardBatch, decode_logits: int) -> torch.Tensor:
+        """Logits of the batch's logits rows, in order. With graphs, a decode-only step replays; a
+        step mixing decodes and prefill chunks runs as two forwards, the decodes replayed and the
+        chunks eager (the requests are independent, so the split changes no result;
+        docs/architecture.md). ``decode_logits``: how many logits rows are decode rows'."""
+        runner = self.graph_runner
+        if runner is None:
+            return self.model(batch)
+        if 0 < batch.num_decodes < batch.num_requests and batch.num_decodes <= runner.max_batch_size:
+            decodes, chunks = split_decodes(batch, decode_logits)
+            return torch.cat([runner.run(decodes), self.model(chunks)])
+        if runner.supports(batch):
+            return runner.run(batch)
+        return self.model(batch)
 
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int], pages: list[int], slot: int) -> torch.Tensor:
