@@ -39,6 +39,9 @@ class EngineConfig:
     )
     cpu_kv_cache_gib: float = option(2.0, "on the CPU, memory for KV pages and states in GiB")
     seed: int = option(0, "seed from which unseeded requests draw their sampling seeds")
+    overlap_schedule: bool = option(
+        True, "schedule and stage the next step, and resolve the previous one, while the device runs a step"
+    )
     enforce_eager: bool = option(False, "run every step eagerly: no CUDA graphs for decode steps")
     cuda_graph_max_bs: int | None = option(
         None, "largest decode batch replayed from a CUDA graph (default: max_running_requests); larger ones run eagerly"
