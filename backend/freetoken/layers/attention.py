@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from freetoken import kernels
 from freetoken.batch import ForwardBatch
 from freetoken.layers.norm import RMSNorm
+from freetoken.layers.linear import linear
 from freetoken.layers.weights import WeightTarget, new_param, packed_targets
 
 
@@ -63,7 +63,7 @@ class GatedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = F.linear(x, self.qkv_proj)
+        qkv = linear(x, self.qkv_proj)
         q_gate, k, v = qkv.split([self.q_rows, self.kv_rows, self.kv_rows], dim=-1)
         q, gate = q_gate.view(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = self.q_norm(q)
@@ -82,4 +82,4 @@ class GatedAttention(nn.Module):
             batch.max_query_len,
             gate=gate,
         )
-        return F.linear(out.reshape(num_tokens, -1), self.o_proj)
+        return linear(out.reshape(num_tokens, -1), self.o_proj)

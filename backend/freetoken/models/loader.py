@@ -12,6 +12,8 @@ from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from freetoken.models.base import CausalLM
 from freetoken.models.checkpoint import CheckpointError, canonical_name, count_tensors, iterate_tensors, shard_files
+from freetoken.models.nvfp4_loading import plan_nvfp4
+from freetoken.models.quantization import NVFP4Config, read_quantization
 from freetoken.models.registry import family_of, text_config_of
 
 logger = logging.getLogger(__name__)
@@ -63,6 +65,7 @@ def load_model(model_dir: str, dtype: str, device: torch.device) -> LoadedModel:
     family = family_of(getattr(config, "architectures", None))
     text_config = text_config_of(config)
     torch_dtype = resolve_dtype(dtype, config)
+    quantization = read_quantization(model_dir, config)
     tie = bool(getattr(config, "tie_word_embeddings", False) or getattr(text_config, "tie_word_embeddings", False))
     previous_dtype = torch.get_default_dtype()
     try:
@@ -71,7 +74,7 @@ def load_model(model_dir: str, dtype: str, device: torch.device) -> LoadedModel:
             model = family.build(text_config, tie)
     finally:
         torch.set_default_dtype(previous_dtype)
-    load_weights(model, model_dir)
+    load_weights(model, model_dir, quantization)
     model.eval()
     generation_config = None
     if (Path(model_dir) / "generation_config.json").exists():
@@ -84,10 +87,17 @@ def load_model(model_dir: str, dtype: str, device: torch.device) -> LoadedModel:
 
 
 @torch.no_grad()
-def load_weights(model: CausalLM, model_dir: str) -> None:
-    """Copy every checkpoint tensor into its target; error on wrong shapes and on parameters left unfilled."""
+def load_weights(model: CausalLM, model_dir: str, quantization: NVFP4Config | None = None) -> None:
+    """Copy every checkpoint tensor into its target; error on wrong shapes and on parameters left unfilled.
+
+    With an NVFP4 ``quantization``, the linears the checkpoint quantized are replaced by packed
+    weights first (``plan_nvfp4``) and filled from their packed tensors.
+    """
     targets = model.weight_targets()
     files = shard_files(model_dir)
+    plan = plan_nvfp4(model, targets, files, quantization) if quantization else None
+    if plan:
+        targets = plan.targets
     total = sum(count_tensors(f) for f in files)
     filled: dict[int, int] = {}
     unexpected: list[str] = []
@@ -100,11 +110,15 @@ def load_weights(model: CausalLM, model_dir: str) -> None:
                     continue
                 target = targets.get(canonical)
                 if target is None:
-                    unexpected.append(name)
+                    if not (plan and canonical in plan.unused):
+                        unexpected.append(name)
                     continue
                 destination = target.destination()
+                tensor = target.convert(tensor) if target.convert else tensor
                 destination.copy_(_fit(tensor, destination, name, path))
                 filled[id(target.param)] = filled.get(id(target.param), 0) + destination.numel()
+    for param, count in plan.finish() if plan else []:
+        filled[id(param)] = filled.get(id(param), 0) + count
     if unexpected:
         logger.warning("ignored %d checkpoint tensors FreeToken does not use, e.g. %s", len(unexpected), unexpected[:5])
     params = {name: p for name, p in model.named_parameters()}

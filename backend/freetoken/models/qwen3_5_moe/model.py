@@ -13,6 +13,7 @@ from freetoken.layers.gated_deltanet import GatedDeltaNet
 from freetoken.layers.moe import SparseMoE
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.rotary import rotary_cache_of, rotary_dim_of
+from freetoken.layers.linear import linear
 from freetoken.layers.weights import WeightTarget, new_param
 from freetoken.models.base import CausalLM
 
@@ -123,4 +124,4 @@ class Qwen3_5MoeModel(CausalLM):
             hidden, residual = layer(hidden, residual, batch)
         last = batch.logits_indices
         normed, _ = self.norm.add_forward(hidden[last], residual[last])
-        return F.linear(normed, self.lm_head).float()
+        return linear(normed, self.lm_head).float()

@@ -4,13 +4,13 @@ QSA indexer selects (plus the query's incomplete block)."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from freetoken import kernels
 from freetoken.attention.qsa_sparse import QSAIndexer
 from freetoken.batch import ForwardBatch
 from freetoken.layers.norm import RMSNorm
+from freetoken.layers.linear import linear
 from freetoken.layers.weights import WeightTarget, new_param, packed_targets
 
 
@@ -79,7 +79,7 @@ class IndexedAttention(nn.Module):
         self, x: torch.Tensor, batch: ForwardBatch, token_request: torch.Tensor, max_blocks: int
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q_gate, k, v, index_qk = F.linear(x, self.qkv_proj).split(
+        q_gate, k, v, index_qk = linear(x, self.qkv_proj).split(
             [self.q_rows, self.kv_rows, self.kv_rows, self.indexer.proj_rows], dim=-1
         )
         q, gate = q_gate.view(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
@@ -101,4 +101,4 @@ class IndexedAttention(nn.Module):
             self.head_dim**-0.5,
             gate=gate,
         )
-        return F.linear(out.reshape(num_tokens, -1), self.o_proj)
+        return linear(out.reshape(num_tokens, -1), self.o_proj)

@@ -16,6 +16,7 @@ from freetoken.layers.hyper_connection import HyperConnection
 from freetoken.layers.moe import SparseMoE
 from freetoken.layers.ple import PLELayer
 from freetoken.layers.rotary import rotary_cache_of, rotary_dim_of
+from freetoken.layers.linear import linear
 from freetoken.layers.weights import WeightTarget, new_param
 from freetoken.models.base import CausalLM
 from freetoken.models.qwen4_exp.attention import IndexedAttention
@@ -190,4 +191,4 @@ class Qwen4ExpModel(CausalLM):
         if self.ngram_context is not None:
             kernels.ngram_update_context(batch.input_ids, self.ngram_context, batch.state_slots, batch.cu_seqlens)
         hidden, _ = self.final_mixer.mix(hyper[batch.logits_indices])
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()
