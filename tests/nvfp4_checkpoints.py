@@ -10,8 +10,11 @@ dequantized twins, which transformers runs as the oracle.
 
 from __future__ import annotations
 
+import atexit
+import functools
 import json
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -19,6 +22,7 @@ import transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from freetoken.demo import build_checkpoint
 from freetoken.kernels.nvfp4 import GROUP_SIZE, dequantize_nvfp4
 from freetoken.models.quantization import read_quantization
 
@@ -50,7 +54,7 @@ def modelopt_checkpoint(src: Path, out: Path) -> Path:
     from modelopt.torch.export import export_hf_checkpoint
 
     model = _hf_model(src)
-    ids = torch.randint(0, model.config.get_text_config().vocab_size - 4, (2, 24), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, model.config.get_text_config().vocab_size - 4, (1, 8), generator=torch.Generator().manual_seed(0))
     model = mtq.quantize(model, mtq.NVFP4_DEFAULT_CFG, lambda m: m(ids))
     export_hf_checkpoint(model, export_dir=str(out))
     _copy_tokenizer(src, out)
@@ -128,3 +132,24 @@ def dequantized_checkpoint(quantized: Path, out: Path) -> Path:
     (out / "config.json").write_text(json.dumps(config, indent=2))
     _copy_tokenizer(quantized, out)
     return out
+
+
+# Exclusions as the published recipes write them: the routers and the vision tower stay dense.
+CT_IGNORE = ["lm_head", "re:.*mlp\\.gate$", "re:.*visual.*"]
+# ModelOpt's export needs every quantized linear's input dim divisible by 16: Qwen4-Exp's demo
+# shared expert (24) and hyper-connection rank (8) are widened.
+FAMILIES: dict[str, dict] = {"qwen3_5_moe": {}, "qwen4_exp": dict(shared_expert_intermediate_size=32, hc_lowrank=16)}
+FORMATS = ("modelopt", "compressed-tensors")
+
+
+@functools.cache
+def case(family: str, producer: str) -> tuple[Path, Path]:
+    """``(NVFP4 checkpoint, its dequantized twin)`` of the family's tiny random checkpoint, built once a process."""
+    root = Path(tempfile.mkdtemp(prefix=f"nvfp4-{family}-{producer}-"))
+    atexit.register(shutil.rmtree, root, True)
+    src = build_checkpoint(root / "src", FAMILIES[family], family=family, seed=5)
+    if producer == "modelopt":
+        quantized = modelopt_checkpoint(src, root / "nvfp4")
+    else:
+        quantized = compressed_tensors_checkpoint(src, root / "nvfp4", CT_IGNORE)
+    return quantized, dequantized_checkpoint(quantized, root / "dequantized")

@@ -37,13 +37,32 @@ class NVFP4Weight(nn.Module):
         return f"shape={tuple(self.shape)}"
 
 
-Weight = torch.Tensor | NVFP4Weight
+class SplitWeight(nn.Module):
+    """A fused weight whose row runs are stored differently (packed rows, then dense rows, ...):
+    a checkpoint quantized some of the linears that FreeToken runs as one GEMM."""
+
+    def __init__(self, pieces: list[NVFP4Weight | nn.Parameter]) -> None:
+        super().__init__()
+        self.num_pieces = len(pieces)
+        for i, piece in enumerate(pieces):
+            setattr(self, f"piece{i}", piece)  # registers a parameter or a module
+
+    def pieces(self) -> list[torch.Tensor | NVFP4Weight]:
+        return [getattr(self, f"piece{i}") for i in range(self.num_pieces)]
+
+    def forward_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([linear(x, piece) for piece in self.pieces()], dim=-1)
+
+
+Weight = torch.Tensor | NVFP4Weight | SplitWeight
 
 
 def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
-    """``x @ weight.T`` for a dense or an NVFP4 weight."""
+    """``x @ weight.T`` for a dense, an NVFP4 or a split weight."""
     if isinstance(weight, NVFP4Weight):
         return nvfp4_linear(x, weight.packed, weight.scales, weight.row_scales)
+    if isinstance(weight, SplitWeight):
+        return weight.forward_rows(x)
     return F.linear(x, weight)
 
 

@@ -117,8 +117,6 @@ def load_weights(model: CausalLM, model_dir: str, quantization: NVFP4Config | No
                 tensor = target.convert(tensor) if target.convert else tensor
                 destination.copy_(_fit(tensor, destination, name, path))
                 filled[id(target.param)] = filled.get(id(target.param), 0) + destination.numel()
-    for param, count in plan.finish() if plan else []:
-        filled[id(param)] = filled.get(id(param), 0) + count
     if unexpected:
         logger.warning("ignored %d checkpoint tensors FreeToken does not use, e.g. %s", len(unexpected), unexpected[:5])
     params = {name: p for name, p in model.named_parameters()}

@@ -2,9 +2,9 @@
 
 The safetensors headers (names, dtypes, shapes; no data) say which linears are stored quantized;
 the config must agree. A model parameter whose checkpoint parts are all quantized (a fused q/k/v,
-the gate/up rows of every expert) becomes an :class:`NVFP4Weight`; one that mixes quantized and
-dense parts (a router fused with a quantized shared-expert gate) stays dense, its quantized parts
-dequantized once loaded.
+the gate/up rows of every expert) becomes an :class:`NVFP4Weight`; a fused 2-D one that mixes
+quantized and dense parts (ModelOpt leaves the GDN ``in_proj_a/b`` dense beside a quantized
+``in_proj_qkv/z``) becomes a :class:`SplitWeight` of packed and dense row runs.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from freetoken.layers.linear import NVFP4Weight
+from freetoken.layers.linear import NVFP4Weight, SplitWeight
 from freetoken.layers.weights import WeightTarget
 from freetoken.models.checkpoint import canonical_name
 from freetoken.models.quantization import GROUP_SIZE, NVFP4Config, QuantizationError
@@ -27,16 +27,6 @@ from freetoken.models.quantization import GROUP_SIZE, NVFP4Config, QuantizationE
 class NVFP4Load:
     targets: dict[str, WeightTarget]
     unused: set[str] = field(default_factory=set)  # canonical names W4A16 does not read (input scales)
-    staged: list[tuple[WeightTarget, NVFP4Weight]] = field(default_factory=list)
-
-    def finish(self) -> list[tuple[nn.Parameter, int]]:
-        """Dequantize the staged parts into their dense destinations; ``(parameter, elements filled)``."""
-        filled = []
-        for target, staging in self.staged:
-            destination = target.destination()
-            destination.copy_(staging.dequantize(destination.dtype))
-            filled.append((target.param, destination.numel()))
-        return filled
 
 
 def _headers(files: list[Path]) -> dict[str, dict[str, tuple[str, list[int]]]]:
@@ -112,7 +102,7 @@ def _nvfp4_targets(
     }
 
 
-def _replace(model: nn.Module, param: nn.Parameter, weight: NVFP4Weight) -> None:
+def _replace(model: nn.Module, param: nn.Parameter, weight: nn.Module) -> None:
     qualified = next(n for n, p in model.named_parameters() if p is param)
     owner_name, _, attribute = qualified.rpartition(".")
     owner = model.get_submodule(owner_name)
@@ -120,9 +110,50 @@ def _replace(model: nn.Module, param: nn.Parameter, weight: NVFP4Weight) -> None
     setattr(owner, attribute, weight)
 
 
+def _packed_targets(
+    weight: NVFP4Weight, parts: list[tuple[str, WeightTarget]], config: NVFP4Config, first_row: int = 0
+) -> dict[str, WeightTarget]:
+    """Targets of the packed tensors of ``parts`` (checkpoint linears) in ``weight``, whose rows
+    start at the parameter's row ``first_row``."""
+    targets = {}
+    for name, target in parts:
+        rows = target.rows and slice(target.rows.start - first_row, target.rows.stop - first_row)
+        count = target.destination().shape[0]
+        targets.update(_nvfp4_targets(name.removesuffix(".weight"), weight, rows, target.index, count, config))
+    return targets
+
+
+def _split(
+    param: nn.Parameter, parts: list[tuple[str, WeightTarget]], quantized: dict[str, int], config: NVFP4Config
+) -> tuple[SplitWeight, dict[str, WeightTarget]]:
+    """A fused 2-D weight whose parts are partly quantized, as runs of packed and dense rows (a part
+    missing from the checkpoint is a dense run, which loading then reports unfilled)."""
+    ordered = sorted(parts, key=lambda part: part[1].rows.start)
+    runs: list[list[tuple[str, WeightTarget]]] = []
+    for part in ordered:
+        is_packed = part[0].removesuffix(".weight") in quantized
+        if runs and (runs[-1][0][0].removesuffix(".weight") in quantized) == is_packed:
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    pieces: list[nn.Module | nn.Parameter] = []
+    targets: dict[str, WeightTarget] = {}
+    for run in runs:
+        first, last = run[0][1].rows.start, run[-1][1].rows.stop
+        if run[0][0].removesuffix(".weight") in quantized:
+            piece = NVFP4Weight((last - first, param.shape[1]), param.device)
+            targets.update(_packed_targets(piece, run, config, first))
+        else:
+            piece = nn.Parameter(param.data.new_empty(last - first, param.shape[1]), requires_grad=False)
+            targets.update({n: WeightTarget(piece, slice(t.rows.start - first, t.rows.stop - first)) for n, t in run})
+        pieces.append(piece)
+    return SplitWeight(pieces), targets
+
+
 def plan_nvfp4(model: nn.Module, targets: dict[str, WeightTarget], files: list[Path], config: NVFP4Config) -> NVFP4Load:
-    """Replace the parameters the checkpoint quantized with :class:`NVFP4Weight` s and return the
-    targets of the packed tensors (the dense ones' targets unchanged)."""
+    """Replace the parameters the checkpoint quantized with :class:`NVFP4Weight` s (or, for fused
+    weights with dense parts, :class:`SplitWeight` s) and return the targets of the tensors they hold
+    (every other target unchanged)."""
     headers = _headers(files)
     quantized = quantized_modules(headers, config)
     present = {canonical_name(f"{module}.{suffix}") for module, tensors in headers.items() for suffix in tensors}
@@ -139,20 +170,18 @@ def plan_nvfp4(model: nn.Module, targets: dict[str, WeightTarget], files: list[P
             continue
         param = parts[0][1].param
         if len(packed) == len(stored) and param.dim() in (2, 3):
-            weight = NVFP4Weight(param.shape, param.device)
-            _replace(model, param, weight)
-            for name, _ in parts:
-                del load.targets[name]
-            for name, target in packed:
-                rows = target.destination().shape[0]
-                load.targets.update(
-                    _nvfp4_targets(name.removesuffix(".weight"), weight, target.rows, target.index, rows, config)
-                )
-            continue
-        for name, target in packed:
-            staging = NVFP4Weight(target.destination().shape, param.device)
+            weight: nn.Module = NVFP4Weight(param.shape, param.device)
+            new_targets = _packed_targets(weight, packed, config)
+        elif param.dim() == 2 and all(t.rows is not None for _, t in parts):
+            weight, new_targets = _split(param, parts, quantized, config)
+        else:
+            dense = [name for name, _ in stored if name.removesuffix(".weight") not in quantized]
+            raise QuantizationError(
+                f"{packed[0][0].removesuffix('.weight')} is stored as NVFP4 but FreeToken fuses it with "
+                f"{', '.join(dense[:3])}, stored dense (quantize all of them or none)"
+            )
+        _replace(model, param, weight)
+        for name, _ in parts:
             del load.targets[name]
-            rows = staging.shape[0]
-            load.targets.update(_nvfp4_targets(name.removesuffix(".weight"), staging, None, None, rows, config))
-            load.staged.append((target, staging))
+        load.targets.update(new_targets)
     return load
