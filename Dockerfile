@@ -20,7 +20,7 @@ COPY backend backend
 COPY kernels kernels
 COPY model_repository model_repository
 RUN python3 -m pip install --no-cache-dir . "${NUMPY_SPEC}" "tritonclient[grpc]>=2.51" \
- && python3 -c "import freetoken.triton.launcher as l; print(l.template_dir())"
+ && python3 -c "import freetoken.serving.repository as r; print(r.template_dir())"
 
 ENV FREETOKEN_CACHE=/var/cache/freetoken
 EXPOSE 8000 8001 8002

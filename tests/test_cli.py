@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from freetoken import EngineConfig
-from freetoken.cli import build_parser
+from freetoken.cli import build_parser, engine_config_from_args
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,6 +49,22 @@ def test_every_engine_option_is_a_flag():
         assert hasattr(help_text, name)
     args = build_parser().parse_args(["generate", "--prompt", "x", "--max-prefill-length", "16"])
     assert args.max_prefill_length == 16
+
+
+def test_serve_flags_become_parameters_the_backend_reads_back():
+    """Flags, config.pbtxt parameters and the options read from them agree on every field (bool and Literal too)."""
+    from freetoken.serving.options import BackendOptions, options_from_model_config
+    from freetoken.serving.repository import engine_parameters
+
+    args = build_parser().parse_args(["serve", "--dtype", "float32", "--num-pages", "64", "--no-report-metrics",
+                                      "--response-threads", "3", "--cancel-poll-ms", "50"])
+    config = engine_config_from_args(args)
+    parameters = engine_parameters(config, args)
+    assert parameters["report_metrics"] == "false" and parameters["max_model_len"] == ""
+    read = options_from_model_config({"parameters": {k: {"string_value": v} for k, v in parameters.items()}})
+    assert read == (config, BackendOptions(response_threads=3, cancel_poll_ms=50.0, report_metrics=False))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--dtype", "fp8"])
 
 
 def test_pyproject_lists_every_package():

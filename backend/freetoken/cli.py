@@ -1,44 +1,22 @@
-"""The ``freetoken`` command: serve (in freetoken.triton.launcher), generate, demo-model."""
+"""The ``freetoken`` command: serve (in freetoken.serving.launcher), generate, demo-model."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import sys
-import types
-import typing
-from typing import Any, Literal
 
 from freetoken.config import EngineConfig
-
-
-def _flag_type(annotation: Any) -> tuple[type, list[str] | None]:
-    """(argparse type, choices) of an EngineConfig annotation (``int | None``, ``Literal[...]``, ...)."""
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
-    if typing.get_origin(annotation) is Literal:
-        return str, list(typing.get_args(annotation))
-    return annotation, None
+from freetoken.fields import add_flags, from_namespace
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per ``EngineConfig`` field: ``max_prefill_length`` -> ``--max-prefill-length``."""
-    hints = typing.get_type_hints(EngineConfig)
-    group = parser.add_argument_group("engine")
-    for f in dataclasses.fields(EngineConfig):
-        flag_type, choices = _flag_type(hints[f.name])
-        group.add_argument(
-            "--" + f.name.replace("_", "-"),
-            dest=f.name,
-            type=flag_type,
-            choices=choices,
-            default=f.default,
-            help=f"{f.metadata['help']} (default: {f.default})",
-        )
+    add_flags(parser.add_argument_group("engine"), EngineConfig)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**{name: getattr(args, name) for name in EngineConfig.option_names()})
+    return from_namespace(EngineConfig, args)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -69,7 +47,7 @@ def _demo_model(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from freetoken.triton.launcher import serve
+    from freetoken.serving.launcher import serve
 
     return serve(engine_config_from_args(args), args)
 
@@ -88,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--ignore-eos", action="store_true")
     generate.set_defaults(run=_generate)
 
-    from freetoken.triton.launcher import add_serve_flags  # standard library only
+    from freetoken.serving.flags import add_serve_flags  # no torch: --help stays fast
 
     serve = commands.add_parser("serve", help="serve a model with Triton Inference Server (the demo model if no --model)")
     add_engine_flags(serve)

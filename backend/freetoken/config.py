@@ -4,39 +4,37 @@ is ``--max-prefill-length``); the help text lives beside the field."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Literal
+
+from freetoken.fields import option
 
 DType = Literal["auto", "bfloat16", "float16", "float32"]
 Device = Literal["auto", "cuda", "cpu"]
 KernelBackendName = Literal["auto", "torch", "triton"]
 
 
-def _opt(default: Any, help: str, **extra: Any) -> Any:
-    return field(default=default, metadata={"help": help, **extra})
-
-
 @dataclass
 class EngineConfig:
-    model: str | None = _opt(None, "Hugging Face model directory; none serves/uses the embedded demo model")
-    tokenizer: str | None = _opt(None, "tokenizer directory (default: the model directory)")
-    dtype: DType = _opt("auto", "weights and activations dtype; auto takes the checkpoint's (bf16 if unset)")
-    device: Device = _opt("auto", "cuda if a GPU is visible, else cpu")
-    kernel_backend: KernelBackendName = _opt(
+    model: str | None = option(None, "Hugging Face model directory; none serves/uses the embedded demo model")
+    tokenizer: str | None = option(None, "tokenizer directory (default: the model directory)")
+    dtype: DType = option("auto", "weights and activations dtype; auto takes the checkpoint's (bf16 if unset)")
+    device: Device = option("auto", "cuda if a GPU is visible, else cpu")
+    kernel_backend: KernelBackendName = option(
         "auto", "ops implementation: triton on CUDA and torch on CPU by default; triton on CPU runs the interpreter"
     )
-    max_prefill_length: int = _opt(
+    max_prefill_length: int = option(
         8192, "prompt tokens computed per forward (chunked prefill); not a limit on prompt length"
     )
-    max_running_requests: int = _opt(64, "requests decoded together (also the Gated DeltaNet state slots)")
-    max_model_len: int | None = _opt(None, "longest prompt + output in tokens (default: the model's)")
-    page_size: int = _opt(16, "tokens per KV-cache page")
-    num_pages: int | None = _opt(None, "KV-cache pages (default: sized from free memory)")
-    gpu_memory_fraction: float = _opt(
+    max_running_requests: int = option(64, "requests decoded together (also the Gated DeltaNet state slots)")
+    max_model_len: int | None = option(None, "longest prompt + output in tokens (default: the model's)")
+    page_size: int = option(16, "tokens per KV-cache page")
+    num_pages: int | None = option(None, "KV-cache pages (default: sized from free memory)")
+    gpu_memory_fraction: float = option(
         0.85, "fraction of the GPU memory free after loading weights given to KV pages and states"
     )
-    cpu_kv_cache_gib: float = _opt(2.0, "on the CPU, memory for KV pages and states in GiB")
-    seed: int = _opt(0, "seed from which unseeded requests draw their sampling seeds")
+    cpu_kv_cache_gib: float = option(2.0, "on the CPU, memory for KV pages and states in GiB")
+    seed: int = option(0, "seed from which unseeded requests draw their sampling seeds")
 
     @classmethod
     def option_names(cls) -> list[str]:

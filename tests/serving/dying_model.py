@@ -8,7 +8,8 @@ import json
 
 import triton_python_backend_utils as pb_utils
 
-from freetoken.triton.backend import TritonBackend, install_log_handler
+from freetoken.serving.backend import TritonBackend
+from freetoken.serving.logs import install_log_handler
 
 DEATH_IDS = [3, 1, 4, 1, 5, 9, 2, 6]
 

@@ -11,8 +11,8 @@ import time
 import numpy as np
 import pytest
 
-from freetoken.triton.backend import TritonBackend
-from freetoken.triton.options import BackendOptions, to_parameters
+from freetoken.serving.backend import TritonBackend
+from freetoken.serving.options import BackendOptions, to_parameters
 
 from .conftest import MAX_TOKENS, PROMPTS
 

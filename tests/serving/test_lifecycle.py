@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 
 from freetoken.cli import build_parser, engine_config_from_args
-from freetoken.triton import launcher
+from freetoken.serving import launcher, repository
+from freetoken.serving.install import find_tritonserver, server_environment
 
 from .conftest import ENGINE_FLAGS, Server, alive, descendants, free_ports, start_server, stop_server
 from .test_server import grpc_generate, http_post, sampling, wait_for
@@ -48,15 +49,15 @@ def test_engine_death_fails_requests_and_unloads_the_model(demo_model, tmp_path)
     args = build_parser().parse_args(["serve", *ENGINE_FLAGS, "--model", str(demo_model), "--host", "127.0.0.1",
                                       "--http-port", str(http), "--grpc-port", str(grpc),
                                       "--metrics-port", str(metrics), "--model-name", "dying"])
-    config = launcher.resolve_model(engine_config_from_args(args))
+    config = repository.resolve_model(engine_config_from_args(args))
     repo = tmp_path / "repo"
-    target = launcher.write_model_repository(repo, "dying", launcher.engine_parameters(config, args))
+    target = repository.write_model_repository(repo, "dying", repository.engine_parameters(config, args))
     assert f"DEATH_IDS = {DEATH_IDS}" in DYING_MODEL.read_text()
     shutil.copy(DYING_MODEL, target / "1" / "model.py")
-    install = launcher.find_tritonserver(None, None)
+    install = find_tritonserver(None, None)
     prefix = f"freetokentest{http}_"
     process = launcher.ServerProcess(launcher.tritonserver_command(install, repo, args, prefix),
-                                     launcher.server_environment(install), prefix)
+                                     server_environment(install), prefix)
     server = Server(process.proc, http, grpc, metrics, "dying", tmp_path / "unused.log")
     try:
         assert wait_for(server.ready, timeout=240, interval=0.3), "the model did not load"

@@ -11,9 +11,10 @@ import pytest
 
 from freetoken.config import EngineConfig
 from freetoken.core import FinishReason, RequestOutput
-from freetoken.triton import launcher, loadgen
-from freetoken.triton.options import BackendOptions, options_from_model_config, to_parameters
-from freetoken.triton.protocol import ProtocolError, build_outputs, parse_request, parse_sampling_parameters
+from freetoken.bench import loadgen
+from freetoken.serving import install, repository
+from freetoken.serving.options import BackendOptions, options_from_model_config, to_parameters
+from freetoken.serving.protocol import ProtocolError, build_outputs, parse_request, parse_sampling_parameters
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -123,7 +124,7 @@ def test_written_repository_carries_the_parameters(tmp_path):
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2
 
-    target = launcher.write_model_repository(tmp_path, "m", {"model": "/x", "max_running_requests": "3"})
+    target = repository.write_model_repository(tmp_path, "m", {"model": "/x", "max_running_requests": "3"})
     config = text_format.Parse((target / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
     assert config.name == "m" and config.model_transaction_policy.decoupled
     assert config.parameters["model"].string_value == "/x" and config.parameters["max_running_requests"].string_value == "3"
@@ -164,9 +165,9 @@ def test_stub_python_of_another_interpreter(tmp_path):
     wrapper = tmp_path / "python3"
     wrapper.write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
     wrapper.chmod(0o755)
-    python = launcher.stub_python(str(wrapper))
+    python = install.stub_python(str(wrapper))
     assert python.executable == wrapper
     assert python.version == f"{sys.version_info[0]}.{sys.version_info[1]}"
     assert python.libdir == sysconfig.get_config_var("LIBDIR")
-    env = launcher.server_environment(launcher.TritonInstall(Path("/x"), None, [], "test"), python)
+    env = install.server_environment(install.TritonInstall(Path("/x"), None, [], "test"), python)
     assert env["PATH"].split(":")[0] == str(tmp_path) and env["LD_LIBRARY_PATH"].split(":")[0] == python.libdir

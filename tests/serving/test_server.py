@@ -18,8 +18,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from freetoken.triton import loadgen
-from freetoken.triton.metrics import FAMILIES
+from freetoken.bench import loadgen
+from freetoken.serving.metrics import FAMILIES
 
 from .conftest import MAX_TOKENS, PROMPTS, Server, sampling
 

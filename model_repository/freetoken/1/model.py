@@ -1,4 +1,4 @@
-"""Triton Python backend entry point of FreeToken: a thin shell over ``freetoken.triton``.
+"""Triton Python backend entry point of FreeToken: a thin shell over ``freetoken.serving``.
 
 The engine runs in its own thread inside this stub process; ``execute`` only validates and
 enqueues (decoupled transaction policy), and response threads send every result through each
@@ -9,7 +9,8 @@ import json
 
 import triton_python_backend_utils as pb_utils
 
-from freetoken.triton.backend import TritonBackend, install_log_handler
+from freetoken.serving.backend import TritonBackend
+from freetoken.serving.logs import install_log_handler
 
 
 class TritonPythonModel:

@@ -1,28 +1,15 @@
-"""The serving layer inside the Python backend stub: requests in, engine, responses out.
+"""The response threads: each owns a share of the requests and is the only code that touches
+their response senders.
 
-Threads and who owns what:
-
-- Triton's thread calls ``execute``: it validates each request, answers the invalid ones at once
-  (an error response with the final flag), hands each valid one to a response thread (which owns
-  its response sender from then on) and submits it to the engine. It never waits for generation.
-- The engine thread runs ``Runtime``; its callback only queues each output for the owning
-  response thread (sends block ~0.1-0.2 ms each and must stay off the engine loop).
-- Each response thread (``ResponseWorker``) owns a share of the requests and is the only code
-  that touches their senders: it merges queued deltas into one response, polls cancellation every
-  ``cancel_poll_ms`` (``is_cancelled`` is a round trip), and closes each request exactly once.
-  A closed request's sender is dropped: on 2.51, touching a sender after its final flag segfaults
-  the server.
-- A metrics thread publishes freetoken_* families (see metrics.py).
-
-If the engine thread dies, every open request gets an error, new ones get UNAVAILABLE, and the
-model asks Triton to unload it, so its readiness turns false.
+A ``ResponseWorker`` merges the engine deltas queued for a stream into one response, polls
+cancellation every ``cancel_poll_ms`` (``is_cancelled`` is a round trip), and closes each request
+exactly once. A closed request's sender is dropped: on 2.51, touching a sender after its final
+flag segfaults the server.
 """
 
 from __future__ import annotations
 
 import enum
-import functools
-import itertools
 import logging
 import queue
 import threading
@@ -33,11 +20,15 @@ from typing import Any
 
 from freetoken.core import FinishReason, RequestOutput
 from freetoken.runtime import Runtime
-from freetoken.triton.metrics import Metrics
-from freetoken.triton.options import BackendOptions, options_from_model_config
-from freetoken.triton.protocol import GenerateSpec, ProtocolError, build_outputs, parse_request
+from freetoken.serving.metrics import Metrics
+from freetoken.serving.protocol import GenerateSpec, build_outputs
 
 logger = logging.getLogger(__name__)
+
+
+def error_response(pb_utils: Any, message: str, code: str) -> Any:
+    """An ``InferenceResponse`` carrying a ``TritonError`` of ``code`` ("INVALID_ARG", "UNAVAILABLE", ...)."""
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, getattr(pb_utils.TritonError, code)))
 
 
 class State(enum.Enum):
@@ -149,7 +140,8 @@ class ResponseWorker:
                 self._close(stream, None, "abort")
             return
         if last.finish_reason is FinishReason.ERROR:
-            self._close(stream, self._error(last.error or "the engine failed this request", "INTERNAL"), "error")
+            message = last.error or "the engine failed this request"
+            self._close(stream, error_response(self._pb, message, "INTERNAL"), "error")
         elif stream.spec.stream:
             response = self._response(stream, outputs)
             if last.finished:
@@ -176,10 +168,6 @@ class ResponseWorker:
     def _response(self, stream: Stream, outputs: list[RequestOutput]) -> Any:
         arrays = build_outputs(stream.spec, outputs, stream.prompt_text)
         return self._pb.InferenceResponse(output_tensors=[self._pb.Tensor(n, a) for n, a in arrays.items()])
-
-    def _error(self, message: str, code: str) -> Any:
-        error = self._pb.TritonError(message, getattr(self._pb.TritonError, code))
-        return self._pb.InferenceResponse(error=error)
 
     def _close(self, stream: Stream, response: Any, reason: str) -> None:
         """Send the last response (or just the final flag) and let go of the sender, exactly once."""
@@ -219,125 +207,4 @@ class ResponseWorker:
             if stream.state is State.CANCELLED:
                 self._guard(stream, self._close, stream, None, "abort")
             else:
-                self._guard(stream, self._close, stream, self._error(message, code), "error")
-
-
-class TritonBackend:
-    """What ``model.py`` delegates to: ``execute`` and ``finalize``."""
-
-    def __init__(self, pb_utils: Any, model_config: dict[str, Any], model_name: str, model_version: str,
-                 runtime_factory: Callable[..., Runtime] = Runtime) -> None:
-        self._pb = pb_utils
-        self.model_name = model_name
-        engine_config, options = options_from_model_config(model_config)
-        self.options: BackendOptions = options
-        self.runtime = runtime_factory(engine_config)
-        self.runtime.start()
-        labels = {"model": model_name, "version": str(model_version)}
-        self.metrics = Metrics(pb_utils if options.report_metrics else None, labels, self.runtime.stats,
-                               options.metrics_interval_ms / 1000)
-        self._ids = itertools.count()
-        self._unloading = threading.Lock()
-        self._unload_requested = False
-        self._workers = [
-            ResponseWorker(f"freetoken-responses-{i}", pb_utils, self.runtime, self.metrics,
-                           options.cancel_poll_ms / 1000, self._engine_died)
-            for i in range(options.response_threads)
-        ]
-        logger.info("FreeToken engine ready: model %s (%s), %d response threads",
-                    self.runtime.model_dir, engine_config.dtype, len(self._workers))
-
-    def execute(self, requests: list[Any]) -> None:
-        """Accept or refuse each request; never raises (an exception would fail the whole batch)."""
-        for request in requests:
-            try:
-                self._accept(request)
-            except ProtocolError as exc:
-                self._refuse(request, str(exc), "INVALID_ARG")
-            except _Unavailable as exc:
-                self._refuse(request, str(exc), "UNAVAILABLE")
-            except Exception as exc:
-                logger.exception("accepting a request failed")
-                self._refuse(request, f"internal error: {exc}", "INTERNAL")
-
-    def _accept(self, request: Any) -> None:
-        if not self.runtime.is_alive:
-            self._engine_died()
-            raise _Unavailable("the engine thread died; the model is unavailable")
-
-        def get_input(name: str) -> Any:
-            tensor = self._pb.get_input_tensor_by_name(request, name)
-            return None if tensor is None else tensor.as_numpy()
-
-        spec = parse_request(get_input, request.parameters())
-        n = next(self._ids)
-        engine_id = f"{n}:{request.request_id()}"
-        try:
-            engine_request = self.runtime.make_request(engine_id, spec.prompt, spec.params)
-        except ValueError as exc:  # the prompt: too long for the context, token ids out of the vocabulary
-            raise ProtocolError(f"{'text_input' if isinstance(spec.prompt, str) else 'input_ids'}: {exc}") from None
-        tokenizer, prompt = self.runtime.tokenizer, spec.prompt
-        prompt_text = (lambda: prompt) if isinstance(prompt, str) else functools.partial(tokenizer.decode, prompt)
-        worker = self._workers[n % len(self._workers)]
-        worker.adopt(Stream(engine_id, spec, request.get_response_sender(), prompt_text))
-        self.runtime.submit(engine_request, worker.on_output)
-
-    def _refuse(self, request: Any, message: str, code: str) -> None:
-        try:
-            error = self._pb.TritonError(message, getattr(self._pb.TritonError, code))
-            request.get_response_sender().send(self._pb.InferenceResponse(error=error),
-                                               flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        except Exception:
-            logger.exception("sending an error response failed")
-
-    def _engine_died(self) -> None:
-        """Report the model not ready: ask Triton to unload it (needs --model-control-mode=explicit)."""
-        if self.runtime.fatal_error is None:
-            return  # stopped, not dead: finalize is under way
-        with self._unloading:
-            if self._unload_requested:
-                return
-            self._unload_requested = True
-        logger.critical("the engine thread died (%r); unloading model %s", self.runtime.fatal_error, self.model_name)
-        try:
-            self._pb.unload_model(self.model_name)
-        except Exception as exc:
-            logger.error("could not unload model %s (is model control explicit?): %s", self.model_name, exc)
-
-    def finalize(self) -> None:
-        self.runtime.shutdown()  # fails what is still queued or running; callbacks queue those errors
-        for worker in self._workers:
-            worker.stop(timeout=10)
-        self.metrics.close()
-
-
-class _Unavailable(Exception):
-    pass
-
-
-class TritonLogHandler(logging.Handler):
-    """Python logging -> Triton's log (``pb_utils.Logger``), so the server log shows FreeToken's."""
-
-    def __init__(self, pb_utils: Any) -> None:
-        super().__init__()
-        self._log = pb_utils.Logger
-        self.setFormatter(logging.Formatter("[freetoken] %(name)s: %(message)s"))
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            message = self.format(record)
-            if record.levelno >= logging.ERROR:
-                self._log.log_error(message)
-            elif record.levelno >= logging.WARNING:
-                self._log.log_warn(message)
-            else:
-                self._log.log_info(message)
-        except Exception:
-            self.handleError(record)
-
-
-def install_log_handler(pb_utils: Any, level: int = logging.INFO) -> None:
-    root = logging.getLogger("freetoken")
-    if not any(isinstance(h, TritonLogHandler) for h in root.handlers):
-        root.addHandler(TritonLogHandler(pb_utils))
-    root.setLevel(level)
+                self._guard(stream, self._close, stream, error_response(self._pb, message, code), "error")

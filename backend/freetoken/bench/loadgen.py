@@ -1,6 +1,6 @@
 """A small closed-loop load client for a FreeToken (or vLLM-backend) Triton model over gRPC streams.
 
-``python -m freetoken.triton.loadgen --url localhost:8001 --concurrency 8 --requests 64``
+``python -m freetoken.bench.loadgen --url localhost:8001 --concurrency 8 --requests 64``
 
 Each of ``concurrency`` workers keeps one request in flight on its own gRPC stream. Requests come
 from a perf_analyzer input-data file (``--input-data``, the format of perf_analyzer_configs/) or
@@ -149,7 +149,7 @@ def run(url: str, model: str, requests: list[dict[str, list]], num_requests: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m freetoken.triton.loadgen", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m freetoken.bench.loadgen", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default="localhost:8001", help="gRPC address of the server")
     parser.add_argument("--model", default="freetoken")

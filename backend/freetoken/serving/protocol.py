@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import json
 import math
-import types
-import typing
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from freetoken.core import RequestOutput, SamplingParams
+from freetoken.fields import field_types
 
 TEXT_INPUT = "text_input"
 INPUT_IDS = "input_ids"
@@ -84,18 +83,8 @@ def _text(array: np.ndarray, name: str) -> str:
 # ----- sampling parameters -----
 
 
-def _field_kind(annotation: Any) -> type:
-    """The scalar or list type a SamplingParams field takes (``float | None`` -> float)."""
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        if len(args) == 1:
-            return _field_kind(args[0])
-        return object  # stop: str or list[str], checked by SamplingParams.validate
-    return typing.get_origin(annotation) or annotation
-
-
-_HINTS = typing.get_type_hints(SamplingParams)
-_FIELD_KINDS = {f.name: _field_kind(_HINTS[f.name]) for f in fields(SamplingParams)}
+# The scalar or list type each field takes (``float | None`` -> float; ``stop``, str or list[str]: object).
+_FIELD_KINDS = {name: kind.kind for name, kind in field_types(SamplingParams).items()}
 
 
 def _number(name: str, value: Any, kind: type) -> int | float:

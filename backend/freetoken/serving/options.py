@@ -9,24 +9,19 @@ any other unknown name fails the model load, so a typo cannot pass silently.
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
 
 from freetoken.config import EngineConfig
-
-
-def _opt(default: Any, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
+from freetoken.fields import field_types, option, parse_text, to_text
 
 
 @dataclass
 class BackendOptions:
-    response_threads: int = _opt(2, "threads that send responses; each owns a share of the requests")
-    cancel_poll_ms: float = _opt(100.0, "how often each response thread asks Triton whether its requests were cancelled")
-    report_metrics: bool = _opt(True, "publish the freetoken_* metric families on Triton's metrics port")
-    metrics_interval_ms: float = _opt(500.0, "how often gauges are sampled and batched metric updates flushed")
+    response_threads: int = option(2, "threads that send responses; each owns a share of the requests")
+    cancel_poll_ms: float = option(100.0, "how often each response thread asks Triton whether its requests were cancelled")
+    report_metrics: bool = option(True, "publish the freetoken_* metric families on Triton's metrics port")
+    metrics_interval_ms: float = option(500.0, "how often gauges are sampled and batched metric updates flushed")
 
     def validate(self) -> None:
         if self.response_threads < 1:
@@ -37,35 +32,15 @@ class BackendOptions:
             raise ValueError(f"parameter 'metrics_interval_ms' must be > 0, got {self.metrics_interval_ms}")
 
 
-def _convert(name: str, text: str, annotation: Any) -> Any:
-    optional = False
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        optional, annotation = len(args) < len(typing.get_args(annotation)), args[0]
-    text = text.strip()
-    if optional and text.lower() in ("", "none"):
-        return None
-    if typing.get_origin(annotation) is Literal:
-        choices = typing.get_args(annotation)
-        if text not in choices:
-            raise ValueError(f"parameter '{name}' must be one of {', '.join(choices)}, got {text!r}")
-        return text
-    if annotation is bool:
-        if text.lower() not in ("true", "false", "1", "0"):
-            raise ValueError(f"parameter '{name}' must be true or false, got {text!r}")
-        return text.lower() in ("true", "1")
-    try:
-        return annotation(text)
-    except ValueError:
-        raise ValueError(f"parameter '{name}' must be {annotation.__name__}, got {text!r}") from None
-
-
 def _fill(cls: type, values: dict[str, str]) -> Any:
-    hints = typing.get_type_hints(cls)
+    """``cls`` from the parameters among ``values`` that name its fields (empty: the default)."""
     kwargs = {}
-    for f in dataclasses.fields(cls):
-        if f.name in values and values[f.name].strip() != "":
-            kwargs[f.name] = _convert(f.name, values[f.name], hints[f.name])
+    for name, kind in field_types(cls).items():
+        if name in values and values[name].strip() != "":
+            try:
+                kwargs[name] = parse_text(values[name], kind)
+            except ValueError as exc:
+                raise ValueError(f"parameter '{name}' {exc}") from None
     return cls(**kwargs)
 
 
@@ -88,6 +63,5 @@ def to_parameters(engine: EngineConfig, backend: BackendOptions | None = None) -
     values: dict[str, str] = {}
     for obj in (engine, backend or BackendOptions()):
         for f in dataclasses.fields(obj):
-            value = getattr(obj, f.name)
-            values[f.name] = "" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+            values[f.name] = to_text(getattr(obj, f.name))
     return values

@@ -1,0 +1,160 @@
+"""``freetoken serve``: write a model repository, find a tritonserver, run it, stop it cleanly."""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from freetoken.config import EngineConfig
+from freetoken.serving.install import TritonInstall, find_tritonserver, server_environment, stub_python, warn_numpy
+from freetoken.serving.repository import engine_parameters, resolve_model, write_model_repository
+
+logger = logging.getLogger("freetoken.serve")
+
+
+def tritonserver_command(install: TritonInstall, repo: Path, args: argparse.Namespace, shm_prefix: str) -> list[str]:
+    cmd = [
+        str(install.binary),
+        f"--model-repository={repo}",
+        "--model-control-mode=explicit",  # lets the model unload itself (not ready) if its engine dies
+        f"--load-model={args.model_name}",
+        f"--http-address={args.host}",
+        f"--http-port={args.http_port}",
+        f"--grpc-address={args.host}",
+        f"--grpc-port={args.grpc_port}",
+        f"--metrics-address={args.host}",
+        f"--metrics-port={args.metrics_port}",
+        f"--backend-config=python,shm-region-prefix-name={shm_prefix}",
+        f"--log-verbose={args.log_verbose}",
+    ]
+    if install.backend_dir is not None:
+        cmd.append(f"--backend-directory={install.backend_dir}")
+    return cmd + list(args.tritonserver_arg)
+
+
+def _local(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+
+
+def _ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+class ServerProcess:
+    """tritonserver in its own process group, so that stopping it also reaches its stub processes."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], shm_prefix: str) -> None:
+        self.shm_prefix = shm_prefix
+        self.proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        self.stop_requested: int | None = None
+
+    def request_stop(self, signum: int) -> None:
+        if self.stop_requested is not None:  # a second signal: no more waiting
+            self.kill_group()
+            return
+        self.stop_requested = signum
+        logger.info("received %s: stopping tritonserver (pid %d)", signal.Signals(signum).name, self.proc.pid)
+        try:
+            self.proc.send_signal(signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+    def kill_group(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def cleanup(self) -> None:
+        """After tritonserver exits: kill what is left of its group, remove its shared memory."""
+        self.kill_group()
+        for path in glob.glob(f"/dev/shm/{self.shm_prefix}*"):
+            try:
+                os.remove(path)
+            except OSError:
+                pass
+
+
+def serve(config: EngineConfig, args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s freetoken serve: %(message)s")
+    try:
+        python = stub_python(args.stub_python)
+        install = find_tritonserver(args.tritonserver, args.backend_directory, python.version)
+        logger.info("tritonserver: %s (from %s); stub Python %s (%s)", install.binary, install.source,
+                    python.version, python.executable)
+        warn_numpy()
+        config = resolve_model(config)
+        config.validate()
+        parameters = engine_parameters(config, args)
+    except (OSError, ValueError, RuntimeError) as exc:
+        logger.error("%s", exc)
+        return 2
+    temporary = args.model_repository is None
+    repo = Path(tempfile.mkdtemp(prefix="freetoken-repo-") if temporary else args.model_repository).resolve()
+    repo.mkdir(parents=True, exist_ok=True)
+    write_model_repository(repo, args.model_name, parameters)
+    shm_prefix = f"freetoken{os.getpid()}_"
+    cmd = tritonserver_command(install, repo, args, shm_prefix)
+    logger.info("model repository %s; starting: %s", repo, " ".join(cmd))
+    server = ServerProcess(cmd, server_environment(install, python), shm_prefix)
+    previous = {s: signal.signal(s, lambda signum, _frame: server.request_stop(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return _supervise(server, args)
+    finally:
+        server.cleanup()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if temporary:
+            shutil.rmtree(repo, ignore_errors=True)
+
+
+def _supervise(server: ServerProcess, args: argparse.Namespace) -> int:
+    host = _local(args.host)
+    ready_url = f"http://{host}:{args.http_port}/v2/models/{args.model_name}/ready"
+    started, announced, stop_deadline, gave_up = time.monotonic(), False, None, False
+    while True:
+        try:
+            code = server.proc.wait(timeout=0.5)
+            break
+        except subprocess.TimeoutExpired:
+            pass
+        if server.stop_requested is not None:
+            stop_deadline = stop_deadline or time.monotonic() + args.stop_timeout
+            if time.monotonic() > stop_deadline:
+                logger.warning("tritonserver did not stop within %.0f s: killing it", args.stop_timeout)
+                server.kill_group()
+        elif not announced:
+            if _ready(ready_url):
+                announced = True
+                logger.info(
+                    "ready: model '%s' on HTTP http://%s:%d (POST /v2/models/%s/generate, /generate_stream), "
+                    "gRPC %s:%d, metrics http://%s:%d/metrics (bound to %s)",
+                    args.model_name, host, args.http_port, args.model_name, host, args.grpc_port, host, args.metrics_port,
+                    args.host,
+                )
+            elif time.monotonic() - started > args.startup_timeout:
+                logger.error("model not ready after %.0f s: stopping", args.startup_timeout)
+                gave_up = True
+                server.request_stop(signal.SIGTERM)
+    if gave_up:
+        return 1
+    if server.stop_requested is not None and code in (0, -signal.SIGTERM, -signal.SIGKILL):
+        logger.info("tritonserver stopped")
+        return 0
+    logger.error("tritonserver exited with code %s", code)
+    return code if code > 0 else 1
+
