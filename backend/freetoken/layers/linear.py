@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from freetoken import kernels
-from freetoken.kernels.nvfp4 import GROUP_SIZE, dequantize_nvfp4, fused_experts_nvfp4, nvfp4_linear
+from freetoken.kernels.nvfp4 import GROUP_SIZE, dequantize_nvfp4
 
 
 class NVFP4Weight(nn.Module):
@@ -60,7 +60,7 @@ Weight = torch.Tensor | NVFP4Weight | SplitWeight
 def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
     """``x @ weight.T`` for a dense, an NVFP4 or a split weight."""
     if isinstance(weight, NVFP4Weight):
-        return nvfp4_linear(x, weight.packed, weight.scales, weight.row_scales)
+        return kernels.nvfp4_linear(x, weight.packed, weight.scales, weight.row_scales)
     if isinstance(weight, SplitWeight):
         return weight.forward_rows(x)
     return F.linear(x, weight)
@@ -73,7 +73,7 @@ def experts(x: torch.Tensor, w13: Weight, w2: Weight, topk_weights: torch.Tensor
     quantized one is dequantized per call (slow, but exact; no released checkpoint does this).
     """
     if isinstance(w13, NVFP4Weight) and isinstance(w2, NVFP4Weight):
-        return fused_experts_nvfp4(
+        return kernels.fused_experts_nvfp4(
             x, w13.packed, w13.scales, w13.row_scales, w2.packed, w2.scales, w2.row_scales, topk_weights, topk_ids
         )
     dense13 = w13.dequantize(x.dtype) if isinstance(w13, NVFP4Weight) else w13
