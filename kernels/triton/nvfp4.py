@@ -75,13 +75,13 @@ def _linear_kernel(
     tl.store(out_ptr + m[:, None].to(tl.int64) * N + n[None, :], cast(out, dtype), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _linear_tiles(num_rows: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). Decode (<= 16 rows): narrow weight tiles
-    so that many programs stream the packed bytes; prefill: 128x128 bf16 tiles."""
+def _linear_tiles(num_rows: int, n_out: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). Decode (<= 16 rows): weight tiles narrow
+    enough that a few hundred programs stream the packed bytes; prefill: 128x128 bf16 tiles."""
     if INTERPRETED:
         return min(pow2(num_rows, 16), 64), 64, 128, 4, 1
     if num_rows <= 16:
-        return 16, 32, 256, 4, 4
+        return 16, 16 if n_out <= 4096 else 32, 256, 4, 4
     if dtype == torch.float32:
         return 64, 64, 32, 4, 2
     if num_rows <= 64:
@@ -103,7 +103,7 @@ def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ro
     num_rows = rows.shape[0]
     out = new_empty((num_rows, n_out), x.dtype, x.device)
     if num_rows:
-        block_m, block_n, block_k, warps, stages = _linear_tiles(num_rows, x.dtype)
+        block_m, block_n, block_k, warps, stages = _linear_tiles(num_rows, n_out, x.dtype)
         _linear_kernel[(triton.cdiv(n_out, block_n), triton.cdiv(num_rows, block_m))](
             rows, rows.stride(0), packed.contiguous(), scales.contiguous().view(torch.uint8), row_scales.contiguous(), out,
             num_rows, n_out, k_in,

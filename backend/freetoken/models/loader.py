@@ -152,6 +152,7 @@ def _fit(tensor: torch.Tensor, destination: torch.Tensor, name: str, path: Path)
             return tensor.reshape(destination.shape)
         if tensor.dim() == 3 and tensor.transpose(1, 2).shape == destination.shape:
             return tensor.transpose(1, 2)
+    hint = " (packed 4-bit? the checkpoint has no NVFP4 quantization config)" if tensor.dtype == torch.uint8 else ""
     raise CheckpointError(
-        f"tensor {name} in {path} has shape {tuple(tensor.shape)}, but the model config needs {tuple(destination.shape)}"
+        f"tensor {name} in {path} has shape {tuple(tensor.shape)}, but the model config needs {tuple(destination.shape)}{hint}"
     )

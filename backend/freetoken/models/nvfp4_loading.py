@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from freetoken.layers.linear import NVFP4Weight, SplitWeight
 from freetoken.layers.weights import WeightTarget
-from freetoken.models.checkpoint import canonical_name
+from freetoken.models.checkpoint import CheckpointError, canonical_name
 from freetoken.models.quantization import GROUP_SIZE, NVFP4Config, QuantizationError
 
 
@@ -33,19 +33,22 @@ def _headers(files: list[Path]) -> dict[str, dict[str, tuple[str, list[int]]]]:
     """``{checkpoint module: {tensor suffix: (dtype, shape)}}`` from the shards' headers."""
     modules: dict[str, dict[str, tuple[str, list[int]]]] = defaultdict(dict)
     for path in files:
-        with safe_open(str(path), framework="pt") as shard:
-            for name in shard.keys():
-                piece = shard.get_slice(name)
-                module, _, suffix = name.rpartition(".")
-                modules[module][suffix] = (piece.get_dtype(), piece.get_shape())
+        try:
+            with safe_open(str(path), framework="pt") as shard:
+                for name in shard.keys():
+                    piece = shard.get_slice(name)
+                    module, _, suffix = name.rpartition(".")
+                    modules[module][suffix] = (piece.get_dtype(), piece.get_shape())
+        except (SafetensorError, OSError, RuntimeError) as exc:
+            raise CheckpointError(f"cannot read checkpoint shard {path}: {exc}") from exc
     return modules
 
 
-def quantized_modules(headers: dict[str, dict[str, tuple[str, list[int]]]], config: NVFP4Config) -> dict[str, int]:
-    """``{canonical module: input dim}`` of the linears the checkpoint stores as NVFP4, checked
-    against the config and for complete, consistent tensors."""
+def quantized_modules(headers: dict[str, dict[str, tuple[str, list[int]]]], config: NVFP4Config) -> set[str]:
+    """The canonical names of the linears the checkpoint stores as NVFP4, checked against the
+    config and for complete, consistent tensors."""
     names = config.names
-    found: dict[str, int] = {}
+    found: set[str] = set()
     for module, tensors in headers.items():
         packed = tensors.get(names.packed)
         if packed is None or packed[0] != "U8":
@@ -76,7 +79,7 @@ def quantized_modules(headers: dict[str, dict[str, tuple[str, list[int]]]], conf
         global_shape = tensors[names.global_scale][1]
         if torch.Size(global_shape).numel() != 1:
             raise QuantizationError(f"{module}.{names.global_scale} has shape {global_shape}; it must be one number")
-        found[canonical] = cols
+        found.add(canonical)
     return found
 
 
@@ -117,14 +120,14 @@ def _packed_targets(
     start at the parameter's row ``first_row``."""
     targets = {}
     for name, target in parts:
-        rows = target.rows and slice(target.rows.start - first_row, target.rows.stop - first_row)
+        rows = None if target.rows is None else slice(target.rows.start - first_row, target.rows.stop - first_row)
         count = target.destination().shape[0]
         targets.update(_nvfp4_targets(name.removesuffix(".weight"), weight, rows, target.index, count, config))
     return targets
 
 
 def _split(
-    param: nn.Parameter, parts: list[tuple[str, WeightTarget]], quantized: dict[str, int], config: NVFP4Config
+    param: nn.Parameter, parts: list[tuple[str, WeightTarget]], quantized: set[str], config: NVFP4Config
 ) -> tuple[SplitWeight, dict[str, WeightTarget]]:
     """A fused 2-D weight whose parts are partly quantized, as runs of packed and dense rows (a part
     missing from the checkpoint is a dense run, which loading then reports unfilled)."""
