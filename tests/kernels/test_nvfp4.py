@@ -26,7 +26,8 @@ def random_nvfp4(rng: torch.Generator, *shape: int) -> tuple[torch.Tensor, torch
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows,n_out,k_in", [(1, 37, 48), (5, 40, 16), (67, 24, 272)])
+# Row counts and widths that pick each tile shape of the compiled kernel (decode, 64-row, 128-row tiles).
+@pytest.mark.parametrize("rows,n_out,k_in", [(1, 37, 48), (2, 4112, 16), (5, 40, 16), (33, 40, 32), (67, 24, 272)])
 def test_nvfp4_linear(rng, dtype, rows, n_out, k_in):
     packed, scales, row_scales = random_nvfp4(rng, n_out, k_in)
     x = torch.randn(rows, k_in, generator=rng).to(dtype).to(DEVICE)
@@ -41,7 +42,7 @@ def test_nvfp4_linear_keeps_leading_dims(rng):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens", [1, 37])
+@pytest.mark.parametrize("tokens", [1, 37, 150])
 def test_fused_experts_nvfp4(rng, dtype, tokens):
     e, k, hidden, inter = 7, 3, 80, 48
     x = torch.randn(tokens, hidden, generator=rng).to(dtype).to(DEVICE)
