@@ -98,3 +98,19 @@ def test_bf16_logits_within_1e_2_of_the_float32_reference(producer):
         ours = llm.prompt_logits(prompt)
         exact = reference_logits(dequantized, prompt, torch.float32)
         assert ((ours - exact).norm(dim=-1) / exact.norm(dim=-1)).median().item() <= 1e-2
+
+
+def test_experts_with_only_one_projection_packed_run_it_dequantized():
+    from freetoken.kernels.moe import fused_experts_reference, moe_topk_softmax_reference
+    from freetoken.layers.linear import experts
+
+    g = torch.Generator().manual_seed(0)
+    w13 = NVFP4Weight((3, 32, 48), torch.device("cpu"))
+    w13.packed.copy_(torch.randint(0, 256, w13.packed.shape, generator=g, dtype=torch.uint8))
+    w13.scales.copy_(torch.randint(0x20, 0x40, w13.scales.shape, generator=g, dtype=torch.uint8).view(torch.float8_e4m3fn))
+    w13.row_scales.copy_(torch.rand(3, 32, generator=g) * 0.01)
+    w2 = torch.randn(3, 48, 16, generator=g) * 0.1
+    x = torch.randn(5, 48, generator=g)
+    weights, ids = moe_topk_softmax_reference(torch.randn(5, 3, generator=g), 2, True)
+    want = fused_experts_reference(x, w13.dequantize(torch.float32), w2, weights, ids)
+    assert torch.equal(experts(x, w13, w2, weights, ids), want)
