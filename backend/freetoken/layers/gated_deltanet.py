@@ -10,6 +10,7 @@ from torch import nn
 
 from freetoken import kernels
 from freetoken.batch import ForwardBatch
+from freetoken.layers.linear import linear
 from freetoken.layers.weights import WeightTarget, new_param, packed_targets
 
 
@@ -90,7 +91,7 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         num_tokens = x.shape[0]
-        mixed_qkv, z, b, a = F.linear(x, self.in_proj).split(
+        mixed_qkv, z, b, a = linear(x, self.in_proj).split(
             [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1
         )
         beta = b.sigmoid()
@@ -113,7 +114,7 @@ class GatedDeltaNet(nn.Module):
             )
         z = z.reshape(num_tokens, self.num_v_heads, self.head_v_dim)
         out = self.output_norm(core, z)
-        return F.linear(out.reshape(num_tokens, self.value_dim), self.out_proj)
+        return linear(out.reshape(num_tokens, self.value_dim), self.out_proj)
 
     def output_norm(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """The gated output norm ``(w · x̂) · silu(z)``; families with another gate activation override it."""

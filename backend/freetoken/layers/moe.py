@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from freetoken import kernels
+from freetoken.layers.linear import experts, linear
 from freetoken.layers.weights import WeightTarget, new_param, packed_targets
 
 
@@ -60,9 +60,9 @@ class SparseMoE(nn.Module):
         return targets
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_logits = F.linear(x, self.gate_weight)
+        gate_logits = linear(x, self.gate_weight)
         router_logits, shared_gate = gate_logits[:, : self.num_experts], gate_logits[:, self.num_experts :]
         weights, ids = kernels.moe_topk_softmax(router_logits, self.top_k, self.renormalize)
-        routed = kernels.fused_experts(x, self.w13, self.w2, weights, ids)
-        shared = F.linear(kernels.silu_and_mul(F.linear(x, self.shared_gate_up)), self.shared_down)
+        routed = experts(x, self.w13, self.w2, weights, ids)
+        shared = linear(kernels.silu_and_mul(linear(x, self.shared_gate_up)), self.shared_down)
         return kernels.shared_expert_combine(routed, shared, shared_gate)
