@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-from freetoken.kernels.triton import attention, gated_delta_rule, gdn_decode, moe, moe_decode
+from freetoken.kernels.triton import attention, gated_delta_rule, moe, moe_decode
+from freetoken.kernels.triton import gdn_decode as gdn_decode_kernel
 
 CUDA = torch.device("cuda")
 BF16 = torch.bfloat16
@@ -153,7 +154,7 @@ def gdn_decode_gated(batch: int):
     A_log, dt_bias = torch.randn(HV, dtype=BF16, device=CUDA), torch.randn(HV, dtype=BF16, device=CUDA)
     state = torch.randn(batch + 1, HV, DK, DV, device=CUDA)
     slots = torch.arange(1, batch + 1, dtype=torch.int32, device=CUDA)
-    fn = lambda: gdn_decode.gated_delta_rule_decode_gated(q, k, v, a, b, A_log, dt_bias, state, slots)  # noqa: E731
+    fn = lambda: gdn_decode_kernel.gated_delta_rule_decode_gated(q, k, v, a, b, A_log, dt_bias, state, slots)  # noqa: E731
     return fn, 2 * batch * HV * DK * DV * 4, 4 * batch * HV * DK * DV
 
 
