@@ -11,7 +11,7 @@ launches, so that only two dependent products per chunk remain sequential:
 2. ``_state_pass_kernel``, parallel over (request, head, block of value dims), sequential over the
    request's chunks: stores the state at each chunk's start, ``v' = U − W·S`` and updates ``S``
    (float32, in registers); the value block is narrowed until the launch fills the SMs twice.
-3. ``_output_kernel``, parallel over (chunk, head, value block):
+3. ``_output_kernel``, parallel over (chunk, value block; head):
    ``o = (q̂ e^γ) S_start + (q̂ k̂ᵀ ⊙ Γ, causal) v'``.
 
 Chunks are counted per request on the device (``cu_chunks``, and the request of every chunk);
@@ -199,7 +199,9 @@ def _output_kernel(
     """Outputs of one chunk, in parallel over all: ``o = (q̂ e^γ) S_start + (q̂ k̂ᵀ ⊙ Γ, causal) v'``.
     The raw q and k are the dot operands; their normalisation is applied to the products' rows
     and columns."""
-    chunk = tl.program_id(0)
+    # Value blocks of one (chunk, head) are neighbours in the launch: the second reads q and k from L2.
+    num_v_blocks = tl.cdiv(value_dim, BLOCK_V)
+    chunk = tl.program_id(0) // num_v_blocks
     h = tl.program_id(1)
     request = tl.load(chunk_request_ptr + chunk)
     if request < num_requests:
@@ -211,7 +213,7 @@ def _output_kernel(
         row_ok = rows < end
         kcols = tl.arange(0, BLOCK_K)
         k_ok = kcols < key_dim
-        vcols = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+        vcols = (tl.program_id(0) % num_v_blocks) * BLOCK_V + tl.arange(0, BLOCK_V)
         v_ok = vcols < value_dim
         kh = h // HEAD_RATIO
         qk_mask = row_ok[:, None] & k_ok[None, :]
@@ -329,7 +331,7 @@ def gated_delta_rule_prefill(
         **common, BLOCK_V=pass_v, num_warps=4, num_stages=STATE_PASS_STAGES,
     )
     out_v = min(block_v, 64)
-    _output_kernel[(max_chunks, num_v_heads, triton.cdiv(value_dim, out_v))](
+    _output_kernel[(max_chunks * triton.cdiv(value_dim, out_v), num_v_heads)](
         q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), g, g.stride(0),
         cu_seqlens, cu_chunks, chunk_request, states, v_new, out,
         num_requests, num_tokens, num_v_heads, key_dim, value_dim, key_dim**-0.5,
