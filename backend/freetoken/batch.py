@@ -25,6 +25,9 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [N] int64, tokens whose logits are wanted (a request's last token)
     num_decodes: int  # requests (and tokens) at the front that are single-token decodes
     max_query_len: int  # most new tokens of one request
+    # Bound on seq_lens known on the host (the batch's longest context, or a static bound such as
+    # max_model_len in a CUDA graph): scratch sized from it needs no device->host sync.
+    max_seq_len: int
     query_lens: list[int]  # new tokens per request (host copy)
 
     @property

@@ -15,6 +15,7 @@ from freetoken.batch import ForwardBatch
 from freetoken.layers.gated_deltanet import GatedDeltaNet
 from freetoken.layers.hyper_connection import HyperConnection
 from freetoken.layers.indexed_attention import IndexedAttention
+from freetoken.layers.linear import linear
 from freetoken.layers.moe import SparseMoE
 from freetoken.layers.ple import PLELayer
 from freetoken.layers.weights import WeightTarget, new_param
@@ -84,9 +85,8 @@ class DecoderLayer(nn.Module):
 class Qwen4ExpModel(CausalLM):
     """Built from a ``Qwen4ExpTextConfig`` (transformers' config class parses the checkpoint's config).
 
-    ``qsa_max_blocks``: when set, the QSA score width of every step (a static bound lets a step be
-    captured in a CUDA graph); otherwise decode-only steps use ``max_position_embeddings //
-    compress_ratio`` and steps with prefill chunks the batch's own bound.
+    The QSA score width of a step is ``batch.max_seq_len // compress_ratio``, a host-side bound: the
+    batch's longest context when eager, ``max_model_len`` in a CUDA graph (fixed shapes, no sync).
     """
 
     def __init__(self, text_config, tie_word_embeddings: bool) -> None:
@@ -100,7 +100,6 @@ class Qwen4ExpModel(CausalLM):
         eos = text_config.eos_token_id
         self.eos_token_id = eos[0] if isinstance(eos, (list, tuple)) else eos
         self.compress_ratio = text_config.indexer_compress_ratio
-        self.qsa_max_blocks: int | None = None
         self.register_buffer("rotary_cache", rotary_cache_of(text_config), persistent=False)
         self.embed_tokens = new_param(text_config.vocab_size, text_config.hidden_size)
         self.layers = nn.ModuleList(self._layer(text_config, i) for i in range(text_config.num_hidden_layers))
@@ -171,14 +170,7 @@ class Qwen4ExpModel(CausalLM):
     def _step_state(self, batch: ForwardBatch) -> StepState:
         tokens = torch.arange(batch.num_tokens, device=batch.input_ids.device)
         token_request = torch.searchsorted(batch.cu_seqlens[1:].long(), tokens, right=True)
-        if self.compress_ratio is None:
-            max_blocks = 0
-        elif self.qsa_max_blocks is not None:
-            max_blocks = self.qsa_max_blocks
-        elif not batch.has_prefill:
-            max_blocks = self.max_position_embeddings // self.compress_ratio
-        else:
-            max_blocks = int(batch.seq_lens.max()) // self.compress_ratio
+        max_blocks = 0 if self.compress_ratio is None else batch.max_seq_len // self.compress_ratio
         return StepState(token_request, max_blocks, self.ngram_context, self.eos_token_id)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -189,4 +181,4 @@ class Qwen4ExpModel(CausalLM):
         if self.ngram_context is not None:
             kernels.ngram_update_context(batch.input_ids, self.ngram_context, batch.state_slots, batch.cu_seqlens)
         hidden, _ = self.final_mixer.mix(hyper[batch.logits_indices])
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()
