@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from freetoken.core import FinishReason, RequestOutput
+from freetoken.core import FinishReason, RequestOutput, TokenLogprobs
 from freetoken.scheduler.request import Request
 
 
@@ -20,7 +20,7 @@ def _find_stop(req: Request, new_text_len: int) -> tuple[int, str] | None:
     return best
 
 
-def append_token(req: Request, token_id: int, logprob: float | None) -> None:
+def append_token(req: Request, token_id: int, logprob: TokenLogprobs | None) -> None:
     """Add one sampled token, its text, and finish the request if a stop condition holds."""
     now = time.monotonic()
     req.times.first_token = req.times.first_token or now
@@ -58,7 +58,7 @@ def streamable_text(req: Request) -> str:
     return delta
 
 
-def make_output(req: Request, new_token_ids: list[int], new_logprobs: list[float] | None) -> RequestOutput:
+def make_output(req: Request, new_token_ids: list[int], new_logprobs: list[TokenLogprobs] | None) -> RequestOutput:
     wants_logprobs = req.params.logprobs is not None
     return RequestOutput(
         request_id=req.request_id,
@@ -66,7 +66,7 @@ def make_output(req: Request, new_token_ids: list[int], new_logprobs: list[float
         token_ids=req.output_token_ids,
         text=req.text,
         logprobs=list(req.output_logprobs) if wants_logprobs else None,
-        cumulative_logprob=sum(req.output_logprobs) if wants_logprobs else None,
+        cumulative_logprob=sum(t.logprob for t in req.output_logprobs) if wants_logprobs else None,
         finish_reason=req.finish_reason,
         stop_reason=req.stop_reason,
         error=req.error,

@@ -7,6 +7,7 @@ engine thread. Everything else runs on the thread that steps.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import random
@@ -106,8 +107,27 @@ class Runtime:
 
     def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Request:
         """Validate and tokenize; raises ``ValueError`` naming what is wrong."""
-        params.validate()
+        if params.n != 1:
+            raise ValueError(f"sampling parameter 'n' must be 1 here, got {params.n}: n > 1 is served by "
+                             "`freetoken serve`; offline, give the prompt n times")
+        return self._make_request(request_id, self.tokenize(prompt), params)
+
+    def make_requests(self, request_id: str, prompt: Prompt, params: SamplingParams) -> list[Request]:
+        """``params.n`` sibling requests of one prompt (tokenized once), as vLLM's parallel sampling
+        lays them out: sample ``i`` is ``request_id#i`` (``request_id`` alone when n is 1) and, for a
+        seeded request, draws from ``seed + i``. Each prefills the prompt on its own."""
         token_ids = self.tokenize(prompt)
+        if params.n == 1:
+            return [self._make_request(request_id, token_ids, params)]
+        requests = []
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            sibling = dataclasses.replace(params, n=1, seed=seed)
+            requests.append(self._make_request(f"{request_id}#{i}", token_ids, sibling))
+        return requests
+
+    def _make_request(self, request_id: str, token_ids: list[int], params: SamplingParams) -> Request:
+        params.validate()
         if len(token_ids) >= self.max_total_tokens:
             raise ValueError(
                 f"prompt has {len(token_ids)} tokens; at most {self.max_total_tokens - 1} fit "

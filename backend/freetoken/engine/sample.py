@@ -1,4 +1,5 @@
-"""From logits to tokens: min_tokens, penalties, then the sampling kernel; logprobs of the choice."""
+"""From logits to tokens: min_tokens, penalties, then the sampling kernel; logprobs of the choice,
+its rank and the top-k alternatives (vLLM's ``logprobs``), all from the raw logits."""
 
 from __future__ import annotations
 
@@ -7,13 +8,14 @@ from dataclasses import dataclass
 import torch
 
 from freetoken import kernels
+from freetoken.core import TokenLogprobs
 from freetoken.scheduler.request import Request
 
 
 @dataclass
 class SampleResult:
     token_ids: list[int]
-    logprobs: list[float | None]
+    logprobs: list[TokenLogprobs | None]
 
 
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
@@ -67,8 +69,26 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> SampleResult:
         column([r.sampling.seed for r in requests], torch.int64),
         column([r.num_output_tokens for r in requests], torch.int64),
     )
-    logprobs: list[float | None] = [None] * len(requests)
+    logprobs: list[TokenLogprobs | None] = [None] * len(requests)
     if raw_logprobs is not None:
-        chosen = raw_logprobs.gather(1, token_ids[:, None].long())[:, 0].tolist()
-        logprobs = [lp if req.params.logprobs is not None else None for lp, req in zip(chosen, requests)]
+        logprobs = _token_logprobs(raw_logprobs, token_ids, requests)
     return SampleResult(token_ids.tolist(), logprobs)
+
+
+def _token_logprobs(raw_logprobs: torch.Tensor, token_ids: torch.Tensor, requests: list[Request]) -> list[TokenLogprobs | None]:
+    """The chosen token's logprob and rank (1 + the tokens at least as likely besides it, as vLLM
+    counts), and the ``logprobs`` likeliest tokens of each request that asked."""
+    chosen = raw_logprobs.gather(1, token_ids[:, None].long())
+    ranks = (raw_logprobs >= chosen).sum(dim=1).tolist()
+    k = max(req.params.logprobs or 0 for req in requests)
+    top_values, top_ids = raw_logprobs.topk(k, dim=1)
+    chosen, top_values, top_ids = chosen[:, 0].tolist(), top_values.tolist(), top_ids.tolist()
+    results: list[TokenLogprobs | None] = []
+    for row, req in enumerate(requests):
+        want = req.params.logprobs
+        if want is None:
+            results.append(None)
+            continue
+        top = list(zip(top_ids[row][:want], top_values[row][:want]))
+        results.append(TokenLogprobs(chosen[row], ranks[row], top))
+    return results

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from freetoken.core import FinishReason, RequestTimes, ResolvedSampling, SamplingParams
+from freetoken.core import FinishReason, RequestTimes, ResolvedSampling, SamplingParams, TokenLogprobs
 from freetoken.tokenizer import IncrementalDetokenizer
 
 
@@ -26,7 +26,7 @@ class Request:
     max_total_tokens: int  # prompt + output may not pass this (the context limit)
     detokenizer: IncrementalDetokenizer | None
     token_ids: list[int] = field(init=False)  # prompt, then output
-    output_logprobs: list[float] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV / state are in the cache
     pages: list[int] = field(default_factory=list)
     slot: int | None = None

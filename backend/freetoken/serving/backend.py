@@ -10,7 +10,7 @@ Threads and who owns what:
 - Each response thread (``ResponseWorker``, responses.py) owns a share of the requests and is
   the only code that touches their senders: it merges deltas, polls cancellation and closes each
   request exactly once.
-- A metrics thread publishes freetoken_* families (see metrics.py).
+- A metrics thread publishes the vllm:* and freetoken_* families (see metrics.py).
 
 If the engine thread dies, every open request gets an error, new ones get UNAVAILABLE, and the
 model asks Triton to unload it, so its readiness turns false.
@@ -29,7 +29,7 @@ from freetoken.runtime import Runtime
 from freetoken.serving.metrics import Metrics
 from freetoken.serving.options import BackendOptions, options_from_model_config
 from freetoken.serving.protocol import ProtocolError, parse_request
-from freetoken.serving.responses import ResponseWorker, Stream, error_response
+from freetoken.serving.responses import ResponseWorker, Sample, Stream, error_response
 
 logger = logging.getLogger(__name__)
 
@@ -47,13 +47,14 @@ class TritonBackend:
         self.runtime.start()
         labels = {"model": model_name, "version": str(model_version)}
         self.metrics = Metrics(pb_utils if options.report_metrics else None, labels, self.runtime.stats,
-                               options.metrics_interval_ms / 1000)
+                               options.metrics_interval_ms / 1000, self.runtime.engine.max_model_len)
         self._ids = itertools.count()
         self._unloading = threading.Lock()
         self._unload_requested = False
+        decode_token = functools.lru_cache(maxsize=1 << 16)(lambda t: self.runtime.tokenizer.decode([t]))
         self._workers = [
             ResponseWorker(f"freetoken-responses-{i}", pb_utils, self.runtime, self.metrics,
-                           options.cancel_poll_ms / 1000, self._engine_died)
+                           options.cancel_poll_ms / 1000, self._engine_died, decode_token)
             for i in range(options.response_threads)
         ]
         logger.info("FreeToken engine ready: model %s (%s), %d response threads",
@@ -85,14 +86,16 @@ class TritonBackend:
         n = next(self._ids)
         engine_id = f"{n}:{request.request_id()}"
         try:
-            engine_request = self.runtime.make_request(engine_id, spec.prompt, spec.params)
+            engine_requests = self.runtime.make_requests(engine_id, spec.prompt, spec.params)
         except ValueError as exc:  # the prompt: too long for the context, token ids out of the vocabulary
             raise ProtocolError(f"{'text_input' if isinstance(spec.prompt, str) else 'input_ids'}: {exc}") from None
         tokenizer, prompt = self.runtime.tokenizer, spec.prompt
         prompt_text = (lambda: prompt) if isinstance(prompt, str) else functools.partial(tokenizer.decode, prompt)
         worker = self._workers[n % len(self._workers)]
-        worker.adopt(Stream(engine_id, spec, request.get_response_sender(), prompt_text))
-        self.runtime.submit(engine_request, worker.on_output)
+        samples = [Sample(r.request_id) for r in engine_requests]
+        worker.adopt(Stream(engine_id, spec, request.get_response_sender(), prompt_text, samples))
+        for engine_request in engine_requests:
+            self.runtime.submit(engine_request, worker.on_output)
 
     def _refuse(self, request: Any, message: str, code: str) -> None:
         try:
