@@ -16,12 +16,12 @@ from freetoken.kernels.dispatch import op
 
 
 def store_kv_reference(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_locations: torch.Tensor
 ) -> None:
-    """Write ``k, v [T, Hkv, D]`` to the flat cache slots ``slot_mapping [T]`` (page * page_size + offset)."""
+    """Write ``k, v [T, Hkv, D]`` to the flat KV locations ``kv_locations [T]`` (page * page_size + offset)."""
     num_pages, page_size = k_cache.shape[:2]
-    k_cache.view(num_pages * page_size, *k_cache.shape[2:])[slot_mapping] = k.to(k_cache.dtype)
-    v_cache.view(num_pages * page_size, *v_cache.shape[2:])[slot_mapping] = v.to(v_cache.dtype)
+    k_cache.view(num_pages * page_size, *k_cache.shape[2:])[kv_locations] = k.to(k_cache.dtype)
+    v_cache.view(num_pages * page_size, *v_cache.shape[2:])[kv_locations] = v.to(v_cache.dtype)
 
 
 def gather_pages(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:

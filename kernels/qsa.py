@@ -66,7 +66,7 @@ def qsa_update_index_reference(
     keys: torch.Tensor,
     index_cache: torch.Tensor,
     block_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    kv_locations: torch.Tensor,
     page_table: torch.Tensor,
     token_request: torch.Tensor,
     positions: torch.Tensor,
@@ -82,7 +82,7 @@ def qsa_update_index_reference(
     -> rotary at the block's first position, as the reference indexer computes it.
     """
     num_pages, page_size, dim = index_cache.shape
-    index_cache.view(num_pages * page_size, dim)[slot_mapping] = keys.to(index_cache.dtype)
+    index_cache.view(num_pages * page_size, dim)[kv_locations] = keys.to(index_cache.dtype)
     closing = torch.nonzero((positions + 1) % compress_ratio == 0).flatten()
     if closing.numel() == 0:
         return

@@ -19,6 +19,6 @@ stamp=.venv/.freetoken-setup
 want="$FREETOKEN_TORCH $(sha1sum pyproject.toml | cut -c1-12)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q "$FREETOKEN_TORCH" -e ".[serve,test]"
+  .venv/bin/python -m pip install -q "$FREETOKEN_TORCH" -e ".[serve,test,bench]"
   echo "$want" > "$stamp"
 fi

@@ -20,11 +20,14 @@ class ForwardBatch:
     cu_seqlens: torch.Tensor  # [B + 1] int32, token offsets of the requests
     seq_lens: torch.Tensor  # [B] int32, tokens in the cache after this step
     page_table: torch.Tensor  # [B, max_pages] int32, unused entries point at page 0
-    slot_mapping: torch.Tensor  # [T] int64, flat cache slot (page * page_size + offset) of each token
+    kv_locations: torch.Tensor  # [T] int64, flat KV-cache location (page * page_size + offset) of each token
     state_slots: torch.Tensor  # [B] int32, recurrent-state slot of each request
     logits_indices: torch.Tensor  # [N] int64, tokens whose logits are wanted (a request's last token)
     num_decodes: int  # requests (and tokens) at the front that are single-token decodes
     max_query_len: int  # most new tokens of one request
+    # Bound on seq_lens known on the host (the batch's longest context, or a static bound such as
+    # max_model_len in a CUDA graph): scratch sized from it needs no device->host sync.
+    max_seq_len: int
     query_lens: list[int]  # new tokens per request (host copy)
 
     @property

@@ -1,4 +1,4 @@
-"""The ``freetoken`` command: serve (in freetoken.serving.launcher), generate, demo-model."""
+"""The ``freetoken`` command: serve (in freetoken.serving.launcher), generate, bench (in freetoken.bench), demo-model."""
 
 from __future__ import annotations
 
@@ -72,6 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(serve)
     add_serve_flags(serve)
     serve.set_defaults(run=_serve)
+
+    from freetoken.bench.offline import add_bench_flags, run_bench  # standard library only at import
+
+    bench = commands.add_parser("bench", help="offline decode latency and throughput against the HBM floor")
+    add_engine_flags(bench)
+    add_bench_flags(bench)
+    bench.set_defaults(run=run_bench)
 
     demo = commands.add_parser("demo-model", help="build the embedded tiny demo checkpoint (no downloads)")
     demo.add_argument("dir", nargs="?", default=None, help="where to write it (default: the cache)")

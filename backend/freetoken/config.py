@@ -12,6 +12,7 @@ from freetoken.fields import option
 DType = Literal["auto", "bfloat16", "float16", "float32"]
 Device = Literal["auto", "cuda", "cpu"]
 KernelBackendName = Literal["auto", "torch", "triton"]
+LoadFormat = Literal["auto", "dummy"]
 
 
 @dataclass
@@ -19,6 +20,9 @@ class EngineConfig:
     model: str | None = option(None, "Hugging Face model directory; none serves/uses the embedded demo model")
     tokenizer: str | None = option(None, "tokenizer directory (default: the model directory)")
     dtype: DType = option("auto", "weights and activations dtype; auto takes the checkpoint's (bf16 if unset)")
+    load_format: LoadFormat = option(
+        "auto", "auto: the model directory's safetensors; dummy: random weights made on the device (config.json only)"
+    )
     device: Device = option("auto", "cuda if a GPU is visible, else cpu")
     kernel_backend: KernelBackendName = option(
         "auto", "ops implementation: triton on CUDA and torch on CPU by default; triton on CPU runs the interpreter"
@@ -35,6 +39,10 @@ class EngineConfig:
     )
     cpu_kv_cache_gib: float = option(2.0, "on the CPU, memory for KV pages and states in GiB")
     seed: int = option(0, "seed from which unseeded requests draw their sampling seeds")
+    enforce_eager: bool = option(False, "run every step eagerly: no CUDA graphs for decode steps")
+    cuda_graph_max_bs: int | None = option(
+        None, "largest decode batch replayed from a CUDA graph (default: max_running_requests); larger ones run eagerly"
+    )
 
     @classmethod
     def option_names(cls) -> list[str]:
@@ -49,5 +57,7 @@ class EngineConfig:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {self.num_pages}")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
             raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +23,8 @@ class FinishReason(str, enum.Enum):
 
 @dataclass
 class SamplingParams:
-    """How one request is decoded (vLLM's names and meanings).
+    """How one request is decoded (vLLM's names and meanings): ``validate`` checks the ranges,
+    ``resolve`` fills in the defaults.
 
     ``None`` for ``temperature, top_p, top_k, min_p, repetition_penalty`` means "the model's
     generation_config.json default, else the neutral value".
@@ -87,6 +89,28 @@ class SamplingParams:
         for token_id in self.stop_token_ids or []:
             if not isinstance(token_id, int) or token_id < 0:
                 raise ValueError(f"sampling parameter 'stop_token_ids' must hold token ids >= 0, got {token_id!r}")
+
+    def resolve(self, defaults: Any | None, seed_source: random.Random) -> ResolvedSampling:
+        """Every default filled in: unset fields from ``defaults`` (the model's ``GenerationConfig``,
+        or None), else neutral; an unset seed drawn from ``seed_source``."""
+
+        def pick(name: str, neutral: float) -> float:
+            value = getattr(self, name)
+            if value is None and defaults is not None:
+                value = getattr(defaults, name, None)
+            return neutral if value is None else value
+
+        seed = self.seed if self.seed is not None else seed_source.getrandbits(63)
+        return ResolvedSampling(
+            temperature=float(pick("temperature", 1.0)),
+            top_p=float(pick("top_p", 1.0)),
+            top_k=int(pick("top_k", 0)),
+            min_p=float(pick("min_p", 0.0)),
+            repetition_penalty=float(pick("repetition_penalty", 1.0)),
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            seed=seed - (1 << 64) if seed >= (1 << 63) else seed,  # the device holds it as int64
+        )
 
 
 @dataclass

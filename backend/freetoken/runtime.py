@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from freetoken.config import EngineConfig
-from freetoken.core import FinishReason, RequestOutput, ResolvedSampling, SamplingParams
+from freetoken.core import FinishReason, RequestOutput, SamplingParams
 from freetoken.engine.engine import Engine
-from freetoken.output import append_token, make_output
+from freetoken.output import OutputText, append_token, make_output
 from freetoken.scheduler.request import Request
 from freetoken.scheduler.scheduler import Scheduler
 from freetoken.tokenizer import IncrementalDetokenizer, load_tokenizer
@@ -43,6 +43,14 @@ class RuntimeStats:
     num_preemptions: int
 
 
+@dataclass(eq=False)
+class _Entry:
+    """A request's row in the runtime's table: who gets its outputs, and its text."""
+
+    callback: OutputCallback | None
+    text: OutputText
+
+
 class Runtime:
     def __init__(self, config: EngineConfig) -> None:
         config.validate()
@@ -62,7 +70,7 @@ class Runtime:
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self._seed_rng = random.Random(config.seed)
-        self._callbacks: dict[str, OutputCallback | None] = {}
+        self._table: dict[str, _Entry] = {}  # request id -> entry, from submission until delivered finished
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -84,29 +92,8 @@ class Runtime:
                 raise ValueError(f"prompt_token_ids must be integers in [0, {vocab}), got {token!r}")
         return list(prompt)
 
-    def _resolve(self, params: SamplingParams) -> ResolvedSampling:
-        defaults = self.engine.loaded.generation_config
-
-        def pick(name: str, neutral):
-            value = getattr(params, name)
-            if value is None and defaults is not None:
-                value = getattr(defaults, name, None)
-            return neutral if value is None else value
-
-        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        return ResolvedSampling(
-            temperature=float(pick("temperature", 1.0)),
-            top_p=float(pick("top_p", 1.0)),
-            top_k=int(pick("top_k", 0)),
-            min_p=float(pick("min_p", 0.0)),
-            repetition_penalty=float(pick("repetition_penalty", 1.0)),
-            presence_penalty=params.presence_penalty,
-            frequency_penalty=params.frequency_penalty,
-            seed=seed - (1 << 64) if seed >= (1 << 63) else seed,  # the device holds it as int64
-        )
-
     def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Request:
-        """Validate and tokenize; raises ``ValueError`` naming what is wrong."""
+        """Validate, tokenize, fill in the sampling defaults; raises ``ValueError`` naming what is wrong."""
         if params.n != 1:
             raise ValueError(f"sampling parameter 'n' must be 1 here, got {params.n}: n > 1 is served by "
                              "`freetoken serve`; offline, give the prompt n times")
@@ -136,21 +123,21 @@ class Runtime:
         stop_ids = set(params.stop_token_ids or [])
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
-        detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
         return Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
             params=params,
-            sampling=self._resolve(params),
+            sampling=params.resolve(self.engine.loaded.generation_config, self._seed_rng),
             eos_token_ids=self.eos_token_ids,
             stop_token_ids=stop_ids,
             max_total_tokens=self.max_total_tokens,
-            detokenizer=detokenizer,
         )
 
     def submit(self, request: Request, callback: OutputCallback | None = None) -> None:
         """Queue a request for the engine thread; ``callback`` gets each output (on that thread)."""
-        self._inbox.put(("add", (request, callback)))
+        params = request.params
+        detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens)
+        self._inbox.put(("add", (request, _Entry(callback, OutputText(detokenizer)))))
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
@@ -178,11 +165,12 @@ class Runtime:
             return outputs
         self.scheduler.after_step(batch)
         for req, token_id, logprob in zip(batch.sampling_requests, result.token_ids, result.logprobs):
-            append_token(req, token_id, logprob)
+            text = self._table[req.request_id].text
+            append_token(req, text, token_id, logprob)
             new_logprobs = [logprob] if logprob is not None else None
             if req.finish_reason is not None:
                 self.scheduler.finish(req)
-            outputs.append(make_output(req, [token_id], new_logprobs))
+            outputs.append(make_output(req, text, [token_id], new_logprobs))
         return outputs
 
     def _drain_inbox(self) -> list[RequestOutput]:
@@ -193,15 +181,15 @@ class Runtime:
             except queue.Empty:
                 return outputs
             if kind == "add":
-                request, callback = payload
-                if request.request_id in self._callbacks:
+                request, entry = payload
+                if request.request_id in self._table:
                     logger.warning("duplicate request id %s rejected", request.request_id)
                     request.error = f"request id {request.request_id!r} is already in use"
                     request.finish_reason = FinishReason.ERROR
-                    if callback is not None:
-                        callback(make_output(request, [], None))
+                    if entry.callback is not None:
+                        entry.callback(make_output(request, entry.text, [], None))
                     continue
-                self._callbacks[request.request_id] = callback
+                self._table[request.request_id] = entry
                 self.scheduler.add(request)
             elif kind == "abort":
                 req = self.scheduler.find(payload)
@@ -211,14 +199,15 @@ class Runtime:
     def _finish(self, req: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:
         req.finish_reason, req.error = reason, error
         self.scheduler.finish(req)
-        return make_output(req, [], None)
+        return make_output(req, self._table[req.request_id].text, [], None)
 
     def deliver(self, outputs: list[RequestOutput]) -> None:
         """Hand outputs to their callbacks; forget requests that finished."""
         for output in outputs:
-            callback = self._callbacks.get(output.request_id)
+            entry = self._table.get(output.request_id)
             if output.finished:
-                self._callbacks.pop(output.request_id, None)
+                self._table.pop(output.request_id, None)
+            callback = entry.callback if entry is not None else None
             if callback is None:
                 continue
             try:
@@ -240,7 +229,7 @@ class Runtime:
             self.scheduler.slots.release(slot)
 
     def forget(self, request_id: str) -> None:
-        self._callbacks.pop(request_id, None)
+        self._table.pop(request_id, None)
 
     # ----- the engine thread -----
 

@@ -21,7 +21,17 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels.triton._common import cast, dot, dot_precision, new_empty, on_gpu, pow2, round_as, rows_per_program
+from freetoken.kernels.triton._common import (
+    cast,
+    device_function,
+    dot,
+    dot_precision,
+    new_empty,
+    on_gpu,
+    pow2,
+    round_as,
+    rows_per_program,
+)
 
 MAX_SPLITS = 32
 
@@ -29,8 +39,8 @@ MAX_SPLITS = 32
 @triton.jit
 def _store_kv_kernel(
     k_ptr, k_st, k_sh, v_ptr, v_st, v_sh,
-    kc_ptr, vc_ptr, c_ss, c_sh,
-    slot_ptr, num_rows, num_heads, head_dim,
+    kc_ptr, vc_ptr, c_st, c_sh,
+    loc_ptr, num_rows, num_heads, head_dim,
     SAME_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # (token, head) pairs
@@ -39,8 +49,8 @@ def _store_kv_kernel(
     cols = tl.arange(0, BLOCK_D)[None, :]
     row_ok = (rows < num_rows)[:, None]
     mask = row_ok & (cols < head_dim)
-    slot = tl.load(slot_ptr + t, mask=row_ok, other=0).to(tl.int64)
-    dst = slot * c_ss + h * c_sh + cols
+    loc = tl.load(loc_ptr + t, mask=row_ok, other=0).to(tl.int64)
+    dst = loc * c_st + h * c_sh + cols
     k = tl.load(k_ptr + t * k_st + h * k_sh + cols, mask=mask)
     v = tl.load(v_ptr + t * v_st + h * v_sh + cols, mask=mask)
     if SAME_DTYPE:
@@ -52,7 +62,7 @@ def _store_kv_kernel(
 
 
 def store_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_locations: torch.Tensor
 ) -> None:
     num_tokens, num_heads, head_dim = k.shape
     if v.shape != k.shape or k_cache.shape[2:] != (num_heads, head_dim) or v_cache.shape != k_cache.shape:
@@ -73,16 +83,40 @@ def store_kv(
     _store_kv_kernel[(triton.cdiv(num_rows, block_r),)](
         k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
         k_cache, v_cache, k_cache.stride(1), k_cache.stride(2),
-        slot_mapping, num_rows, num_heads, head_dim,
+        kv_locations, num_rows, num_heads, head_dim,
         SAME_DTYPE=k.dtype == k_cache.dtype and v.dtype == v_cache.dtype,
         BLOCK_R=block_r, BLOCK_D=block_d,
     )
 
 
+@device_function
+def _attend_block(q, acc, m_i, l_i, start, hi, pos, qk_scale,
+                  k_ptr, v_ptr, c_sp, c_st, c_sh, pages_ptr, page_size, kv_head, cols, col_ok,
+                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+    """One key block of the online softmax; ``MASKED`` blocks apply the causal and end masks."""
+    n = start + tl.arange(0, BLOCK_N)
+    n_ok = n < hi
+    page = tl.load(pages_ptr + n // page_size, mask=n_ok, other=0).to(tl.int64)
+    offs = page * c_sp + (n % page_size) * c_st + kv_head * c_sh
+    kv_mask = n_ok[:, None] & col_ok[None, :]
+    k = tl.load(k_ptr + offs[:, None] + cols[None, :], mask=kv_mask, other=0.0)
+    s = dot(q, tl.trans(k), PRECISION) * qk_scale
+    if MASKED:
+        s = tl.where(n_ok[None, :] & (n[None, :] <= pos[:, None]), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_ptr + offs[:, None] + cols[None, :], mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, PRECISION)
+    return acc, m_new, l_i
+
+
 @triton.jit
 def _attention_kernel(
     q_ptr, q_st, q_sh,
-    k_ptr, v_ptr, c_sp, c_ss, c_sh,
+    k_ptr, v_ptr, c_sp, c_st, c_sh,
     pt_ptr, pt_sb,
     cu_ptr, seq_ptr,
     gate_ptr, g_st, g_sh,
@@ -99,7 +133,7 @@ def _attention_kernel(
 ):
     pid = tl.program_id(0)
     b = pid // blocks_per_request
-    q_block = pid % blocks_per_request
+    q_block = blocks_per_request - 1 - pid % blocks_per_request  # longest (causal) programs first
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     q_start = tl.load(cu_ptr + b)
@@ -127,37 +161,30 @@ def _attention_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for start in range(lo, hi, BLOCK_N):
-            n = start + tl.arange(0, BLOCK_N)
-            n_ok = n < hi
-            page = tl.load(pt_ptr + b * pt_sb + n // page_size, mask=n_ok, other=0).to(tl.int64)
-            offs = page * c_sp + (n % page_size) * c_ss + kv_head * c_sh
-            kv_mask = n_ok[:, None] & col_ok[None, :]
-            k = tl.load(k_ptr + offs[:, None] + cols[None, :], mask=kv_mask, other=0.0)
-            s = dot(q, tl.trans(k), PRECISION) * qk_scale
-            s = tl.where(n_ok[None, :] & (n[None, :] <= pos[:, None]), s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + offs[:, None] + cols[None, :], mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, PRECISION)
-            m_i = m_new
+        # Key blocks every row of the block sees in full need no mask; the causal diagonal does.
+        first_pos = context - q_len + q_block * BLOCK_Q
+        mid = tl.minimum(tl.maximum((first_pos + 1) // BLOCK_N * BLOCK_N, lo), hi)
+        kv = (k_ptr, v_ptr, c_sp, c_st, c_sh, pt_ptr + b * pt_sb, page_size, kv_head, cols, col_ok)
+        for start in range(lo, mid, BLOCK_N):
+            acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, start, hi, pos, qk_scale, *kv, BLOCK_N, False, PRECISION)
+        for start in range(mid, hi, BLOCK_N):
+            acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, start, hi, pos, qk_scale, *kv, BLOCK_N, True, PRECISION)
         out_rows = (q_start + tok) * num_q_heads + head
         if NUM_SPLITS == 1:
             dtype = out_ptr.dtype.element_ty
-            o = acc / l_i[:, None]
+            # Rounded to the output dtype first (as the reference rounds): the float32 accumulator
+            # is dead before the gate tile is loaded.
+            o = cast(acc / l_i[:, None], dtype)
             if HAS_GATE:
                 g = tl.load(
                     gate_ptr + (q_start + tok)[:, None] * g_st + head[:, None] * g_sh + cols[None, :],
                     mask=row_ok[:, None] & col_ok[None, :],
                     other=0.0,
                 ).to(tl.float32)
-                o = round_as(o, dtype) * round_as(tl.sigmoid(g), dtype)
+                o = cast(o.to(tl.float32) * round_as(tl.sigmoid(g), dtype), dtype)
             tl.store(
                 out_ptr + out_rows[:, None] * head_dim + cols[None, :],
-                cast(o, dtype),
+                o,
                 mask=row_ok[:, None] & col_ok[None, :],
             )
         else:
@@ -220,8 +247,13 @@ def _multiprocessors(device_index: int) -> int:
 
 
 def _tile_sizes(dtype: torch.dtype, head_dim: int, group: int, max_seqlen_q: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages): float32 tiles are halved to fit shared memory."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages). Half-precision prefill takes 128 query rows
+    (16 tokens x 8 GQA heads share each key block) in two warpgroups of 64 rows; with head_dim 256
+    the 128 x 256 float32 accumulator leaves registers for 32-key blocks only (64 spill on sm_90),
+    head_dim 128 takes 64-key blocks three stages deep. float32 tiles are halved to fit shared memory."""
     wide = dtype == torch.float32
+    if not wide and group * max_seqlen_q >= 128:
+        return (128, 32, 8, 2) if head_dim > 128 else (128, 64, 8, 3)
     block_m_max = 32 if wide and head_dim > 128 else 64
     block_m = max(min(block_m_max, pow2(group * max_seqlen_q, 16)), pow2(group))
     block_n = 32 if wide and head_dim > 128 else 64

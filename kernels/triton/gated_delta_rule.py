@@ -1,23 +1,29 @@
 """Triton Gated DeltaNet: chunked prefill (chunks of 64, initial and final state) and the decode step.
 
-Prefill, per request and value head, in two launches (the chunked WY / UT-transform form of the
-reference, ``chunked_delta_rule``):
+Prefill is the chunked WY / UT-transform form of the reference (``chunked_delta_rule``) in four
+launches, so that only two dependent products per chunk remain sequential:
 
 1. ``_chunk_inverse_kernel``, parallel over every chunk of every request and head: the chunk's
-   unit lower-triangular system ``L = I + strict_lower((β·k) kᵀ ⊙ Γ)`` (``Γ`` the pairwise decay)
+   unit lower-triangular system ``L = I + strict_lower((β·k̂) k̂ᵀ ⊙ Γ)`` (``Γ`` the pairwise decay)
    and its inverse (blockwise: 16x16 diagonal blocks by forward substitution, then the blocks
    below them by block substitution), stored as ``[chunk, head, 64, 64]`` float32.
-2. ``_chunk_scan_kernel``, parallel over (request, head, block of value dims), sequential over the
-   request's chunks: applies ``L⁻¹``, reads and updates the float32 state held in registers, and
-   writes the outputs. The columns of the state evolve independently, so value-dim blocks need no
-   communication.
+2. ``_wy_kernel``, parallel likewise: ``W = L⁻¹ (β k̂ e^γ)`` and ``U = L⁻¹ (β v)``.
+3. ``_state_pass_kernel``, parallel over (request, head, block of value dims), sequential over the
+   request's chunks: stores the state at each chunk's start, ``v' = U − W·S`` and updates ``S``
+   (float32, in registers); the value block is narrowed until the launch fills the SMs twice.
+4. ``_output_kernel``, parallel over (chunk, head, value block):
+   ``o = (q̂ e^γ) S_start + (q̂ k̂ᵀ ⊙ Γ, causal) v'``.
 
-Chunks are counted per request on the device (``cu_chunks``); grids use an upper bound of the
-chunk count so nothing waits for the host. Dot products are exact float32 (``ieee``) when the
-activations are float32, TF32 otherwise; all state arithmetic is float32.
+Chunks are counted per request on the device (``cu_chunks``, and the request of every chunk);
+grids use an upper bound of the chunk count so nothing waits for the host. W, U, v' and the chunk
+states are stored in the activations' dtype in bf16/fp16 runs (the dot operands of the tensor
+cores, as flash-linear-attention does) and in float32 with exact (``ieee``) dots in float32 runs;
+the inverse is float32 (TF32 dots in bf16 runs), and all state and decay arithmetic is float32.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -30,46 +36,39 @@ CHUNK = 64
 
 
 @device_function
-def _load_normalized(ptr, rows, row_ok, stride_t, cols, col_ok, scale):
-    """Rows of q or k as float32, L2-normalised (eps 1e-6 inside the root) and scaled."""
-    x = tl.load(ptr + rows[:, None] * stride_t + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+def _row_rsqrt(x):
+    """1 / sqrt(Σ x² + 1e-6) per row: the reference's L2 normalisation, applied as a row scale."""
     x = x.to(tl.float32)
-    return x * (tl.rsqrt(tl.sum(x * x, 1) + 1e-6) * scale)[:, None]
-
-
-@device_function
-def _find_request(chunk, cu_chunks_ptr, num_requests):
-    request = chunk * 0
-    for i in range(1, num_requests + 1):
-        request += (chunk >= tl.load(cu_chunks_ptr + i)).to(tl.int32)
-    return request
+    return tl.rsqrt(tl.sum(x * x, 1) + 1e-6)
 
 
 @device_function
 def _sub_block(k_ptr, k_st, beta_ptr, beta_st, g_ptr, g_st, h, rows, end, cols, col_ok, decay_before):
-    """One 16-row block of a chunk: normalised keys, β, and the decay from the chunk start."""
+    """One 16-row block of a chunk: the raw keys (the dot operands: exact in bf16 runs), β·‖k‖⁻¹ and ‖k‖⁻¹ (the
+    normalisation, applied to the Gram products' rows and columns), and the decay from the chunk
+    start."""
     row_ok = rows < end
-    k = _load_normalized(k_ptr, rows, row_ok, k_st, cols, col_ok, 1.0)
+    k = tl.load(k_ptr + rows[:, None] * k_st + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    k_scale = _row_rsqrt(k)
     beta = tl.load(beta_ptr + rows * beta_st + h, mask=row_ok, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + rows * g_st + h, mask=row_ok, other=0.0).to(tl.float32)
-    return k, beta, decay_before + tl.cumsum(g, 0), decay_before + tl.sum(g, 0)
+    return k, beta * k_scale, k_scale, decay_before + tl.cumsum(g, 0), decay_before + tl.sum(g, 0)
 
 
 @device_function
-def _off_diagonal(k_i, beta_i, decay_i, k_j, decay_j, PRECISION: tl.constexpr):
-    """The block (i, j), i > j, of the system: (β k_i) k_jᵀ ⊙ exp(decay_i - decay_j)."""
-    return dot(k_i * beta_i[:, None], tl.trans(k_j), PRECISION) * tl.exp(decay_i[:, None] - decay_j[None, :])
+def _gram(k_i, scaled_beta_i, decay_i, k_j, scale_j, decay_j, lower, PRECISION: tl.constexpr):
+    """The block (i, j) of the system's strictly lower part: (β k̂_i) k̂_jᵀ ⊙ exp(decay_i - decay_j)
+    where ``lower``, else 0 (the exponent is masked too: above the diagonal it could overflow)."""
+    gram = dot(k_i, tl.trans(k_j), PRECISION) * scaled_beta_i[:, None] * scale_j[None, :]
+    return tl.where(lower, gram * tl.exp(tl.where(lower, decay_i[:, None] - decay_j[None, :], 0.0)), 0.0)
 
 
 @device_function
-def _diagonal_inverse(k, beta, decay, valid, PRECISION: tl.constexpr, SUB: tl.constexpr):
-    """Inverse of a unit lower-triangular diagonal block by forward substitution:
+def _diagonal_inverse(a, valid, PRECISION: tl.constexpr, SUB: tl.constexpr):
+    """Inverse of the unit lower-triangular diagonal block ``I + a`` by forward substitution:
     row i is e_i - Σ_{j<i} a[i, j] · (row j of the inverse). Rows past the ``valid`` tokens of the
     block are rows of the identity (their keys are zero), so the substitution stops there."""
     idx = tl.arange(0, SUB)
-    lower = idx[:, None] > idx[None, :]
-    a = dot(k * beta[:, None], tl.trans(k), PRECISION)
-    a = tl.where(lower, a * tl.exp(tl.where(lower, decay[:, None] - decay[None, :], 0.0)), 0.0)
     eye = (idx[:, None] == idx[None, :]).to(tl.float32)
     inv = eye
     for i in range(1, tl.minimum(tl.maximum(valid, 1), SUB)):
@@ -88,7 +87,7 @@ def _store_block(base, value, bi: tl.constexpr, bj: tl.constexpr, SUB: tl.conste
 @triton.jit
 def _chunk_inverse_kernel(
     k_ptr, k_st, k_sh, beta_ptr, beta_st, g_ptr, g_st,
-    cu_ptr, cu_chunks_ptr, inv_ptr,
+    cu_ptr, cu_chunks_ptr, chunk_request_ptr, inv_ptr,
     num_requests, num_v_heads, key_dim,
     HEAD_RATIO: tl.constexpr, CHUNK_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -98,7 +97,7 @@ def _chunk_inverse_kernel(
     SUB: tl.constexpr = CHUNK_SIZE // 4
     chunk = tl.program_id(0)
     h = tl.program_id(1)
-    request = _find_request(chunk, cu_chunks_ptr, num_requests)
+    request = tl.load(chunk_request_ptr + chunk)
     if request < num_requests:
         t0 = tl.load(cu_ptr + request) + (chunk - tl.load(cu_chunks_ptr + request)) * CHUNK_SIZE
         end = tl.load(cu_ptr + request + 1)
@@ -108,36 +107,41 @@ def _chunk_inverse_kernel(
         kp = k_ptr + (h // HEAD_RATIO) * k_sh
         valid = end - t0
         base = inv_ptr + (chunk * num_v_heads + h).to(tl.int64) * (CHUNK_SIZE * CHUNK_SIZE)
-        # Blocks past the chunk's last token are neither computed nor stored: the scan masks them.
-        k0, b0, d0, total = _sub_block(kp, k_st, beta_ptr, beta_st, g_ptr, g_st, h, t0 + idx, end, cols, col_ok, 0.0)
-        x00 = _diagonal_inverse(k0, b0, d0, valid, PRECISION, SUB)
+        # All Gram blocks first (blocks past the last token load zero keys), so the keys are dead
+        # before the substitutions; blocks past the chunk's last token are not stored: readers mask them.
+        args = (kp, k_st, beta_ptr, beta_st, g_ptr, g_st, h)
+        k0, b0, r0, d0, total = _sub_block(*args, t0 + idx, end, cols, col_ok, 0.0)
+        k1, b1, r1, d1, total = _sub_block(*args, t0 + SUB + idx, end, cols, col_ok, total)
+        k2, b2, r2, d2, total = _sub_block(*args, t0 + 2 * SUB + idx, end, cols, col_ok, total)
+        k3, b3, r3, d3, total = _sub_block(*args, t0 + 3 * SUB + idx, end, cols, col_ok, total)
+        lower = idx[:, None] > idx[None, :]
+        full = idx[:, None] >= 0
+        a00 = _gram(k0, b0, d0, k0, r0, d0, lower, PRECISION)
+        a11 = _gram(k1, b1, d1, k1, r1, d1, lower, PRECISION)
+        a22 = _gram(k2, b2, d2, k2, r2, d2, lower, PRECISION)
+        a33 = _gram(k3, b3, d3, k3, r3, d3, lower, PRECISION)
+        a10 = _gram(k1, b1, d1, k0, r0, d0, full, PRECISION)
+        a20 = _gram(k2, b2, d2, k0, r0, d0, full, PRECISION)
+        a21 = _gram(k2, b2, d2, k1, r1, d1, full, PRECISION)
+        a30 = _gram(k3, b3, d3, k0, r0, d0, full, PRECISION)
+        a31 = _gram(k3, b3, d3, k1, r1, d1, full, PRECISION)
+        a32 = _gram(k3, b3, d3, k2, r2, d2, full, PRECISION)
+        x00 = _diagonal_inverse(a00, valid, PRECISION, SUB)
         _store_block(base, x00, 0, 0, SUB, CHUNK_SIZE)
         if valid > SUB:
-            k1, b1, d1, total = _sub_block(kp, k_st, beta_ptr, beta_st, g_ptr, g_st, h, t0 + SUB + idx, end, cols,
-                                           col_ok, total)
-            x11 = _diagonal_inverse(k1, b1, d1, valid - SUB, PRECISION, SUB)
-            a10 = _off_diagonal(k1, b1, d1, k0, d0, PRECISION)
+            x11 = _diagonal_inverse(a11, valid - SUB, PRECISION, SUB)
             x10 = -dot(x11, dot(a10, x00, PRECISION), PRECISION)
             _store_block(base, x10, 1, 0, SUB, CHUNK_SIZE)
             _store_block(base, x11, 1, 1, SUB, CHUNK_SIZE)
             if valid > 2 * SUB:
-                k2, b2, d2, total = _sub_block(kp, k_st, beta_ptr, beta_st, g_ptr, g_st, h, t0 + 2 * SUB + idx, end,
-                                               cols, col_ok, total)
-                x22 = _diagonal_inverse(k2, b2, d2, valid - 2 * SUB, PRECISION, SUB)
-                a20 = _off_diagonal(k2, b2, d2, k0, d0, PRECISION)
-                a21 = _off_diagonal(k2, b2, d2, k1, d1, PRECISION)
+                x22 = _diagonal_inverse(a22, valid - 2 * SUB, PRECISION, SUB)
                 x21 = -dot(x22, dot(a21, x11, PRECISION), PRECISION)
                 x20 = -dot(x22, dot(a20, x00, PRECISION) + dot(a21, x10, PRECISION), PRECISION)
                 _store_block(base, x20, 2, 0, SUB, CHUNK_SIZE)
                 _store_block(base, x21, 2, 1, SUB, CHUNK_SIZE)
                 _store_block(base, x22, 2, 2, SUB, CHUNK_SIZE)
                 if valid > 3 * SUB:
-                    k3, b3, d3, total = _sub_block(kp, k_st, beta_ptr, beta_st, g_ptr, g_st, h, t0 + 3 * SUB + idx,
-                                                   end, cols, col_ok, total)
-                    x33 = _diagonal_inverse(k3, b3, d3, valid - 3 * SUB, PRECISION, SUB)
-                    a30 = _off_diagonal(k3, b3, d3, k0, d0, PRECISION)
-                    a31 = _off_diagonal(k3, b3, d3, k1, d1, PRECISION)
-                    a32 = _off_diagonal(k3, b3, d3, k2, d2, PRECISION)
+                    x33 = _diagonal_inverse(a33, valid - 3 * SUB, PRECISION, SUB)
                     x32 = -dot(x33, dot(a32, x22, PRECISION), PRECISION)
                     x31 = -dot(x33, dot(a31, x11, PRECISION) + dot(a32, x21, PRECISION), PRECISION)
                     x30 = -dot(x33, dot(a30, x00, PRECISION) + dot(a31, x10, PRECISION) + dot(a32, x20, PRECISION),
@@ -149,57 +153,151 @@ def _chunk_inverse_kernel(
 
 
 @triton.jit
-def _chunk_scan_kernel(
-    q_ptr, q_st, q_sh, k_ptr, k_st, k_sh, v_ptr, v_st, v_sh,
-    beta_ptr, beta_st, g_ptr, g_st,
-    state_ptr, st_ss, st_sh, st_sk,
-    slot_ptr, cu_ptr, cu_chunks_ptr, inv_ptr, out_ptr,
-    num_v_heads, key_dim, value_dim, q_scale,
-    HEAD_RATIO: tl.constexpr, CHUNK_SIZE: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
+def _wy_kernel(
+    k_ptr, k_st, k_sh, v_ptr, v_st, v_sh, beta_ptr, beta_st, g_ptr, g_st,
+    cu_ptr, cu_chunks_ptr, chunk_request_ptr, inv_ptr, w_ptr, u_ptr, to_end_ptr, chunk_decay_ptr,
+    num_requests, num_tokens, num_v_heads, key_dim, value_dim,
+    HEAD_RATIO: tl.constexpr, CHUNK_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
+    """One chunk of one head, in parallel over all: ``W = L⁻¹ (β k̂ e^γ)`` and ``U = L⁻¹ (β v)``
+    (``k̂`` the normalised keys, ``γ`` the decay from the chunk start), stored ``[head, token, dim]``
+    in the dot-operand dtype; and what the state pass needs per token and chunk,
+    ``‖k‖⁻¹ e^(γ_last − γ)`` and ``e^γ_last``. The key normalisation and the row factors are folded
+    into the columns of ``L⁻¹`` so the raw keys and values are the dot operands."""
+    chunk = tl.program_id(0)
+    h = tl.program_id(1)
+    request = tl.load(chunk_request_ptr + chunk)
+    if request < num_requests:
+        op = w_ptr.dtype.element_ty
+        t0 = tl.load(cu_ptr + request) + (chunk - tl.load(cu_chunks_ptr + request)) * CHUNK_SIZE
+        end = tl.load(cu_ptr + request + 1)
+        idx = tl.arange(0, CHUNK_SIZE)
+        rows = t0 + idx
+        row_ok = rows < end
+        kcols = tl.arange(0, BLOCK_K)
+        k_ok = kcols < key_dim
+        vcols = tl.arange(0, BLOCK_V)
+        v_ok = vcols < value_dim
+        k = tl.load(k_ptr + rows[:, None] * k_st + (h // HEAD_RATIO) * k_sh + kcols[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        v = tl.load(v_ptr + rows[:, None] * v_st + h * v_sh + vcols[None, :],
+                    mask=row_ok[:, None] & v_ok[None, :], other=0.0)
+        beta = tl.load(beta_ptr + rows * beta_st + h, mask=row_ok, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + rows * g_st + h, mask=row_ok, other=0.0).to(tl.float32)
+        decay = tl.cumsum(g, 0)
+        decay_last = tl.sum(g, 0)  # padding has g = 0, as in the reference
+        inv_base = inv_ptr + (chunk * num_v_heads + h).to(tl.int64) * (CHUNK_SIZE * CHUNK_SIZE)
+        # Only the block-lower-triangular part over the chunk's tokens was written.
+        inv_mask = ((idx[:, None] // (CHUNK_SIZE // 4)) >= (idx[None, :] // (CHUNK_SIZE // 4))) & row_ok[:, None] & row_ok[None, :]
+        inv = tl.load(inv_base + idx[:, None] * CHUNK_SIZE + idx[None, :], mask=inv_mask, other=0.0)
+        inv_k = inv * (beta * _row_rsqrt(k) * tl.exp(decay))[None, :]
+        w = dot(cast(inv_k, op), cast(k.to(tl.float32), op), PRECISION)
+        u = dot(cast(inv * beta[None, :], op), cast(v.to(tl.float32), op), PRECISION)
+        head_rows = h.to(tl.int64) * num_tokens + rows
+        tl.store(w_ptr + head_rows[:, None] * key_dim + kcols[None, :], cast(w, op),
+                 mask=row_ok[:, None] & k_ok[None, :])
+        tl.store(u_ptr + head_rows[:, None] * value_dim + vcols[None, :], cast(u, op),
+                 mask=row_ok[:, None] & v_ok[None, :])
+        tl.store(to_end_ptr + head_rows, _row_rsqrt(k) * tl.exp(decay_last - decay), mask=row_ok)
+        tl.store(chunk_decay_ptr + chunk * num_v_heads + h, tl.exp(decay_last))
+
+
+@triton.jit
+def _state_pass_kernel(
+    k_ptr, k_st, k_sh, w_ptr, u_ptr, to_end_ptr, chunk_decay_ptr,
+    state_ptr, st_ss, st_sh, st_sk, slot_ptr, cu_ptr, cu_chunks_ptr, states_ptr, v_new_ptr,
+    num_tokens, num_v_heads, key_dim, value_dim,
+    HEAD_RATIO: tl.constexpr, CHUNK_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """The only sequential part, per (request, head, block of value dims): for each chunk, store
+    the state at its start, ``v' = U − W·S`` (stored), ``S = e^γ_last S + k̂ᵀ (e^(γ_last−γ) v')``.
+    Two dependent products per chunk; the loads do not depend on the state, so they pipeline.
+    The state's columns evolve independently, so value blocks need no communication."""
     b = tl.program_id(0)
     h = tl.program_id(1)
-    kh = h // HEAD_RATIO
+    op = w_ptr.dtype.element_ty
     vcols = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     v_ok = vcols < value_dim
     kcols = tl.arange(0, BLOCK_K)
     k_ok = kcols < key_dim
+    s_mask = k_ok[:, None] & v_ok[None, :]
     start = tl.load(cu_ptr + b)
     end = tl.load(cu_ptr + b + 1)
     first_chunk = tl.load(cu_chunks_ptr + b)
     slot = tl.load(slot_ptr + b).to(tl.int64)
     s_ptrs = state_ptr + slot * st_ss + h * st_sh + kcols[:, None] * st_sk + vcols[None, :]
-    s_mask = k_ok[:, None] & v_ok[None, :]
     state = tl.load(s_ptrs, mask=s_mask, other=0.0)
     idx = tl.arange(0, CHUNK_SIZE)
-    causal = idx[:, None] >= idx[None, :]
+    kp = k_ptr + (h // HEAD_RATIO) * k_sh
     for c in range(0, tl.cdiv(end - start, CHUNK_SIZE)):
         rows = start + c * CHUNK_SIZE + idx
         row_ok = rows < end
-        q = _load_normalized(q_ptr + kh * q_sh, rows, row_ok, q_st, kcols, k_ok, q_scale)
-        k = _load_normalized(k_ptr + kh * k_sh, rows, row_ok, k_st, kcols, k_ok, 1.0)
-        v = tl.load(v_ptr + rows[:, None] * v_st + h * v_sh + vcols[None, :],
-                    mask=row_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
-        beta = tl.load(beta_ptr + rows * beta_st + h, mask=row_ok, other=0.0).to(tl.float32)
+        head_rows = h.to(tl.int64) * num_tokens + rows
+        chunk = (first_chunk + c) * num_v_heads + h
+        tl.store(states_ptr + chunk.to(tl.int64) * (key_dim * value_dim) + kcols[:, None] * value_dim + vcols[None, :],
+                 cast(state, op), mask=s_mask)
+        w = tl.load(w_ptr + head_rows[:, None] * key_dim + kcols[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        u = tl.load(u_ptr + head_rows[:, None] * value_dim + vcols[None, :], mask=row_ok[:, None] & v_ok[None, :],
+                    other=0.0)
+        k_t = tl.load(kp + rows[None, :] * k_st + kcols[:, None], mask=k_ok[:, None] & row_ok[None, :], other=0.0)
+        to_end = tl.load(to_end_ptr + head_rows, mask=row_ok, other=0.0)
+        chunk_decay = tl.load(chunk_decay_ptr + chunk)
+        v_new = u.to(tl.float32) - dot(w, cast(state, op), PRECISION)
+        tl.store(v_new_ptr + head_rows[:, None] * value_dim + vcols[None, :], cast(v_new, op),
+                 mask=row_ok[:, None] & v_ok[None, :])
+        state = state * chunk_decay + dot(cast(k_t.to(tl.float32), op), cast(v_new * to_end[:, None], op), PRECISION)
+    tl.store(s_ptrs, state, mask=s_mask)
+
+
+@triton.jit
+def _output_kernel(
+    q_ptr, q_st, q_sh, k_ptr, k_st, k_sh, g_ptr, g_st,
+    cu_ptr, cu_chunks_ptr, chunk_request_ptr, states_ptr, v_new_ptr, out_ptr,
+    num_requests, num_tokens, num_v_heads, key_dim, value_dim, q_scale,
+    HEAD_RATIO: tl.constexpr, CHUNK_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Outputs of one chunk, in parallel over all: ``o = (q̂ e^γ) S_start + (q̂ k̂ᵀ ⊙ Γ, causal) v'``.
+    The raw q and k are the dot operands; their normalisation is applied to the products' rows
+    and columns."""
+    chunk = tl.program_id(0)
+    h = tl.program_id(1)
+    request = tl.load(chunk_request_ptr + chunk)
+    if request < num_requests:
+        op = states_ptr.dtype.element_ty
+        t0 = tl.load(cu_ptr + request) + (chunk - tl.load(cu_chunks_ptr + request)) * CHUNK_SIZE
+        end = tl.load(cu_ptr + request + 1)
+        idx = tl.arange(0, CHUNK_SIZE)
+        rows = t0 + idx
+        row_ok = rows < end
+        kcols = tl.arange(0, BLOCK_K)
+        k_ok = kcols < key_dim
+        vcols = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+        v_ok = vcols < value_dim
+        kh = h // HEAD_RATIO
+        qk_mask = row_ok[:, None] & k_ok[None, :]
+        q = tl.load(q_ptr + rows[:, None] * q_st + kh * q_sh + kcols[None, :], mask=qk_mask, other=0.0)
+        k = tl.load(k_ptr + rows[:, None] * k_st + kh * k_sh + kcols[None, :], mask=qk_mask, other=0.0)
         decay = tl.cumsum(tl.load(g_ptr + rows * g_st + h, mask=row_ok, other=0.0).to(tl.float32), 0)
-        decay_last = tl.sum(tl.where(idx == CHUNK_SIZE - 1, decay, 0.0), 0)
-        inv_base = inv_ptr + ((first_chunk + c) * num_v_heads + h).to(tl.int64) * (CHUNK_SIZE * CHUNK_SIZE)
-        # Only the block-lower-triangular part over the chunk's tokens was written.
-        inv_mask = ((idx[:, None] // (CHUNK_SIZE // 4)) >= (idx[None, :] // (CHUNK_SIZE // 4))) & row_ok[:, None] & row_ok[None, :]
-        inv = tl.load(inv_base + idx[:, None] * CHUNK_SIZE + idx[None, :], mask=inv_mask, other=0.0)
-        # W = L⁻¹ (β k e^decay) reads the state; U = L⁻¹ (β v) are the new values before correction.
-        w = dot(inv, k * (beta * tl.exp(decay))[:, None], PRECISION)
-        u = dot(inv, v * beta[:, None], PRECISION)
-        corrected = u - dot(w, state, PRECISION)
-        qk = dot(q, tl.trans(k), PRECISION)
-        qk = tl.where(causal, qk * tl.exp(tl.where(causal, decay[:, None] - decay[None, :], 0.0)), 0.0)
-        out = dot(q * tl.exp(decay)[:, None], state, PRECISION) + dot(qk, corrected, PRECISION)
+        q_row = _row_rsqrt(q) * q_scale
+        q_op = cast(q.to(tl.float32), op)
+        causal = idx[:, None] >= idx[None, :]
+        qk = dot(q_op, tl.trans(cast(k.to(tl.float32), op)), PRECISION)
+        qk = qk * (tl.exp(tl.where(causal, decay[:, None] - decay[None, :], 0.0)) * _row_rsqrt(k)[None, :])
+        qk = tl.where(causal, qk, 0.0)
+        chunk_state = states_ptr + (chunk * num_v_heads + h).to(tl.int64) * (key_dim * value_dim)
+        s = tl.load(chunk_state + kcols[:, None] * value_dim + vcols[None, :], mask=k_ok[:, None] & v_ok[None, :],
+                    other=0.0)
+        head_rows = h.to(tl.int64) * num_tokens + rows
+        v_new = tl.load(v_new_ptr + head_rows[:, None] * value_dim + vcols[None, :],
+                        mask=row_ok[:, None] & v_ok[None, :], other=0.0)
+        out = dot(q_op, s, PRECISION) * tl.exp(decay)[:, None] + dot(cast(qk, op), v_new, PRECISION)
+        out = out * q_row[:, None]
         tl.store(out_ptr + rows[:, None] * (num_v_heads * value_dim) + h * value_dim + vcols[None, :],
                  cast(out, out_ptr.dtype.element_ty), mask=row_ok[:, None] & v_ok[None, :])
-        k_to_end = k * tl.exp(decay_last - decay)[:, None]
-        state = state * tl.exp(decay_last) + dot(tl.trans(k_to_end), corrected, PRECISION)
-    tl.store(s_ptrs, state, mask=s_mask)
 
 
 def _unit_stride(*tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -224,6 +322,20 @@ def _check(q, k, v, g, beta, state) -> None:
         )
 
 
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def state_pass_block_v(num_programs_per_block: int, value_dim: int, device: torch.device) -> int:
+    """Value columns per program of the sequential pass: the widest block (≤ 64) that still gives
+    two programs per SM, so one program's dependent products overlap another's (at least 16)."""
+    block = min(pow2(value_dim, 16), 64)
+    while block > 16 and num_programs_per_block * triton.cdiv(value_dim, block) < 2 * _num_sms(device):
+        block //= 2
+    return block
+
+
 def gated_delta_rule_prefill(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -233,7 +345,12 @@ def gated_delta_rule_prefill(
     state: torch.Tensor,
     state_slots: torch.Tensor,
     cu_seqlens: torch.Tensor,
+    state_block_v: int | None = None,
 ) -> torch.Tensor:
+    """Four launches: the chunk inverses, W and U (both parallel over every chunk of every request
+    and head), the sequential state pass, the outputs (parallel). Intermediates are stored in the
+    dot-operand dtype: the activations' half-precision dtype (full-rate tensor cores), float32 in
+    float32 runs. ``state_block_v`` overrides the state pass's value block (for tuning)."""
     _check(q, k, v, g, beta, state)
     q, k, v, g, beta = _unit_stride(q, k, v, g, beta)
     num_tokens, num_v_heads, value_dim = v.shape
@@ -242,29 +359,52 @@ def gated_delta_rule_prefill(
     out = new_empty((num_tokens, num_v_heads, value_dim), v.dtype, v.device)
     if num_tokens == 0 or num_requests == 0:
         return out
+    device = v.device
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
     cu_chunks = F.pad(torch.cumsum((lens + CHUNK - 1) // CHUNK, 0), (1, 0)).to(torch.int32)
     max_chunks = triton.cdiv(num_tokens, CHUNK) + num_requests
-    inverse = new_empty((max_chunks, num_v_heads, CHUNK, CHUNK), torch.float32, v.device)
+    # The request of every chunk (num_requests past the last one), found on the device.
+    chunk_request = torch.searchsorted(
+        cu_chunks[1:].contiguous(), torch.arange(max_chunks, dtype=torch.int32, device=device), right=True, out_int32=True
+    )
+    operand = k.dtype if k.dtype in (torch.bfloat16, torch.float16) else torch.float32
     precision = dot_precision(v.dtype)
-    block_k = pow2(key_dim, 16)
+    block_k, block_v = pow2(key_dim, 16), pow2(value_dim, 16)
     ratio = num_v_heads // num_k_heads
+    common = dict(HEAD_RATIO=ratio, CHUNK_SIZE=CHUNK, BLOCK_K=block_k, PRECISION=precision)
+
+    inverse = new_empty((max_chunks, num_v_heads, CHUNK, CHUNK), torch.float32, device)
     _chunk_inverse_kernel[(max_chunks, num_v_heads)](
         k, k.stride(0), k.stride(1), beta, beta.stride(0), g, g.stride(0),
-        cu_seqlens, cu_chunks, inverse,
+        cu_seqlens, cu_chunks, chunk_request, inverse,
         num_requests, num_v_heads, key_dim,
-        HEAD_RATIO=ratio, CHUNK_SIZE=CHUNK, BLOCK_K=block_k, PRECISION=precision,
-        num_warps=4,
+        **common, num_warps=4,
     )
-    block_v = min(pow2(value_dim, 16), 32)
-    _chunk_scan_kernel[(num_requests, num_v_heads, triton.cdiv(value_dim, block_v))](
-        q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
-        beta, beta.stride(0), g, g.stride(0),
-        state, state.stride(0), state.stride(1), state.stride(2),
-        state_slots, cu_seqlens, cu_chunks, inverse, out,
-        num_v_heads, key_dim, value_dim, key_dim**-0.5,
-        HEAD_RATIO=ratio, CHUNK_SIZE=CHUNK, BLOCK_K=block_k, BLOCK_V=block_v, PRECISION=precision,
-        num_warps=8, num_stages=1,  # the loop over chunks is sequential; staging its loads overflows shared memory
+    w = new_empty((num_v_heads, num_tokens, key_dim), operand, device)
+    u = new_empty((num_v_heads, num_tokens, value_dim), operand, device)
+    to_end = new_empty((num_v_heads, num_tokens), torch.float32, device)
+    chunk_decay = new_empty((max_chunks, num_v_heads), torch.float32, device)
+    _wy_kernel[(max_chunks, num_v_heads)](
+        k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), beta, beta.stride(0), g, g.stride(0),
+        cu_seqlens, cu_chunks, chunk_request, inverse, w, u, to_end, chunk_decay,
+        num_requests, num_tokens, num_v_heads, key_dim, value_dim,
+        **common, BLOCK_V=block_v, num_warps=8,
+    )
+    states = new_empty((max_chunks, num_v_heads, key_dim, value_dim), operand, device)
+    v_new = new_empty((num_v_heads, num_tokens, value_dim), operand, device)
+    pass_v = state_block_v or state_pass_block_v(num_requests * num_v_heads, value_dim, device)
+    _state_pass_kernel[(num_requests, num_v_heads, triton.cdiv(value_dim, pass_v))](
+        k, k.stride(0), k.stride(1), w, u, to_end, chunk_decay,
+        state, state.stride(0), state.stride(1), state.stride(2), state_slots, cu_seqlens, cu_chunks, states, v_new,
+        num_tokens, num_v_heads, key_dim, value_dim,
+        **common, BLOCK_V=pass_v, num_warps=4, num_stages=2,
+    )
+    out_v = min(block_v, 64)
+    _output_kernel[(max_chunks, num_v_heads, triton.cdiv(value_dim, out_v))](
+        q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), g, g.stride(0),
+        cu_seqlens, cu_chunks, chunk_request, states, v_new, out,
+        num_requests, num_tokens, num_v_heads, key_dim, value_dim, key_dim**-0.5,
+        **common, BLOCK_V=out_v, num_warps=4,
     )
     return out
 

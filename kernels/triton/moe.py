@@ -6,7 +6,8 @@
    (``order``: pair indices grouped by expert, ``offsets``: each expert's range).
 2. ``_gate_up_kernel``: a grouped GEMM over tiles of ``BLOCK_M`` pairs of one expert. A program finds
    its (expert, tile) from ``offsets`` itself; tiles past the real count exit, so the grid is an upper
-   bound (``ceil(pairs / BLOCK_M) + experts``). Each program computes a gate block and the matching up
+   bound (``ceil(pairs / BLOCK_M) + experts`` row tiles, in groups of ``GROUP_M`` over all column
+   blocks). Tile sizes, warps and stages come from ``moe_configs`` (a table tuned per shape). Each program computes a gate block and the matching up
    block of ``w13`` and writes ``silu(gate) · up`` (SiLU-and-mul fused) in sorted pair order.
 3. ``_down_kernel``: the same tiling over ``w2``, scaled by the routing weight, written per pair.
 4. ``_sum_choices_kernel``: each token's ``top_k`` pair outputs summed in float32 (deterministic, no atomics).
@@ -21,7 +22,6 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels.triton._common import (
-    INTERPRETED,
     cast,
     device_function,
     dot,
@@ -31,6 +31,7 @@ from freetoken.kernels.triton._common import (
     round_as,
     rows_per_program,
 )
+from freetoken.kernels.triton.moe_configs import GemmConfig, moe_gemm_config
 
 
 @triton.jit
@@ -142,26 +143,39 @@ def _tile_of(pid, offsets_ptr, num_experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.c
     return expert, first, end
 
 
+@device_function
+def _grouped_tile(num_row_tiles, num_col_blocks, GROUP_M: tl.constexpr):
+    """(row tile, column block) of this program in a 1-D grid: ``GROUP_M`` row tiles (mostly of one
+    expert) run over all column blocks before the next group, so their weight blocks and gathered
+    rows are reused from L2."""
+    pid = tl.program_id(0)
+    per_group = GROUP_M * num_col_blocks
+    first = (pid // per_group) * GROUP_M
+    size = tl.minimum(num_row_tiles - first, GROUP_M)
+    return first + (pid % per_group) % size, (pid % per_group) // size
+
+
 @triton.jit
 def _gate_up_kernel(
     x_ptr, x_st, w_ptr, w_se, w_sn, order_ptr, offsets_ptr, h_ptr,
-    hidden, inter, num_experts,
+    hidden, inter, num_experts, num_row_tiles,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_E: tl.constexpr, PRECISION: tl.constexpr,
+    GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    expert, first, end = _tile_of(tl.program_id(0), offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
+    tile, col_block = _grouped_tile(num_row_tiles, tl.cdiv(inter, BLOCK_N), GROUP_M)
+    expert, first, end = _tile_of(tile, offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
     if expert < num_experts:
         rows = first + tl.arange(0, BLOCK_M)
         row_ok = rows < end
         token = tl.load(order_ptr + rows, mask=row_ok, other=0) // TOP_K
-        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < inter
         w_base = w_ptr + expert.to(tl.int64) * w_se
         acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, hidden, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < hidden
+            k_ok = (k < hidden) | EVEN_K  # constant true when the tiles divide the dim: no column mask
             a = tl.load(x_ptr + token[:, None] * x_st + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w_mask = n_ok[:, None] & k_ok[None, :]
             w_gate = tl.load(w_base + n[:, None] * w_sn + k[None, :], mask=w_mask, other=0.0)
@@ -177,22 +191,23 @@ def _gate_up_kernel(
 @triton.jit
 def _down_kernel(
     h_ptr, w_ptr, w_se, w_sn, order_ptr, offsets_ptr, topk_w_ptr, y_ptr,
-    hidden, inter, num_experts,
+    hidden, inter, num_experts, num_row_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_E: tl.constexpr, PRECISION: tl.constexpr,
+    GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    expert, first, end = _tile_of(tl.program_id(0), offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
+    tile, col_block = _grouped_tile(num_row_tiles, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+    expert, first, end = _tile_of(tile, offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
     if expert < num_experts:
         rows = first + tl.arange(0, BLOCK_M)
         row_ok = rows < end
         pair = tl.load(order_ptr + rows, mask=row_ok, other=0)
-        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < hidden
         w_base = w_ptr + expert.to(tl.int64) * w_se
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, inter, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < inter
+            k_ok = (k < inter) | EVEN_K
             a = tl.load(h_ptr + rows[:, None] * inter + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_base + n[:, None] * w_sn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             acc += dot(a, tl.trans(w), PRECISION)
@@ -215,16 +230,42 @@ def _sum_choices_kernel(y_ptr, out_ptr, num_tokens, hidden, TOP_K: tl.constexpr,
     tl.store(out_ptr + t * hidden + cols, cast(acc, out_ptr.dtype.element_ty), mask=ok)
 
 
-def _gemm_tiles(dtype: torch.dtype, num_pairs: int, num_experts: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_stages): BLOCK_M from the mean pairs per expert (decode
-    batches route a few tokens to each expert); float32 tiles are narrower to fit shared memory."""
-    mean_rows = num_pairs / max(num_experts, 1)
-    block_m = 16 if mean_rows <= 16 else 32 if mean_rows <= 48 else 64
-    if INTERPRETED:  # few, large programs: the interpreter's cost is per program and operation
-        return block_m, 128, 256, 1
-    if dtype == torch.float32:
-        return block_m, 64, 32, 2
-    return block_m, 64, 64, 3
+def _row_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Upper bound of the grouped GEMM's row tiles: every expert may end in a partial tile."""
+    return triton.cdiv(num_pairs, block_m) + num_experts
+
+
+def gate_up(
+    x: torch.Tensor, w13: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, h: torch.Tensor, top_k: int,
+    config: GemmConfig,
+) -> None:
+    """``h[sorted pair] = silu(x w_gateᵀ) · (x w_upᵀ)`` of the pair's expert (the tuner launches it too)."""
+    num_experts, two_inter, hidden = w13.shape
+    inter = two_inter // 2
+    tiles = _row_tiles(h.shape[0], num_experts, config.block_m)
+    _gate_up_kernel[(tiles * triton.cdiv(inter, config.block_n),)](
+        x, x.stride(0), w13, w13.stride(0), w13.stride(1), order, offsets, h,
+        hidden, inter, num_experts, tiles,
+        TOP_K=top_k, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        GROUP_M=config.group_m, BLOCK_E=pow2(num_experts), EVEN_K=hidden % config.block_k == 0,
+        PRECISION=dot_precision(x.dtype), num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+
+
+def down(
+    h: torch.Tensor, w2: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, topk_weights: torch.Tensor,
+    y: torch.Tensor, config: GemmConfig,
+) -> None:
+    """``y[pair] = weight · (h w_downᵀ)`` of the pair's expert, in pair order (the tuner launches it too)."""
+    num_experts, hidden, inter = w2.shape
+    tiles = _row_tiles(h.shape[0], num_experts, config.block_m)
+    _down_kernel[(tiles * triton.cdiv(hidden, config.block_n),)](
+        h, w2, w2.stride(0), w2.stride(1), order, offsets, topk_weights, y,
+        hidden, inter, num_experts, tiles,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        GROUP_M=config.group_m, BLOCK_E=pow2(num_experts), EVEN_K=inter % config.block_k == 0,
+        PRECISION=dot_precision(h.dtype), num_warps=config.num_warps, num_stages=config.num_stages,
+    )
 
 
 def fused_experts(
@@ -247,23 +288,10 @@ def fused_experts(
     topk_weights = topk_weights.contiguous()
     num_pairs = num_tokens * top_k
     order, offsets = moe_sort_tokens(topk_ids, num_experts)
-    block_m, block_n, block_k, stages = _gemm_tiles(x.dtype, num_pairs, num_experts)
-    max_tiles = triton.cdiv(num_pairs, block_m) + num_experts
-    precision = dot_precision(x.dtype)
     h = new_empty((num_pairs, inter), x.dtype, x.device)
-    _gate_up_kernel[(max_tiles, triton.cdiv(inter, block_n))](
-        x, x.stride(0), w13, w13.stride(0), w13.stride(1), order, offsets, h,
-        hidden, inter, num_experts,
-        TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        BLOCK_E=pow2(num_experts), PRECISION=precision, num_warps=4, num_stages=stages,
-    )
+    gate_up(x, w13, order, offsets, h, top_k, moe_gemm_config("gate_up", x.dtype, num_pairs, num_experts, hidden, inter))
     y = new_empty((num_pairs, hidden), x.dtype, x.device)
-    _down_kernel[(max_tiles, triton.cdiv(hidden, block_n))](
-        h, w2, w2.stride(0), w2.stride(1), order, offsets, topk_weights, y,
-        hidden, inter, num_experts,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        BLOCK_E=pow2(num_experts), PRECISION=precision, num_warps=4, num_stages=stages,
-    )
+    down(h, w2, order, offsets, topk_weights, y, moe_gemm_config("down", x.dtype, num_pairs, num_experts, hidden, inter))
     block = min(pow2(hidden), 1024)
     block_t = rows_per_program(num_tokens, block)
     _sum_choices_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(hidden, block))](

@@ -27,18 +27,18 @@ _LOG2E = tl.constexpr(1.4426950408889634)  # a plain float global is rejected by
 
 
 @triton.jit
-def _store_index_kernel(k_ptr, k_st, cache_ptr, slot_ptr, dim, BLOCK_D: tl.constexpr):
+def _store_index_kernel(k_ptr, k_st, cache_ptr, loc_ptr, dim, BLOCK_D: tl.constexpr):
     t = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < dim
-    slot = tl.load(slot_ptr + t).to(tl.int64)
+    loc = tl.load(loc_ptr + t).to(tl.int64)
     k = tl.load(k_ptr + t * k_st + cols, mask=mask, other=0.0)
-    tl.store(cache_ptr + slot * dim + cols, cast(k.to(tl.float32), cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(cache_ptr + loc * dim + cols, cast(k.to(tl.float32), cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _pool_blocks_kernel(
-    cache_ptr, c_sp, c_ss, block_ptr, b_sp, b_si, pt_ptr, pt_sb, req_ptr, pos_ptr, w_ptr, rope_ptr, rope_st,
+    cache_ptr, c_sp, c_st, block_ptr, b_sp, b_si, pt_ptr, pt_sb, req_ptr, pos_ptr, w_ptr, rope_ptr, rope_st,
     eps, page_size, dim, ratio, half, rotary_dim,
     BLOCK_C: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
 ):
@@ -54,7 +54,7 @@ def _pool_blocks_kernel(
         members = first + tl.arange(0, BLOCK_C)
         m_ok = members <= pos
         pages = tl.load(pt_ptr + request * pt_sb + members // page_size, mask=m_ok, other=0).to(tl.int64)
-        rows = (pages * c_sp + (members % page_size) * c_ss)[:, None]
+        rows = (pages * c_sp + (members % page_size) * c_st)[:, None]
         lo_c = tl.arange(0, BLOCK_HALF)
         rest_c = rotary_dim + tl.arange(0, BLOCK_REST)
         lo_ok, rest_ok = lo_c < half, rest_c < dim
@@ -85,7 +85,7 @@ def qsa_update_index(
     keys: torch.Tensor,
     index_cache: torch.Tensor,
     block_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    kv_locations: torch.Tensor,
     page_table: torch.Tensor,
     token_request: torch.Tensor,
     positions: torch.Tensor,
@@ -110,7 +110,7 @@ def qsa_update_index(
         keys = keys.contiguous()
     if not index_cache.is_contiguous() or block_cache.stride(-1) != 1:
         raise ValueError("qsa_update_index: index_cache must be contiguous, block_cache unit-stride")
-    _store_index_kernel[(num_tokens,)](keys, keys.stride(0), index_cache, slot_mapping, dim, BLOCK_D=pow2(dim))
+    _store_index_kernel[(num_tokens,)](keys, keys.stride(0), index_cache, kv_locations, dim, BLOCK_D=pow2(dim))
     half = rotary_dim // 2
     _pool_blocks_kernel[(num_tokens,)](
         index_cache, index_cache.stride(0), index_cache.stride(1), block_cache, block_cache.stride(0),
@@ -197,8 +197,8 @@ def _block_topk_kernel(score_ptr, score_st, pos_ptr, out_ptr, ratio, width, TOPK
             equal = (ok & (key == prefix)).to(tl.int32)
             equal_rank = equal_seen + tl.cumsum(equal, 0) - equal
             take = ((ok & (key > prefix)) | ((equal != 0) & (equal_rank < remaining))).to(tl.int32)
-            slot = taken + tl.cumsum(take, 0) - take
-            tl.store(out + slot, j, mask=take != 0)
+            rank = taken + tl.cumsum(take, 0) - take
+            tl.store(out + rank, j, mask=take != 0)
             taken += tl.sum(take, 0)
             equal_seen += tl.sum(equal, 0)
 
@@ -241,7 +241,7 @@ def qsa_select_blocks(
 
 @triton.jit
 def _sparse_attention_kernel(
-    q_ptr, q_st, q_sh, k_ptr, v_ptr, c_sp, c_ss, c_sh, pt_ptr, pt_sb, req_ptr, pos_ptr, sel_ptr,
+    q_ptr, q_st, q_sh, k_ptr, v_ptr, c_sp, c_st, c_sh, pt_ptr, pt_sb, req_ptr, pos_ptr, sel_ptr,
     gate_ptr, g_st, g_sh, out_ptr, scale, num_q_heads, head_dim, page_size, ratio,
     TOPK: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr, PRECISION: tl.constexpr,
@@ -272,7 +272,7 @@ def _sparse_attention_kernel(
         block = tl.load(sel_ptr + t * TOPK + u // ratio, mask=ok & from_block, other=0)
         token = tl.where(from_block, block * ratio + u % ratio, complete * ratio + u - in_blocks)
         page = tl.load(pt_ptr + request * pt_sb + token // page_size, mask=ok, other=0).to(tl.int64)
-        offs = page * c_sp + (token % page_size) * c_ss + kv_head * c_sh
+        offs = page * c_sp + (token % page_size) * c_st + kv_head * c_sh
         kv_mask = ok[:, None] & col_ok[None, :]
         k = tl.load(k_ptr + offs[:, None] + cols[None, :], mask=kv_mask, other=0.0)
         s = dot(q, tl.trans(k), PRECISION) * qk_scale

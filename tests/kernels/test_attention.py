@@ -30,10 +30,10 @@ def test_store_kv_strided(rng, dtype):
     v = packed[:, h * d + 3 :].reshape(t, h, d)
     k_cache = torch.randn(pages, page_size, h, d, generator=rng).to(dtype).to(DEVICE)
     v_cache = torch.randn(pages, page_size, h, d, generator=rng).to(dtype).to(DEVICE)
-    slots = (torch.randperm(pages * page_size, generator=rng)[:t]).to(DEVICE)
+    kv_locations = (torch.randperm(pages * page_size, generator=rng)[:t]).to(DEVICE)
     want_k, want_v = k_cache.clone(), v_cache.clone()
-    ref.store_kv_reference(k, v, want_k, want_v, slots)
-    store_kv(k, v, k_cache, v_cache, slots)
+    ref.store_kv_reference(k, v, want_k, want_v, kv_locations)
+    store_kv(k, v, k_cache, v_cache, kv_locations)
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
 
 
@@ -43,6 +43,7 @@ CASES = {
     "decode_long": ([150], [1]),  # one request: its keys are split
     "mixed": ([23, 9, 30, 7], [1, 1, 13, 7]),
     "prefill_long": ([150], [75]),
+    "prefill_batch": ([100, 40, 130], [100, 17, 66]),  # several prefills, one from an empty cache
 }
 
 
@@ -53,6 +54,8 @@ CASES = {
         for dtype, case, heads, gate in [(torch.float32, c, (6, 2), True) for c in CASES]
         + [(torch.bfloat16, c, (3, 3), False) for c in CASES]
         + [(torch.bfloat16, "mixed", (6, 2), True), (torch.float32, "decode", (3, 3), False)]
+        # 128-row prefill tiles (GQA group 4 x 32 tokens), full and causal key blocks
+        + [(torch.bfloat16, c, (8, 2), True) for c in ("prefill_long", "prefill_batch")]
     ],
 )
 def test_paged_attention(rng, dtype, case, heads, with_gate):

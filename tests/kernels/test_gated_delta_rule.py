@@ -21,10 +21,17 @@ def _inputs(rng, dtype, tokens, hk, hv, dk, dv, slots):
 
 
 @pytest.mark.parametrize(
-    "dtype,heads,dims",
-    [(torch.float32, (2, 4), (12, 20)), (torch.bfloat16, (1, 3), (16, 8)), (torch.float32, (2, 2), (16, 16))],
+    "dtype,heads,dims,state_block_v",
+    [
+        (torch.float32, (2, 4), (12, 20), None),
+        (torch.bfloat16, (1, 3), (16, 8), None),
+        (torch.float32, (2, 2), (16, 16), None),
+        # several value blocks in the state pass (16 of 40 columns) and in the outputs (64 of 72)
+        (torch.float32, (1, 2), (8, 72), 16),
+        (torch.bfloat16, (1, 1), (16, 40), 16),
+    ],
 )
-def test_gated_delta_rule_prefill(rng, dtype, heads, dims):
+def test_gated_delta_rule_prefill(rng, dtype, heads, dims, state_block_v):
     from freetoken.kernels.triton.gated_delta_rule import gated_delta_rule_prefill
 
     lens = [70, 0, 5, 129]  # several chunks with a partial last one, empty, shorter than a chunk
@@ -34,7 +41,7 @@ def test_gated_delta_rule_prefill(rng, dtype, heads, dims):
     state_slots = torch.tensor([4, 1, 2, 5], dtype=torch.int32, device=DEVICE)
     want_state = state.clone()
     want = ref.gated_delta_rule_prefill_reference(q, k, v, g, beta, want_state, state_slots, cu)
-    got = gated_delta_rule_prefill(q, k, v, g, beta, state, state_slots, cu)
+    got = gated_delta_rule_prefill(q, k, v, g, beta, state, state_slots, cu, state_block_v=state_block_v)
     assert_close(got, want)
     assert_close(state, want_state, dtype=dtype)
 

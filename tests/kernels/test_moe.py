@@ -49,6 +49,23 @@ def test_fused_experts(rng, dtype, tokens):
     assert_close(got, ref.fused_experts_reference(x, w13, w2, weights, ids))
 
 
+@pytest.mark.parametrize("hidden,block_k", [(72, 32), (64, 32)])  # a partial and no partial column tile
+def test_fused_experts_grouped_tiles(rng, monkeypatch, hidden, block_k):
+    """Row tiles grouped 3 at a time over the column blocks (the last group partial), as the tuned
+    prefill configurations run them."""
+    from freetoken.kernels.triton.moe_configs import GemmConfig
+
+    moe = _triton()
+    config = GemmConfig(block_m=16, block_n=32, block_k=block_k, group_m=3, num_warps=4, num_stages=1)
+    monkeypatch.setattr(moe, "moe_gemm_config", lambda *args: config)
+    e, k, tokens, inter = 5, 2, 45, 48
+    x = torch.randn(tokens, hidden, generator=rng).to(DEVICE)
+    w13 = (torch.randn(e, 2 * inter, hidden, generator=rng) * hidden**-0.5).to(DEVICE)
+    w2 = (torch.randn(e, hidden, inter, generator=rng) * inter**-0.5).to(DEVICE)
+    weights, ids = ref.moe_topk_softmax_reference(torch.randn(tokens, e, generator=rng).to(DEVICE), k, True)
+    assert_close(moe.fused_experts(x, w13, w2, weights, ids), ref.fused_experts_reference(x, w13, w2, weights, ids))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_and_mul(rng, dtype):
     x = torch.randn(5, 2 * 37, generator=rng).to(dtype).to(DEVICE)

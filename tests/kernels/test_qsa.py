@@ -23,8 +23,8 @@ def _layout(rng, context_lens: list[int], query_lens: list[int], page_size: int)
         used += n
     requests = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
     positions = torch.cat([torch.arange(c - q, c) for c, q in zip(context_lens, query_lens)])
-    slots = table[requests, positions // page_size].long() * page_size + positions % page_size
-    return num_pages, table.to(DEVICE), requests.to(DEVICE), positions.to(DEVICE), slots.to(DEVICE)
+    kv_locations = table[requests, positions // page_size].long() * page_size + positions % page_size
+    return num_pages, table.to(DEVICE), requests.to(DEVICE), positions.to(DEVICE), kv_locations.to(DEVICE)
 
 
 CASES = {
@@ -41,7 +41,7 @@ def test_qsa_update_index(rng, dtype, case):
     from freetoken.kernels.triton.qsa import qsa_update_index
 
     context_lens, query_lens, page_size, ratio = CASES[case]
-    num_pages, table, requests, positions, slots = _layout(rng, context_lens, query_lens, page_size)
+    num_pages, table, requests, positions, kv_locations = _layout(rng, context_lens, query_lens, page_size)
     per_page = ref.blocks_per_page(page_size, ratio)
     index_cache = torch.randn(num_pages, page_size, INDEX_DIM, generator=rng).to(dtype).to(DEVICE)
     block_cache = torch.randn(num_pages, per_page, INDEX_DIM, generator=rng).to(dtype).to(DEVICE)
@@ -49,7 +49,7 @@ def test_qsa_update_index(rng, dtype, case):
     weight = (torch.randn(INDEX_DIM, generator=rng) * 0.3).to(dtype).to(DEVICE)
     rotary = build_rotary_cache(ROTARY_DIM, 128, 10000.0, DEVICE)
     want_index, want_blocks = index_cache.clone(), block_cache.clone()
-    args = (slots, table, requests, positions, weight, 1e-6, rotary, ROTARY_DIM, ratio)
+    args = (kv_locations, table, requests, positions, weight, 1e-6, rotary, ROTARY_DIM, ratio)
     ref.qsa_update_index_reference(keys, want_index, want_blocks, *args)
     qsa_update_index(keys, index_cache, block_cache, *args)
     assert torch.equal(index_cache, want_index)

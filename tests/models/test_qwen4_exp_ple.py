@@ -11,6 +11,7 @@ from freetoken.layers.ple import NGramEmbedding
 from freetoken.layers.weights import chunked_targets
 from freetoken.models.loader import load_model
 from freetoken.models.qwen4_exp import Qwen4ExpModel
+from freetoken.models.qwen4_exp.text_config import ngram_sizes
 from freetoken.demo import QWEN4_EXP_TEXT_CONFIG
 from qwen4_cases import EOS, checkpoint, reference_model
 
@@ -32,7 +33,7 @@ def test_ngram_embeddings_equal_reference_module_across_steps(ngram_size):
     ple_layer_index = 1
     torch.manual_seed(0)
     reference = Qwen4ExpTextNGramEmbedding(config, config.ple_embed_dim, layer_idx=0, ple_layer_index=ple_layer_index)
-    mine = NGramEmbedding(config, ple_layer_index)
+    mine = NGramEmbedding(ngram_sizes(config), ple_layer_index)
     assert mine.table.shape == reference.ngram_embedding.weight.shape
     assert mine.multipliers.tolist() == reference.layer_multipliers.tolist()
     assert mine.head_vocab_sizes.tolist() == reference.ngram_heads_vocab_sizes.tolist()

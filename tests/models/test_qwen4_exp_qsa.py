@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from freetoken import LLM, SamplingParams
-from freetoken.attention.qsa_sparse import QSAIndexer
+from freetoken.layers.qsa_indexer import QSAIndexer
 from qwen4_cases import PAGE_SIZE, checkpoint, prompts, reference_model
 
 NEW_TOKENS = 12

@@ -10,10 +10,11 @@ import torch
 
 from freetoken.batch import ForwardBatch
 from freetoken.config import EngineConfig
+from freetoken.engine.graph_runner import DecodeGraphRunner
 from freetoken.engine.memory import PoolSizes, size_pools
 from freetoken.engine.sample import SampleResult, sample
-from freetoken.kernels import set_kernel_backend
-from freetoken.models.loader import LoadedModel, load_model
+from freetoken.kernels import KernelBackend, get_kernel_backend, set_kernel_backend
+from freetoken.models.loader import LoadedModel, load_model, load_random_model, read_config
 from freetoken.models.registry import text_config_of
 from freetoken.scheduler.cache import PagePool, SlotPool
 from freetoken.scheduler.scheduler import ScheduledBatch
@@ -54,7 +55,10 @@ class Engine:
         self.config = config
         self.device = resolve_device(config.device)
         set_kernel_backend(None if config.kernel_backend == "auto" else config.kernel_backend)
-        self.loaded: LoadedModel = load_model(model_dir, config.dtype, self.device)
+        if config.load_format == "dummy":
+            self.loaded: LoadedModel = load_random_model(read_config(model_dir), config.dtype, self.device, config.seed)
+        else:
+            self.loaded = load_model(model_dir, config.dtype, self.device)
         self.model = self.loaded.model
         configure_precision(self.loaded.dtype)
         text_config = text_config_of(self.loaded.config)
@@ -65,6 +69,23 @@ class Engine:
         )
         self.model.allocate_state(self.pool_sizes.num_pages, config.page_size, self.pool_sizes.num_slots)
         self.max_pages_per_request = -(-self.max_model_len // config.page_size)
+        self.graph_runner: DecodeGraphRunner | None = None
+        if self._graphs_wanted():
+            max_bs = min(config.cuda_graph_max_bs or config.max_running_requests, config.max_running_requests)
+            self.graph_runner = DecodeGraphRunner(
+                self.model, self.device, max_bs, self.max_pages_per_request, self.max_model_len, use_graphs=True
+            )
+            self.graph_runner.capture()
+
+    def _graphs_wanted(self) -> bool:
+        """CUDA graphs on CUDA with the Triton kernels, unless ``enforce_eager``. The torch reference
+        ops read sizes back to the host (``.tolist()``), which a graph cannot capture."""
+        if self.config.enforce_eager or self.device.type != "cuda":
+            return False
+        if get_kernel_backend() is KernelBackend.TORCH:
+            logger.info("CUDA graphs off: kernel_backend torch reads sizes back to the host")
+            return False
+        return True
 
     def create_pools(self) -> tuple[PagePool, SlotPool]:
         return PagePool(self.pool_sizes.num_pages, self.config.page_size), SlotPool(self.pool_sizes.num_slots)
@@ -78,7 +99,7 @@ class Engine:
         page_size = self.config.page_size
         input_ids: list[int] = []
         positions: list[int] = []
-        slot_mapping: list[int] = []
+        kv_locations: list[int] = []
         cu_seqlens = [0]
         seq_lens: list[int] = []
         logits_indices: list[int] = []
@@ -87,7 +108,7 @@ class Engine:
             start, end = entry.num_computed, entry.num_computed + entry.num_tokens
             input_ids += entry.token_ids[start:end]
             positions += range(start, end)
-            slot_mapping += [entry.pages[p // page_size] * page_size + p % page_size for p in range(start, end)]
+            kv_locations += [entry.pages[p // page_size] * page_size + p % page_size for p in range(start, end)]
             first_token = cu_seqlens[-1]
             cu_seqlens.append(first_token + entry.num_tokens)
             seq_lens.append(end)
@@ -110,12 +131,13 @@ class Engine:
             cu_seqlens=to_device(cu_seqlens, torch.int32),
             seq_lens=to_device(seq_lens, torch.int32),
             page_table=page_table.to(self.device, non_blocking=True),
-            slot_mapping=to_device(slot_mapping, torch.int64),
+            kv_locations=to_device(kv_locations, torch.int64),
             state_slots=to_device([e.slot for e in entries], torch.int32),
             logits_indices=to_device(logits_indices, torch.int64),
             num_decodes=num_decodes,
             max_query_len=max(num_tokens),
             query_lens=num_tokens,
+            max_seq_len=max(seq_lens),
         )
 
     @torch.inference_mode()
@@ -127,10 +149,26 @@ class Engine:
             BatchEntry(req.token_ids, req.num_computed, n, req.pages, req.slot, "last" if samples else None)
             for req, n, samples in zip(batch.requests, batch.num_tokens, batch.samples)
         ]
-        logits = self.model(self.build_forward_batch(entries))
+        logits = self._forward(entries)
         if logits.shape[0] == 0:
             return SampleResult([], [])
         return sample(logits, batch.sampling_requests)
+
+    def _forward(self, entries: list[BatchEntry]) -> torch.Tensor:
+        """Logits of the entries' wanted rows, in order. With graphs, a step mixing decodes and
+        prefill chunks runs as two forwards, the decodes replayed and the chunks eager (the
+        requests are independent, so the split changes no result; docs/architecture.md)."""
+        runner = self.graph_runner
+        num_decodes = next((i for i, e in enumerate(entries) if e.num_tokens != 1), len(entries))
+        if runner is not None and 0 < num_decodes < len(entries) and num_decodes <= runner.max_batch_size:
+            return torch.cat([self._run(entries[:num_decodes]), self._run(entries[num_decodes:])])
+        return self._run(entries)
+
+    def _run(self, entries: list[BatchEntry]) -> torch.Tensor:
+        batch = self.build_forward_batch(entries)
+        if self.graph_runner is not None and self.graph_runner.supports(batch):
+            return self.graph_runner.run(batch)
+        return self.model(batch)
 
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int], pages: list[int], slot: int) -> torch.Tensor:

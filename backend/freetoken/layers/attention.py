@@ -1,6 +1,9 @@
-"""Qwen3.5's gated full attention over the paged KV cache."""
+"""Qwen3.5's gated full attention over the paged KV cache, and the prologue every attention layer
+of the two families shares (``layers.indexed_attention`` builds on it)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -12,42 +15,51 @@ from freetoken.layers.norm import RMSNorm
 from freetoken.layers.weights import WeightTarget, new_param, packed_targets
 
 
+@dataclass(frozen=True)
+class AttentionSizes:
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int  # leading dims of each head that are rotated (partial rotary)
+    eps: float  # of the q/k RMSNorms
+
+
 class GatedAttention(nn.Module):
     """``q_proj`` yields per head a query and an output gate; q/k RMSNorm (zero-centred); partial
     NeoX rotary; causal GQA over pages; output ``· sigmoid(gate)``; ``o_proj``.
 
-    q, k and v projections run as one GEMM over the packed ``qkv_proj`` weight.
+    q, k and v projections run as one GEMM over the packed ``qkv_proj`` weight; a subclass may pack
+    more projections of the same input after them (``extra_projections``: checkpoint name, rows).
     """
 
     def __init__(
         self,
-        hidden_size: int,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        rotary_dim: int,
-        eps: float,
+        sizes: AttentionSizes,
         rotary_cache: torch.Tensor,
+        extra_projections: tuple[tuple[str, int], ...] = (),
     ) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.rotary_dim = rotary_dim
-        self.q_rows = num_heads * head_dim * 2
-        self.kv_rows = num_kv_heads * head_dim
-        self.qkv_proj = new_param(self.q_rows + 2 * self.kv_rows, hidden_size)
-        self.o_proj = new_param(hidden_size, num_heads * head_dim)
-        self.q_norm = RMSNorm(head_dim, eps, zero_centered=True)
-        self.k_norm = RMSNorm(head_dim, eps, zero_centered=True)
+        self.num_heads, self.num_kv_heads, self.head_dim = sizes.num_heads, sizes.num_kv_heads, sizes.head_dim
+        self.rotary_dim = sizes.rotary_dim
+        self.q_rows = sizes.num_heads * sizes.head_dim * 2
+        self.kv_rows = sizes.num_kv_heads * sizes.head_dim
+        self.packed_parts = [
+            ("q_proj.weight", self.q_rows),
+            ("k_proj.weight", self.kv_rows),
+            ("v_proj.weight", self.kv_rows),
+            *extra_projections,
+        ]
+        self.qkv_proj = new_param(sum(rows for _, rows in self.packed_parts), sizes.hidden_size)
+        self.o_proj = new_param(sizes.hidden_size, sizes.num_heads * sizes.head_dim)
+        self.q_norm = RMSNorm(sizes.head_dim, sizes.eps, zero_centered=True)
+        self.k_norm = RMSNorm(sizes.head_dim, sizes.eps, zero_centered=True)
         self.rotary_cache = rotary_cache
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
     def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
-        targets = packed_targets(
-            self.qkv_proj,
-            prefix,
-            [("q_proj.weight", self.q_rows), ("k_proj.weight", self.kv_rows), ("v_proj.weight", self.kv_rows)],
-        )
+        targets = packed_targets(self.qkv_proj, prefix, self.packed_parts)
         targets[f"{prefix}o_proj.weight"] = WeightTarget(self.o_proj)
         targets.update(self.q_norm.weight_targets(f"{prefix}q_norm."))
         targets.update(self.k_norm.weight_targets(f"{prefix}k_norm."))
@@ -61,16 +73,30 @@ class GatedAttention(nn.Module):
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def project(
+        self, x: torch.Tensor, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """The prologue: one GEMM, q/k norms, rotary, this step's k/v stored at ``batch.kv_locations``.
+
+        Returns the rotated queries ``[T, Hq, D]``, the output gate ``[T, Hq, D]`` and the extra
+        projections' outputs in ``extra_projections`` order.
+        """
         num_tokens = x.shape[0]
-        qkv = F.linear(x, self.qkv_proj)
-        q_gate, k, v = qkv.split([self.q_rows, self.kv_rows, self.kv_rows], dim=-1)
+        q_gate, k, v, *extra = F.linear(x, self.qkv_proj).split([rows for _, rows in self.packed_parts], dim=-1)
         q, gate = q_gate.view(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = self.q_norm(q)
         k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = kernels.apply_rotary(q, k, batch.positions, self.rotary_cache, self.rotary_dim)
-        kernels.store_kv(k, v, self.k_cache, self.v_cache, batch.slot_mapping)
+        kernels.store_kv(k, v, self.k_cache, self.v_cache, batch.kv_locations)
+        return q, gate, extra
+
+    def output(self, attended: torch.Tensor) -> torch.Tensor:
+        """``o_proj`` of the gated attention output ``[T, Hq, D]``."""
+        return F.linear(attended.reshape(attended.shape[0], -1), self.o_proj)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        q, gate, _ = self.project(x, batch)
         out = kernels.paged_attention(
             q,
             self.k_cache,
@@ -82,4 +108,4 @@ class GatedAttention(nn.Module):
             batch.max_query_len,
             gate=gate,
         )
-        return F.linear(out.reshape(num_tokens, -1), self.o_proj)
+        return self.output(out)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -9,6 +11,17 @@ from torch import nn
 from freetoken import kernels
 from freetoken.batch import ForwardBatch
 from freetoken.layers.weights import WeightTarget, new_param, packed_targets
+
+
+@dataclass(frozen=True)
+class DeltaNetSizes:
+    hidden_size: int
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int  # width of the causal conv1d
+    eps: float  # of the gated output RMSNorm
 
 
 class GatedDeltaNet(nn.Module):
@@ -19,18 +32,17 @@ class GatedDeltaNet(nn.Module):
     state ``[Hv, Dk, Dv]`` (float32).
     """
 
-    def __init__(self, config) -> None:
-        """From a transformers text config of the Qwen3.5 / Qwen4-Exp families (``linear_*`` fields)."""
+    def __init__(self, sizes: DeltaNetSizes) -> None:
         super().__init__()
-        hidden_size, conv_kernel = config.hidden_size, config.linear_conv_kernel_dim
-        num_k_heads, num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
-        head_k_dim, head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        hidden_size, conv_kernel = sizes.hidden_size, sizes.conv_kernel
+        num_k_heads, num_v_heads = sizes.num_k_heads, sizes.num_v_heads
+        head_k_dim, head_v_dim = sizes.head_k_dim, sizes.head_v_dim
         self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
         self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
         self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.conv_kernel = conv_kernel
-        self.eps = config.rms_norm_eps
+        self.eps = sizes.eps
         self.in_proj = new_param(self.conv_dim + self.value_dim + 2 * num_v_heads, hidden_size)
         self.conv_weight = new_param(self.conv_dim, conv_kernel)
         self.dt_bias = new_param(num_v_heads)

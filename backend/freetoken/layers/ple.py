@@ -10,6 +10,7 @@ place) with CUDA when the model runs there, and each step reads only the rows it
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -59,24 +60,47 @@ def head_vocab_sizes(base: int, first_head: int, num_heads: int) -> list[int]:
     return sizes[first_head:]
 
 
+@dataclass(frozen=True)
+class NGramSizes:
+    """A model's hashed n-gram tables: alike in every PLE layer but for the hash constants."""
+
+    vocab_size: int  # of the model's tokens (bounds the hash multipliers)
+    ngram_size: int
+    heads_per_ngram: int
+    embed_dim: int  # all heads of one token together
+    vocab_size_base: int  # head g hashes modulo the (g+1)-th prime >= this
+    rows_divisible_by: int  # a table's rows are rounded up to a multiple of this
+    split_parts: int  # row chunks a checkpoint stores a table in
+    seed: int
+
+
+@dataclass(frozen=True)
+class PLESizes:
+    hidden_size: int
+    num_streams: int  # hyper-connection streams
+    eps: float
+    conv_kernel_size: int
+    ngram: NGramSizes
+
+
 class NGramEmbedding(nn.Module):
     """One PLE layer's hashed n-gram table ``[rows, head_dim]`` (host memory) and its hash constants."""
 
-    def __init__(self, config, ple_layer_index: int) -> None:
+    def __init__(self, sizes: NGramSizes, ple_layer_index: int) -> None:
         super().__init__()
-        self.heads_per_ngram = config.heads_per_ngram
-        num_heads = (config.ngram_size - 1) * config.heads_per_ngram
-        self.head_dim = config.ple_embed_dim // num_heads
-        sizes = head_vocab_sizes(config.ngram_vocab_size_base, ple_layer_index * num_heads, num_heads)
-        offsets = [sum(sizes[:i]) for i in range(num_heads)]
-        divisor = config.make_ngram_vocab_size_divisible_by
-        rows = -(-sum(sizes) // divisor) * divisor
-        self.split_parts = config.split_ngram_parts
+        self.heads_per_ngram = sizes.heads_per_ngram
+        num_heads = (sizes.ngram_size - 1) * sizes.heads_per_ngram
+        self.head_dim = sizes.embed_dim // num_heads
+        head_sizes = head_vocab_sizes(sizes.vocab_size_base, ple_layer_index * num_heads, num_heads)
+        offsets = [sum(head_sizes[:i]) for i in range(num_heads)]
+        divisor = sizes.rows_divisible_by
+        rows = -(-sum(head_sizes) // divisor) * divisor
+        self.split_parts = sizes.split_parts
         self.register_buffer(
             "multipliers",
-            torch.tensor(layer_multipliers(config.vocab_size, config.ngram_size, ple_layer_index, config.seed)),
+            torch.tensor(layer_multipliers(sizes.vocab_size, sizes.ngram_size, ple_layer_index, sizes.seed)),
         )
-        self.register_buffer("head_vocab_sizes", torch.tensor(sizes, dtype=torch.int64))
+        self.register_buffer("head_vocab_sizes", torch.tensor(head_sizes, dtype=torch.int64))
         self.register_buffer("head_offsets", torch.tensor(offsets, dtype=torch.int64))
         self.table = nn.Parameter(torch.empty(rows, self.head_dim, device="cpu"), requires_grad=False)
         if torch.get_default_device().type == "cuda":
@@ -127,21 +151,21 @@ class PLELayer(nn.Module):
     The n-gram context (the last tokens) is shared by all PLE layers and owned by the model.
     """
 
-    def __init__(self, config, ple_layer_index: int) -> None:
+    def __init__(self, sizes: PLESizes, ple_layer_index: int) -> None:
         super().__init__()
-        self.num_streams = config.hc_count
-        self.hidden_size = config.hidden_size
-        self.eps = config.rms_norm_eps
-        width = config.hc_count * config.hidden_size
+        self.num_streams = sizes.num_streams
+        self.hidden_size = sizes.hidden_size
+        self.eps = sizes.eps
+        width = sizes.num_streams * sizes.hidden_size
         self.width = width
-        self.dilation = config.ngram_size
-        self.state_len = (config.ple_conv_kernel_size - 1) * config.ngram_size
-        self.embedding = NGramEmbedding(config, ple_layer_index)
-        self.key_value = new_param(width + config.hidden_size, config.ple_embed_dim)
+        self.dilation = sizes.ngram.ngram_size
+        self.state_len = (sizes.conv_kernel_size - 1) * sizes.ngram.ngram_size
+        self.embedding = NGramEmbedding(sizes.ngram, ple_layer_index)
+        self.key_value = new_param(width + sizes.hidden_size, sizes.ngram.embed_dim)
         self.norm_key = new_param(width)
         self.norm_query = new_param(width)
         self.norm_conv = new_param(width)
-        self.conv_weight = new_param(width, config.ple_conv_kernel_size)
+        self.conv_weight = new_param(width, sizes.conv_kernel_size)
         self.conv_state: torch.Tensor | None = None
 
     def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:

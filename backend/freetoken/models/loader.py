@@ -58,11 +58,10 @@ def _eos_ids(*values) -> set[int]:
     return ids
 
 
-def load_model(model_dir: str, dtype: str, device: torch.device) -> LoadedModel:
-    config = read_config(model_dir)
+def build_model(config: PretrainedConfig, torch_dtype: torch.dtype, device: torch.device) -> CausalLM:
+    """The model of ``config``'s architecture with uninitialised weights on ``device``."""
     family = family_of(getattr(config, "architectures", None))
     text_config = text_config_of(config)
-    torch_dtype = resolve_dtype(dtype, config)
     tie = bool(getattr(config, "tie_word_embeddings", False) or getattr(text_config, "tie_word_embeddings", False))
     previous_dtype = torch.get_default_dtype()
     try:
@@ -71,8 +70,15 @@ def load_model(model_dir: str, dtype: str, device: torch.device) -> LoadedModel:
             model = family.build(text_config, tie)
     finally:
         torch.set_default_dtype(previous_dtype)
+    return model.eval()
+
+
+def load_model(model_dir: str, dtype: str, device: torch.device) -> LoadedModel:
+    config = read_config(model_dir)
+    text_config = text_config_of(config)
+    torch_dtype = resolve_dtype(dtype, config)
+    model = build_model(config, torch_dtype, device)
     load_weights(model, model_dir)
-    model.eval()
     generation_config = None
     if (Path(model_dir) / "generation_config.json").exists():
         generation_config = GenerationConfig.from_pretrained(model_dir)
@@ -81,6 +87,18 @@ def load_model(model_dir: str, dtype: str, device: torch.device) -> LoadedModel:
         getattr(generation_config, "eos_token_id", None) if generation_config else None,
     )
     return LoadedModel(model, config, generation_config, torch_dtype, eos)
+
+
+def load_random_model(config: PretrainedConfig, dtype: str, device: torch.device, seed: int) -> LoadedModel:
+    """The model of ``config`` with random weights made where they live (``load_format="dummy"``):
+    for benchmarks of real shapes without a checkpoint. See ``models.random_weights``."""
+    from freetoken.models.random_weights import randomize_weights
+
+    torch_dtype = resolve_dtype(dtype, config)
+    model = build_model(config, torch_dtype, device)
+    randomize_weights(model, seed)
+    eos = _eos_ids(getattr(text_config_of(config), "eos_token_id", None))
+    return LoadedModel(model, config, None, torch_dtype, eos)
 
 
 @torch.no_grad()

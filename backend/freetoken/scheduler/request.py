@@ -6,7 +6,6 @@ import enum
 from dataclasses import dataclass, field
 
 from freetoken.core import FinishReason, RequestTimes, ResolvedSampling, SamplingParams, TokenLogprobs
-from freetoken.tokenizer import IncrementalDetokenizer
 
 
 class RequestStatus(enum.Enum):
@@ -17,6 +16,9 @@ class RequestStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Request:
+    """Its text (detokenized, stop strings cut, how much was streamed) is not here: it lives in the
+    runtime's request table, as an ``output.OutputText``."""
+
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
@@ -24,7 +26,6 @@ class Request:
     eos_token_ids: set[int]
     stop_token_ids: set[int]  # eos ids (unless ignore_eos) and the request's stop_token_ids
     max_total_tokens: int  # prompt + output may not pass this (the context limit)
-    detokenizer: IncrementalDetokenizer | None
     token_ids: list[int] = field(init=False)  # prompt, then output
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV / state are in the cache
@@ -34,8 +35,6 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     error: str | None = None
-    text: str = ""  # the output text so far, stop strings cut
-    num_sent_chars: int = 0  # of text, already streamed
     num_preemptions: int = 0
     times: RequestTimes = field(default_factory=RequestTimes)
 

@@ -12,43 +12,25 @@ from freetoken.layers.attention import GatedAttention
 from freetoken.layers.gated_deltanet import GatedDeltaNet
 from freetoken.layers.moe import SparseMoE
 from freetoken.layers.norm import RMSNorm
-from freetoken.layers.rotary import rotary_cache_of, rotary_dim_of
 from freetoken.layers.weights import WeightTarget, new_param
 from freetoken.models.base import CausalLM
+from freetoken.models.qwen_layers import attention_sizes, deltanet_sizes, rotary_cache_of, sparse_moe
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, layer_type: str, rotary_cache: torch.Tensor) -> None:
+    """``mixer`` (Gated DeltaNet or gated attention), then ``mlp``, each after a zero-centred RMSNorm
+    that also adds the residual."""
+
+    def __init__(self, mixer: GatedDeltaNet | GatedAttention, mlp: SparseMoE, hidden_size: int, eps: float) -> None:
         super().__init__()
-        self.layer_type = layer_type
-        eps = config.rms_norm_eps
-        if layer_type == "linear_attention":
-            self.mixer: nn.Module = GatedDeltaNet(config)
-        elif layer_type == "full_attention":
-            self.mixer = GatedAttention(
-                config.hidden_size,
-                config.num_attention_heads,
-                config.num_key_value_heads,
-                config.head_dim,
-                rotary_dim_of(config),
-                eps,
-                rotary_cache,
-            )
-        else:
-            raise ValueError(f"unsupported Qwen3.5-MoE layer type {layer_type!r}")
-        self.mlp = SparseMoE(
-            config.hidden_size,
-            config.num_experts,
-            config.num_experts_per_tok,
-            config.moe_intermediate_size,
-            config.shared_expert_intermediate_size,
-        )
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, zero_centered=True)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, zero_centered=True)
+        self.mixer = mixer
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden_size, eps, zero_centered=True)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps, zero_centered=True)
 
     @property
     def mixer_prefix(self) -> str:
-        return "linear_attn." if self.layer_type == "linear_attention" else "self_attn."
+        return "linear_attn." if isinstance(self.mixer, GatedDeltaNet) else "self_attn."
 
     def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
         targets = self.mixer.weight_targets(prefix + self.mixer_prefix)
@@ -81,10 +63,23 @@ class Qwen3_5MoeModel(CausalLM):
         self.register_buffer("rotary_cache", rotary_cache_of(text_config), persistent=False)
         self.embed_tokens = new_param(text_config.vocab_size, text_config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(text_config, layer_type, self.rotary_cache) for layer_type in text_config.layer_types
+            DecoderLayer(
+                self._mixer(text_config, layer_type),
+                sparse_moe(text_config),
+                text_config.hidden_size,
+                text_config.rms_norm_eps,
+            )
+            for layer_type in text_config.layer_types
         )
         self.norm = RMSNorm(text_config.hidden_size, text_config.rms_norm_eps, zero_centered=True)
         self.lm_head = new_param(text_config.vocab_size, text_config.hidden_size)
+
+    def _mixer(self, config, layer_type: str) -> GatedDeltaNet | GatedAttention:
+        if layer_type == "linear_attention":
+            return GatedDeltaNet(deltanet_sizes(config))
+        if layer_type == "full_attention":
+            return GatedAttention(attention_sizes(config), self.rotary_cache)
+        raise ValueError(f"unsupported Qwen3.5-MoE layer type {layer_type!r}")
 
     def weight_targets(self) -> dict[str, WeightTarget]:
         targets = {"embed_tokens.weight": WeightTarget(self.embed_tokens), "lm_head.weight": WeightTarget(self.lm_head)}

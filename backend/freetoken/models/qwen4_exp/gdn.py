@@ -5,15 +5,15 @@ from __future__ import annotations
 import torch
 
 from freetoken import kernels
-from freetoken.layers.gated_deltanet import GatedDeltaNet
+from freetoken.layers.gated_deltanet import DeltaNetSizes, GatedDeltaNet
 
 
 class Qwen4GatedDeltaNet(GatedDeltaNet):
-    """``output_gate_type`` (default ``hidden_act``) is ``silu`` or ``sigmoid``."""
+    """``gate_activation`` (the config's ``output_gate_type``, default ``hidden_act``) is ``silu`` or ``sigmoid``."""
 
-    def __init__(self, config) -> None:
-        super().__init__(config)
-        self.gate_activation = config.output_gate_type or config.hidden_act
+    def __init__(self, sizes: DeltaNetSizes, gate_activation: str) -> None:
+        super().__init__(sizes)
+        self.gate_activation = gate_activation
         if self.gate_activation not in ("silu", "sigmoid"):
             raise ValueError(f"output_gate_type must be silu or sigmoid, got {self.gate_activation!r}")
 

@@ -12,29 +12,21 @@ from torch import nn
 
 from freetoken import kernels
 from freetoken.batch import ForwardBatch
+from freetoken.layers.gated_deltanet import GatedDeltaNet
 from freetoken.layers.hyper_connection import HyperConnection
+from freetoken.layers.indexed_attention import IndexedAttention
 from freetoken.layers.moe import SparseMoE
 from freetoken.layers.ple import PLELayer
-from freetoken.layers.rotary import rotary_cache_of, rotary_dim_of
 from freetoken.layers.weights import WeightTarget, new_param
 from freetoken.models.base import CausalLM
-from freetoken.models.qwen4_exp.attention import IndexedAttention
 from freetoken.models.qwen4_exp.gdn import Qwen4GatedDeltaNet
-
-_QSA_FIELDS = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
-
-
-def check_config(config) -> None:
-    """What this implementation supports beyond what transformers' config validation checks."""
-    if config.hidden_act != "silu":
-        raise ValueError(f"Qwen4-Exp: hidden_act must be silu, got {config.hidden_act!r}")
-    if "indexed_attention" in config.layer_types:
-        missing = [name for name in _QSA_FIELDS if getattr(config, name, None) is None]
-        if missing:
-            raise ValueError(f"Qwen4-Exp indexed_attention layers need the QSA config fields {missing}")
-    rope_type = (config.rope_parameters or {}).get("rope_type", "default")
-    if rope_type != "default":
-        raise ValueError(f"Qwen4-Exp: rope_parameters.rope_type {rope_type!r} is not supported (only default)")
+from freetoken.models.qwen4_exp.text_config import (
+    check_config,
+    deltanet_gate_activation,
+    ple_sizes,
+    qsa_sizes,
+)
+from freetoken.models.qwen_layers import attention_sizes, deltanet_sizes, rotary_cache_of, sparse_moe
 
 
 @dataclass
@@ -48,31 +40,26 @@ class StepState:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, rotary_cache: torch.Tensor) -> None:
+    """``ple`` (some linear-attention layers), then ``mixer`` and ``mlp``, each between its
+    hyper-connection's stream mix and combine."""
+
+    def __init__(
+        self,
+        mixer: Qwen4GatedDeltaNet | IndexedAttention,
+        mlp: SparseMoE,
+        ple: PLELayer | None,
+        attn_hc: HyperConnection,
+        mlp_hc: HyperConnection,
+    ) -> None:
         super().__init__()
-        self.layer_type = config.layer_types[layer_idx]
-        if self.layer_type == "linear_attention":
-            self.mixer: nn.Module = Qwen4GatedDeltaNet(config)
-        elif self.layer_type == "indexed_attention":
-            self.mixer = IndexedAttention(config, rotary_cache, rotary_dim_of(config))
-        else:
-            raise ValueError(f"unsupported Qwen4-Exp layer type {self.layer_type!r}")
-        self.mlp = SparseMoE(
-            config.hidden_size,
-            config.num_experts,
-            config.num_experts_per_tok,
-            config.moe_intermediate_size,
-            config.shared_expert_intermediate_size,
-            renormalize=config.norm_topk_prob,
-        )
-        ple_ids = list(config.ple_layer_ids or [])
-        self.ple = PLELayer(config, ple_ids.index(layer_idx + 1)) if layer_idx + 1 in ple_ids else None
-        hc = (config.hidden_size, config.hc_count, config.hc_lowrank, config.rms_norm_eps)
-        self.attn_hc = HyperConnection(*hc)
-        self.mlp_hc = HyperConnection(*hc)
+        self.mixer = mixer
+        self.mlp = mlp
+        self.ple = ple
+        self.attn_hc = attn_hc
+        self.mlp_hc = mlp_hc
 
     def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
-        mixer = "linear_attn." if self.layer_type == "linear_attention" else "self_attn."
+        mixer = "linear_attn." if isinstance(self.mixer, GatedDeltaNet) else "self_attn."
         targets = self.mixer.weight_targets(prefix + mixer)
         targets.update(self.mlp.weight_targets(prefix + "mlp."))
         targets.update(self.attn_hc.weight_targets(prefix + "attn_hyper_connection."))
@@ -97,9 +84,8 @@ class DecoderLayer(nn.Module):
 class Qwen4ExpModel(CausalLM):
     """Built from a ``Qwen4ExpTextConfig`` (transformers' config class parses the checkpoint's config).
 
-    ``qsa_max_blocks``: when set, the QSA score width of every step (a static bound lets a step be
-    captured in a CUDA graph); otherwise decode-only steps use ``max_position_embeddings //
-    compress_ratio`` and steps with prefill chunks the batch's own bound.
+    The QSA score width of a step is ``batch.max_seq_len // compress_ratio``, a host-side bound: the
+    batch's longest context when eager, ``max_model_len`` in a CUDA graph (fixed shapes, no sync).
     """
 
     def __init__(self, text_config, tie_word_embeddings: bool) -> None:
@@ -113,17 +99,28 @@ class Qwen4ExpModel(CausalLM):
         eos = text_config.eos_token_id
         self.eos_token_id = eos[0] if isinstance(eos, (list, tuple)) else eos
         self.compress_ratio = text_config.indexer_compress_ratio
-        self.qsa_max_blocks: int | None = None
         self.register_buffer("rotary_cache", rotary_cache_of(text_config), persistent=False)
         self.embed_tokens = new_param(text_config.vocab_size, text_config.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(text_config, i, self.rotary_cache) for i in range(text_config.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList(self._layer(text_config, i) for i in range(text_config.num_hidden_layers))
         self.final_mixer = HyperConnection(
             text_config.hidden_size, text_config.hc_count, text_config.hc_lowrank, text_config.rms_norm_eps, False
         )
         self.lm_head = new_param(text_config.vocab_size, text_config.hidden_size)
         self.ngram_context: torch.Tensor | None = None
+
+    def _layer(self, config, layer_idx: int) -> DecoderLayer:
+        layer_type = config.layer_types[layer_idx]
+        if layer_type == "linear_attention":
+            mixer = Qwen4GatedDeltaNet(deltanet_sizes(config), deltanet_gate_activation(config))
+        elif layer_type == "indexed_attention":
+            mixer = IndexedAttention(attention_sizes(config), qsa_sizes(config), self.rotary_cache)
+        else:
+            raise ValueError(f"unsupported Qwen4-Exp layer type {layer_type!r}")
+        mlp = sparse_moe(config, renormalize=config.norm_topk_prob)
+        ple_ids = list(config.ple_layer_ids or [])  # 1-based layer numbers
+        ple = PLELayer(ple_sizes(config), ple_ids.index(layer_idx + 1)) if layer_idx + 1 in ple_ids else None
+        hc = (config.hidden_size, config.hc_count, config.hc_lowrank, config.rms_norm_eps)
+        return DecoderLayer(mixer, mlp, ple, HyperConnection(*hc), HyperConnection(*hc))
 
     def weight_targets(self) -> dict[str, WeightTarget]:
         targets = {"embed_tokens.weight": WeightTarget(self.embed_tokens), "lm_head.weight": WeightTarget(self.lm_head)}
@@ -172,14 +169,7 @@ class Qwen4ExpModel(CausalLM):
     def _step_state(self, batch: ForwardBatch) -> StepState:
         tokens = torch.arange(batch.num_tokens, device=batch.input_ids.device)
         token_request = torch.searchsorted(batch.cu_seqlens[1:].long(), tokens, right=True)
-        if self.compress_ratio is None:
-            max_blocks = 0
-        elif self.qsa_max_blocks is not None:
-            max_blocks = self.qsa_max_blocks
-        elif not batch.has_prefill:
-            max_blocks = self.max_position_embeddings // self.compress_ratio
-        else:
-            max_blocks = int(batch.seq_lens.max()) // self.compress_ratio
+        max_blocks = 0 if self.compress_ratio is None else batch.max_seq_len // self.compress_ratio
         return StepState(token_request, max_blocks, self.ngram_context, self.eos_token_id)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

@@ -7,6 +7,8 @@ per-query block selection.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -17,33 +19,33 @@ from freetoken.layers.norm import RMSNorm
 from freetoken.layers.weights import WeightTarget
 
 
-class QSAIndexer(nn.Module):
-    def __init__(
-        self,
-        num_heads: int,
-        head_dim: int,
-        compress_ratio: int,
-        budget: int,
-        eps: float,
-        rotary_cache: torch.Tensor,
-        rotary_dim: int,
-    ) -> None:
-        super().__init__()
-        self.num_heads, self.head_dim = num_heads, head_dim
-        self.compress_ratio = compress_ratio
-        self.block_topk = budget // compress_ratio
-        self.eps = eps
-        self.rotary_cache, self.rotary_dim = rotary_cache, rotary_dim
-        self.q_norm = RMSNorm(head_dim, eps, zero_centered=True)
-        self.k_norm = RMSNorm(head_dim, eps, zero_centered=True)
-        self.index_cache: torch.Tensor | None = None
-        self.block_cache: torch.Tensor | None = None
-        self.page_size = 0
+@dataclass(frozen=True)
+class QSASizes:
+    num_heads: int  # index query heads (one index key head)
+    head_dim: int
+    compress_ratio: int  # tokens per block
+    budget: int  # tokens each query may select (``budget // compress_ratio`` blocks)
 
     @property
     def proj_rows(self) -> int:
         """Rows of ``index_qk_proj``: ``num_heads`` query heads, then one key head."""
         return (self.num_heads + 1) * self.head_dim
+
+
+class QSAIndexer(nn.Module):
+    def __init__(self, sizes: QSASizes, eps: float, rotary_cache: torch.Tensor, rotary_dim: int) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = sizes.num_heads, sizes.head_dim
+        self.proj_rows = sizes.proj_rows
+        self.compress_ratio = sizes.compress_ratio
+        self.block_topk = sizes.budget // sizes.compress_ratio
+        self.eps = eps
+        self.rotary_cache, self.rotary_dim = rotary_cache, rotary_dim
+        self.q_norm = RMSNorm(sizes.head_dim, eps, zero_centered=True)
+        self.k_norm = RMSNorm(sizes.head_dim, eps, zero_centered=True)
+        self.index_cache: torch.Tensor | None = None
+        self.block_cache: torch.Tensor | None = None
+        self.page_size = 0
 
     def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
         targets = self.q_norm.weight_targets(f"{prefix}q_layernorm.")
@@ -78,7 +80,7 @@ class QSAIndexer(nn.Module):
             k,
             self.index_cache,
             self.block_cache,
-            batch.slot_mapping,
+            batch.kv_locations,
             batch.page_table,
             token_request,
             batch.positions,

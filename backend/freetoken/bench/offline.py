@@ -1,0 +1,242 @@
+"""``freetoken bench``: offline decode latency and throughput through ``LLM.generate``, against the
+HBM floor, per batch size.
+
+For each batch size ``B``: ``B`` random prompts of ``input_len`` tokens, greedy, ``output_len``
+tokens each (EOS ignored). A short warm-up run first (kernels compile), then the timed run, whose
+every engine step is timed (``bench.timing``):
+
+- decode ms/step: the median over steady decode steps (all ``B`` requests decoding), tok/s
+  ``B / step``;
+- TTFT: request arrival to first token (mean and max); prefill tok/s: ``B · input_len / max TTFT``
+  (decodes of requests done with their prompt run in the same steps);
+- the HBM floor at the steady steps' mean context (``bench.floor``) and the ratio to it;
+- the GPU idle share over a few steady steps (CUDA only).
+
+``--compare-transformers`` times transformers' ``generate()`` on a copy of the same weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import random
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from freetoken.bench.floor import DEFAULT_HBM_BANDWIDTH
+from freetoken.bench.presets import PRESETS
+
+logger = logging.getLogger(__name__)
+
+WARMUP_TOKENS = 8
+
+
+def add_bench_flags(parser: argparse.ArgumentParser) -> None:
+    """``freetoken bench`` options beside the engine's (standard library only: the CLI imports it)."""
+    group = parser.add_argument_group("bench")
+    group.add_argument("--preset", choices=sorted(PRESETS), help="a real architecture with random weights (no --model)")
+    group.add_argument("--num-layers", type=int, default=None, help="with --preset: keep the first N layers")
+    group.add_argument("--batch-sizes", type=_int_list, default=[1, 16, 64, 128], help="comma-separated (1,16,64,128)")
+    group.add_argument("--input-len", type=int, default=1024, help="prompt tokens per request (1024)")
+    group.add_argument("--output-len", type=int, default=128, help="output tokens per request (128)")
+    group.add_argument(
+        "--hbm-bandwidth", type=float, default=DEFAULT_HBM_BANDWIDTH, help="bytes/s of the floor (4.3e12, H200)"
+    )
+    group.add_argument(
+        "--profile-steps", type=int, default=5, help="steady steps profiled for the GPU idle share (5; 0: off)"
+    )
+    group.add_argument("--compare-transformers", action="store_true", help="also time transformers' generate()")
+    group.add_argument("--json", dest="json_path", default=None, metavar="FILE", help="write the results as JSON")
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"batch sizes must be integers >= 1, got {text!r}")
+    return values
+
+
+def _check(args: argparse.Namespace) -> None:
+    if (args.preset is None) == (args.model is None):
+        raise SystemExit("freetoken bench: give exactly one of --model DIR and --preset NAME")
+    if args.num_layers is not None and args.preset is None:
+        raise SystemExit("freetoken bench: --num-layers needs --preset")
+    if args.input_len < 1 or args.output_len < 2:
+        raise SystemExit("freetoken bench: --input-len must be >= 1 and --output-len >= 2")
+
+
+def engine_config_for(args: argparse.Namespace, model_dir: str):
+    """The engine flags, with what the bench needs: every batch running at once, and (unless given)
+    only the KV pages the largest batch uses, so memory is left for transformers' model."""
+    from freetoken.cli import engine_config_from_args
+
+    config = engine_config_from_args(args)
+    largest = max(args.batch_sizes)
+    changes: dict[str, Any] = {"model": model_dir}
+    if args.preset is not None:
+        changes["load_format"] = "dummy"
+    if config.max_running_requests < largest:
+        changes["max_running_requests"] = largest
+    if config.num_pages is None:
+        pages_per_request = math.ceil((args.input_len + args.output_len) / config.page_size)
+        changes["num_pages"] = largest * (pages_per_request + 1) + 1
+    return dataclasses.replace(config, **changes)
+
+
+def random_prompts(batch_size: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size) for _ in range(input_len)] for _ in range(batch_size)]
+
+
+def bench_batch(llm, batch_size: int, args: argparse.Namespace, traffic, progress) -> dict[str, Any]:
+    """Warm up, then time one ``LLM.generate`` of ``batch_size`` requests."""
+    from freetoken.bench.floor import decode_floor
+    from freetoken.bench.timing import StepRecorder
+    from freetoken.core import SamplingParams
+
+    prompts = random_prompts(batch_size, args.input_len, llm.runtime.engine.vocab_size, args.seed + batch_size)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    warmup = SamplingParams(temperature=0.0, max_tokens=min(WARMUP_TOKENS, args.output_len), ignore_eos=True)
+    llm.generate(requests, warmup)
+    progress.update(batch_size * warmup.max_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    on_cuda = llm.runtime.engine.device.type == "cuda"
+    with StepRecorder(llm.runtime, batch_size, args.output_len, args.profile_steps if on_cuda else 0, progress) as rec:
+        outputs = llm.generate(requests, params)
+    ttft = [o.metrics["time_to_first_token"] for o in outputs]
+    steady = rec.steady_records()
+    result: dict[str, Any] = {
+        "batch_size": batch_size,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "steps": len(rec.records),
+        "steady_steps": len(steady),
+        "ttft_ms_mean": statistics.fmean(ttft) * 1e3,
+        "ttft_ms_max": max(ttft) * 1e3,
+        "prefill_tok_s": batch_size * args.input_len / max(ttft),
+        "output_tok_s": batch_size * args.output_len / sum(r.seconds for r in rec.records),
+        "gpu_idle_share": rec.gpu_idle_share,
+        "profiled_ms_per_step": rec.profiled_wall / args.profile_steps * 1e3 if rec.profiled_wall else None,
+        "decode_ms_per_step": None,
+        "decode_ms_p90": None,
+        "decode_tok_s": None,
+        "floor": None,
+        "ratio_to_floor": None,
+    }
+    if steady:
+        step_s = statistics.median(r.seconds for r in steady)
+        context = args.input_len + statistics.fmean(r.mean_output_len for r in steady) - 1
+        floor = decode_floor(traffic, batch_size, context, args.hbm_bandwidth)
+        result.update(
+            decode_ms_per_step=step_s * 1e3,
+            decode_ms_p90=_quantile([r.seconds for r in steady], 0.9) * 1e3,
+            decode_tok_s=batch_size / step_s,
+            floor=floor.as_dict(),
+            ratio_to_floor=step_s / floor.seconds,
+        )
+    else:
+        logger.warning("batch %d: no steady decode step (raise --output-len)", batch_size)
+    return result
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def bench_transformers(hf_model, batch_size: int, args: argparse.Namespace, vocab_size: int, floor_ms: float | None):
+    import torch
+
+    from freetoken.bench.transformers_compare import time_transformers
+
+    prompts = random_prompts(batch_size, args.input_len, vocab_size, args.seed + batch_size)
+    try:
+        timing = time_transformers(hf_model, prompts, args.output_len)
+    except torch.cuda.OutOfMemoryError as exc:
+        torch.cuda.empty_cache()
+        return {"error": f"out of memory: {exc}".splitlines()[0]}
+    decode_ms = timing.decode_ms_per_step(args.output_len)
+    return {
+        "decode_ms_per_step": decode_ms,
+        "decode_tok_s": batch_size / decode_ms * 1e3,
+        "ttft_ms": timing.prefill_seconds * 1e3,
+        "prefill_tok_s": batch_size * args.input_len / timing.prefill_seconds,
+        "ratio_to_floor": decode_ms / floor_ms if floor_ms else None,
+    }
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    _check(args)
+    json_path = Path(args.json_path) if args.json_path else None
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="freetoken-bench-") as scratch:
+        model_dir = args.model
+        if args.preset is not None:
+            from freetoken.bench.presets import write_preset_dir
+
+            model_dir = str(write_preset_dir(args.preset, scratch, args.num_layers))
+        report = _run(args, engine_config_for(args, model_dir), json_path)
+    from freetoken.bench.report import print_report
+
+    print_report(report)
+    if json_path is not None:
+        print(f"wrote {json_path}", file=sys.stderr)
+    return 0
+
+
+def _run(args: argparse.Namespace, config, json_path: Path | None) -> dict[str, Any]:
+    """Every batch size in turn; the JSON is rewritten after each, so a run cut short keeps its results."""
+    import torch
+    import transformers
+    from tqdm.auto import tqdm
+
+    from freetoken.bench.floor import decode_traffic_of
+    from freetoken.llm import LLM
+
+    llm = LLM(**dataclasses.asdict(config))
+    engine = llm.runtime.engine
+    model = engine.model
+    traffic = decode_traffic_of(model)
+    hf_model = None
+    if args.compare_transformers:
+        from freetoken.bench.transformers_compare import transformers_model_of
+
+        hf_model = transformers_model_of(model, engine.loaded.config, engine.loaded.dtype)
+    report: dict[str, Any] = {
+        "args": {name: value for name, value in vars(args).items() if name != "run"},
+        "preset": args.preset,
+        "model": args.model,
+        "num_layers": len(model.layers),
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "dtype": str(engine.loaded.dtype).removeprefix("torch."),
+        "device": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "hbm_bandwidth": args.hbm_bandwidth,
+        "engine_config": dataclasses.asdict(config),
+        "results": [],
+    }
+    hf_tokens = args.output_len + 3 if hf_model is not None else 0  # warm-up (2), prefill (1), timed run
+    per_batch = min(WARMUP_TOKENS, args.output_len) + args.output_len + hf_tokens
+    with tqdm(total=sum(args.batch_sizes) * per_batch, desc="freetoken bench", unit="tok") as progress:
+        for batch_size in args.batch_sizes:
+            progress.set_postfix(batch=batch_size)
+            result = bench_batch(llm, batch_size, args, traffic, progress)
+            if hf_model is not None:
+                floor_ms = result["floor"]["ms"] if result["floor"] else None
+                result["transformers"] = bench_transformers(hf_model, batch_size, args, engine.vocab_size, floor_ms)
+                progress.update(batch_size * hf_tokens)
+            report["results"].append(result)
+            if json_path is not None:
+                json_path.write_text(json.dumps(report, indent=2) + "\n")
+    return report

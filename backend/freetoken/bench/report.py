@@ -1,0 +1,70 @@
+"""The bench results as a table on stdout (the JSON has everything)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+GB = 1e9
+
+
+def _num(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_row(result: dict[str, Any]) -> list[str]:
+    floor = result["floor"]
+    idle = result["gpu_idle_share"]
+    row = [
+        str(result["batch_size"]),
+        _num(result["decode_ms_per_step"], ".2f"),
+        _num(result["decode_tok_s"], ",.0f"),
+        _num(result["prefill_tok_s"], ",.0f"),
+        _num(result["ttft_ms_max"], ",.1f"),
+    ]
+    if floor:
+        row += [
+            f"{floor['ms']:.2f}",
+            f"{floor['non_expert_weight_bytes'] / GB:.2f}",
+            f"{floor['expert_weight_bytes'] / GB:.2f} ({floor['experts_per_layer']:.0f}/layer)",
+            f"{floor['kv_bytes'] / GB:.3f}",
+            f"{floor['state_bytes'] / GB:.3f}",
+        ]
+    else:
+        row += ["-"] * 5
+    row += [_num(result["ratio_to_floor"], ".2f"), "-" if idle is None else f"{100 * idle:.1f}%"]
+    hf = result.get("transformers")
+    if hf is not None and "error" in hf:
+        row += [hf["error"][:24], "-"]
+    elif hf is not None:
+        row += [_num(hf["decode_ms_per_step"], ".2f"), _num(hf["ratio_to_floor"], ".1f")]
+    return row
+
+
+HEADER = [
+    "batch",
+    "decode ms/step",
+    "decode tok/s",
+    "prefill tok/s",
+    "TTFT ms (max)",
+    "floor ms",
+    "weights GB",
+    "experts GB",
+    "KV GB",
+    "state GB",
+    "x floor",
+    "GPU idle",
+]
+
+
+def print_report(report: dict[str, Any]) -> None:
+    results = report["results"]
+    header = HEADER + (["HF ms/step", "HF x floor"] if any("transformers" in r for r in results) else [])
+    rows = [header] + [format_row(r) for r in results]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    name = report["preset"] or report["model"]
+    print(
+        f"{name}: {report['num_layers']} layers, {report['num_parameters'] / 1e9:.2f}B parameters, "
+        f"{report['dtype']} on {report['device']}; floor at {report['hbm_bandwidth'] / 1e12:.2f} TB/s"
+    )
+    for row in rows:
+        print("  ".join(cell.rjust(width) for cell, width in zip(row, widths)))

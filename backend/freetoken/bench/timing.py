@@ -1,0 +1,155 @@
+"""Timing the engine's steps from outside: ``StepRecorder`` wraps ``Runtime.step`` of an ``LLM`` while
+``LLM.generate`` runs, so what is timed is the real path (schedule, forward, sample, detokenize,
+outputs), and measures the GPU's idle share over a few steady decode steps.
+
+Steady decode: a step that produced one token for each of the ``B`` requests and no request's first
+token, i.e. every request is decoding and none is still in prefill.
+
+GPU idle share: ``1 - busy / wall`` over ``profile_steps`` consecutive steady steps, where busy is
+the union of the intervals of every GPU activity (kernels, copies, memsets) that CUPTI recorded
+(``torch.profiler`` with only the CUDA activity: no CPU op recording, so the host side is barely
+slowed), and wall is the host time from the start of the first of those steps to the end of the
+last. Each step ends in a device->host copy of its tokens, so all GPU work of the profiled steps
+lies inside that wall window and none of another step's does; only durations and overlaps of GPU
+intervals are used, so the GPU and host clocks need not be aligned. The profiled steps are left out
+of the step-time statistics (CUPTI adds a little launch overhead to them).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# Steady steps seen before the profiled window starts (the first ones can still compile kernels).
+PROFILE_AFTER_STEADY_STEPS = 2
+
+
+@dataclass
+class StepRecord:
+    seconds: float
+    num_outputs: int
+    num_first_tokens: int
+    mean_output_len: float  # output tokens of the step's requests after it, averaged
+    max_output_len: int
+    profiled: bool = False
+
+
+def busy_time(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals."""
+    busy, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end <= reach:
+            continue
+        busy += end - max(start, reach)
+        reach = end
+    return busy
+
+
+def gpu_intervals_ns(prof: torch.profiler.profile) -> list[tuple[float, float]]:
+    """``(start, end)`` in ns of every GPU activity a stopped profiler recorded."""
+    return [
+        (e.start_ns(), e.end_ns())
+        for e in prof.profiler.kineto_results.events()
+        if e.device_type() == torch.autograd.DeviceType.CUDA
+    ]
+
+
+class StepRecorder:
+    """Use as ``with StepRecorder(llm.runtime, B, max_tokens) as rec: llm.generate(...)``.
+
+    ``profile_steps`` > 0 (CUDA only) measures ``gpu_idle_share`` once, over that many steady steps
+    after ``PROFILE_AFTER_STEADY_STEPS`` of them, while every request still has tokens to go.
+    ``progress`` (a tqdm bar) advances by the tokens each step yields. ``profiler_activities``: what
+    the profiler records (CUDA; the CPU tests record CPU ops, none of which counts as busy).
+    """
+
+    def __init__(
+        self,
+        runtime: Any,
+        batch_size: int,
+        max_tokens: int,
+        profile_steps: int = 0,
+        progress: Any = None,
+        profiler_activities: tuple[torch.profiler.ProfilerActivity, ...] = (torch.profiler.ProfilerActivity.CUDA,),
+    ):
+        self.runtime = runtime
+        self.batch_size = batch_size
+        self.max_tokens = max_tokens
+        self.profile_steps = profile_steps
+        self.progress = progress
+        self.profiler_activities = list(profiler_activities)
+        self.records: list[StepRecord] = []
+        self.gpu_idle_share: float | None = None
+        self.profiled_wall: float | None = None
+        self._profiler: torch.profiler.profile | None = None
+        self._profile_tried = False
+        self._window: list[float] = []
+
+    def __enter__(self) -> StepRecorder:
+        self._step = self.runtime.step
+        self.runtime.step = self._timed_step
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.runtime.step  # the instance attribute: the class's method shows again
+        if self._profiler is not None:
+            self._profiler.stop()
+            self._profiler = None
+
+    def _steady(self, record: StepRecord) -> bool:
+        return record.num_outputs == self.batch_size and record.num_first_tokens == 0
+
+    def _should_profile(self) -> bool:
+        if self.profile_steps <= 0 or self._profile_tried:
+            return False
+        recent = self.records[-PROFILE_AFTER_STEADY_STEPS:]
+        if len(recent) < PROFILE_AFTER_STEADY_STEPS or not all(self._steady(r) for r in recent):
+            return False
+        # Every request must keep running through the window: the one furthest along ends first.
+        return self.max_tokens - recent[-1].max_output_len > self.profile_steps
+
+    def _timed_step(self):
+        if self._should_profile():
+            self._profile_tried = True
+            self._profiler = torch.profiler.profile(activities=self.profiler_activities)
+            self._profiler.start()
+        profiling = self._profiler is not None
+        start = time.perf_counter()
+        outputs = self._step()
+        end = time.perf_counter()
+        tokens = [len(o.token_ids) for o in outputs if o.new_token_ids]
+        self.records.append(
+            StepRecord(
+                seconds=end - start,
+                num_outputs=len(tokens),
+                num_first_tokens=sum(1 for t in tokens if t == 1),
+                mean_output_len=statistics.fmean(tokens) if tokens else 0.0,
+                max_output_len=max(tokens, default=0),
+                profiled=profiling,
+            )
+        )
+        if profiling:
+            self._window += [start, end]
+            if len(self._window) == 2 * self.profile_steps:
+                self._finish_profile()
+        if self.progress is not None:
+            self.progress.update(len(tokens))
+        return outputs
+
+    def _finish_profile(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self._profiler.stop()
+        intervals = gpu_intervals_ns(self._profiler)
+        self._profiler = None
+        wall = self._window[-1] - self._window[0]
+        if all(self._steady(r) for r in self.records if r.profiled) and wall > 0:
+            self.profiled_wall = wall
+            self.gpu_idle_share = max(0.0, 1.0 - busy_time(intervals) * 1e-9 / wall)
+
+    def steady_records(self) -> list[StepRecord]:
+        return [r for r in self.records if self._steady(r) and not r.profiled]

@@ -1,0 +1,72 @@
+"""Random weights for a model built without a checkpoint (``load_format="dummy"``, vLLM's name).
+
+Benchmarks of real shapes need weights that behave like trained ones where speed depends on
+them, without a 70 GB checkpoint: values are drawn on the device the model lives on, chosen by
+checkpoint name (``CausalLM.weight_targets``) so that
+
+- every projection keeps activations at unit scale (``std = 1 / sqrt(fan_in)``, fan-in the last
+  dim), so 40 layers of bf16 stay finite;
+- router logits are about N(0, 1) per expert for every token: top-k choices vary from token to
+  token and spread over all experts (near-uniform routing, as the HBM floor assumes), neither
+  collapsed on a few experts nor tied;
+- norm multipliers are near 1 (zero-centred norms store ``w`` around 0, the gated GDN norm around
+  1), GDN decays ``A = exp(A_log)`` in [1, 16] and ``dt_bias = 1`` as transformers initialises them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from freetoken.layers.weights import WeightTarget
+from freetoken.models.base import CausalLM
+
+NORM_NOISE = 0.1
+
+
+def _fill(name: str, dst: torch.Tensor, generator: torch.Generator) -> None:
+    parts = name.rsplit(".", 2)
+    module = parts[-2] if len(parts) > 1 else ""
+    if name.endswith("A_log"):
+        dst.uniform_(1.0, 16.0, generator=generator).log_()
+    elif name.endswith("dt_bias"):
+        dst.fill_(1.0)
+    elif name.endswith("linear_attn.norm.weight"):
+        dst.normal_(1.0, NORM_NOISE, generator=generator)
+    elif "norm" in module:
+        dst.normal_(0.0, NORM_NOISE, generator=generator)
+    elif name == "embed_tokens.weight" or "ngram_embedding" in name:
+        dst.normal_(0.0, 1.0, generator=generator)
+    else:
+        dst.normal_(0.0, 1.0 / math.sqrt(dst.shape[-1]), generator=generator)
+
+
+@torch.no_grad()
+def randomize_weights(model: CausalLM, seed: int) -> None:
+    """Fill every parameter of ``model`` in place (buffers computed from the config stay)."""
+    parameters = {id(p): (name, p) for name, p in model.named_parameters()}
+    generators: dict[torch.device, torch.Generator] = {}
+    filled: dict[int, int] = {}
+    # Whole-parameter targets first: fused expert tensors fill all experts at once, and the
+    # per-expert names that alias them are then skipped.
+    targets = sorted(model.weight_targets().items(), key=lambda item: _is_part(item[1]))
+    for name, target in targets:
+        key = id(target.param)
+        if key not in parameters or filled.get(key, 0) >= target.param.numel():
+            continue
+        dst = target.destination()
+        if dst.device not in generators:
+            generators[dst.device] = torch.Generator(dst.device).manual_seed(seed)
+        _fill(name, dst, generators[dst.device])
+        filled[key] = filled.get(key, 0) + dst.numel()
+    named_targets = model.weight_targets()
+    for missing, source in model.tied_weights().items():
+        named_targets[missing].destination().copy_(named_targets[source].destination())
+    unfilled = [name for key, (name, p) in parameters.items() if filled.get(key, 0) < p.numel()]
+    if unfilled:
+        raise ValueError(f"no weight target covers the parameters {unfilled[:5]}: cannot randomize them")
+
+
+def _is_part(target: WeightTarget) -> bool:
+    return target.index is not None or target.rows is not None

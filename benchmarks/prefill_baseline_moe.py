@@ -1,0 +1,333 @@
+"""Triton MoE: softmax top-k routing, grouping (token, choice) pairs by expert, and the expert GEMMs.
+
+``fused_experts`` runs, with no device->host sync:
+
+1. ``moe_sort_tokens``: per expert, a count pass and a stable scatter pass over the flat expert ids
+   (``order``: pair indices grouped by expert, ``offsets``: each expert's range).
+2. ``_gate_up_kernel``: a grouped GEMM over tiles of ``BLOCK_M`` pairs of one expert. A program finds
+   its (expert, tile) from ``offsets`` itself; tiles past the real count exit, so the grid is an upper
+   bound (``ceil(pairs / BLOCK_M) + experts``). Each program computes a gate block and the matching up
+   block of ``w13`` and writes ``silu(gate) · up`` (SiLU-and-mul fused) in sorted pair order.
+3. ``_down_kernel``: the same tiling over ``w2``, scaled by the routing weight, written per pair.
+4. ``_sum_choices_kernel``: each token's ``top_k`` pair outputs summed in float32 (deterministic, no atomics).
+
+Rounding follows the reference (the projections, SiLU and products rounded to the activations' dtype).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from freetoken.kernels.triton._common import (
+    INTERPRETED,
+    cast,
+    device_function,
+    dot,
+    dot_precision,
+    new_empty,
+    pow2,
+    round_as,
+    rows_per_program,
+)
+
+
+@triton.jit
+def _topk_softmax_kernel(
+    logits_ptr, l_st, weights_ptr, ids_ptr, num_tokens, num_experts,
+    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T))[:, None]
+    t_ok = t < num_tokens
+    e = tl.arange(0, BLOCK_E)[None, :]
+    logits = tl.load(logits_ptr + t * l_st + e, mask=t_ok & (e < num_experts), other=0.0).to(tl.float32)
+    logits = tl.where(e < num_experts, logits, float("-inf"))
+    p = tl.exp(logits - tl.max(logits, 1)[:, None])
+    p = p / tl.sum(p, 1)[:, None]
+    p = tl.where(e < num_experts, p, -1.0)
+    j = tl.arange(0, BLOCK_K)[None, :]
+    top_w = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
+    top_i = tl.zeros([BLOCK_T, BLOCK_K], tl.int32)
+    for choice in tl.static_range(TOP_K):
+        best = tl.max(p, 1)[:, None]
+        best_i = tl.min(tl.where(p == best, e, BLOCK_E), 1)[:, None]  # the lowest index among ties
+        top_w = tl.where(j == choice, best, top_w)
+        top_i = tl.where(j == choice, best_i, top_i)
+        p = tl.where(e == best_i, -2.0, p)
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(tl.where(j < TOP_K, top_w, 0.0), 1)[:, None]
+    mask = t_ok & (j < TOP_K)
+    tl.store(weights_ptr + t * TOP_K + j, cast(top_w, weights_ptr.dtype.element_ty), mask=mask)
+    tl.store(ids_ptr + t * TOP_K + j, top_i, mask=mask)
+
+
+def moe_topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    num_tokens, num_experts = router_logits.shape
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
+    if router_logits.stride(-1) != 1:
+        router_logits = router_logits.contiguous()
+    weights = new_empty((num_tokens, top_k), router_logits.dtype, router_logits.device)
+    ids = new_empty((num_tokens, top_k), torch.int32, router_logits.device)
+    if num_tokens:
+        block_e = pow2(num_experts)
+        block_t = rows_per_program(num_tokens, block_e)
+        _topk_softmax_kernel[(triton.cdiv(num_tokens, block_t),)](
+            router_logits, router_logits.stride(0), weights, ids, num_tokens, num_experts,
+            TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=pow2(top_k),
+        )
+    return weights, ids
+
+
+@triton.jit
+def _count_kernel(ids_ptr, counts_ptr, num_pairs, BLOCK: tl.constexpr):
+    expert = tl.program_id(0)
+    count = expert * 0
+    for start in range(0, num_pairs, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        ids = tl.load(ids_ptr + i, mask=i < num_pairs, other=-1)
+        count += tl.sum((ids == expert).to(tl.int32), 0)
+    tl.store(counts_ptr + expert, count)
+
+
+@triton.jit
+def _scatter_kernel(ids_ptr, counts_ptr, order_ptr, offsets_ptr, num_pairs, num_experts,
+                    BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
+    expert = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    counts = tl.load(counts_ptr + e, mask=e < num_experts, other=0)
+    offset = tl.sum(tl.where(e < expert, counts, 0), 0)
+    tl.store(offsets_ptr + expert + 1, offset + tl.sum(tl.where(e == expert, counts, 0), 0))
+    if expert == 0:
+        tl.store(offsets_ptr, 0)
+    for start in range(0, num_pairs, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        match = tl.load(ids_ptr + i, mask=i < num_pairs, other=-1) == expert
+        rank = tl.cumsum(match.to(tl.int32), 0)
+        tl.store(order_ptr + offset + rank - 1, i, mask=match)
+        offset += tl.sum(match.to(tl.int32), 0)
+
+
+def moe_sort_tokens(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    flat = topk_ids.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    num_pairs = flat.shape[0]
+    device = topk_ids.device
+    order = new_empty((num_pairs,), torch.int32, device)
+    offsets = new_empty((num_experts + 1,), torch.int32, device)
+    counts = new_empty((num_experts,), torch.int32, device)
+    block = min(pow2(num_pairs), 1024)
+    _count_kernel[(num_experts,)](flat, counts, num_pairs, BLOCK=block)
+    _scatter_kernel[(num_experts,)](
+        flat, counts, order, offsets, num_pairs, num_experts, BLOCK=block, BLOCK_E=pow2(num_experts)
+    )
+    return order, offsets
+
+
+@device_function
+def _tile_of(pid, offsets_ptr, num_experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """(expert, first sorted pair, end of the expert's pairs) of grouped-GEMM tile ``pid``; the
+    expert is ``num_experts`` for tiles past the last one."""
+    e = tl.arange(0, BLOCK_E)
+    starts = tl.load(offsets_ptr + e, mask=e < num_experts, other=0)
+    ends = tl.load(offsets_ptr + e + 1, mask=e < num_experts, other=0)
+    tiles_end = tl.cumsum((ends - starts + BLOCK_M - 1) // BLOCK_M, 0)  # tiles of experts <= e
+    expert = tl.sum((tiles_end <= pid).to(tl.int32), 0)
+    tiles_before = tl.sum(tl.where(e == expert - 1, tiles_end, 0), 0)
+    first = tl.sum(tl.where(e == expert, starts, 0), 0) + (pid - tiles_before) * BLOCK_M
+    end = tl.sum(tl.where(e == expert, ends, 0), 0)
+    return expert, first, end
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, x_st, w_ptr, w_se, w_sn, order_ptr, offsets_ptr, h_ptr,
+    hidden, inter, num_experts,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr, PRECISION: tl.constexpr,
+):
+    expert, first, end = _tile_of(tl.program_id(0), offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
+    if expert < num_experts:
+        rows = first + tl.arange(0, BLOCK_M)
+        row_ok = rows < end
+        token = tl.load(order_ptr + rows, mask=row_ok, other=0) // TOP_K
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < inter
+        w_base = w_ptr + expert.to(tl.int64) * w_se
+        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < hidden
+            a = tl.load(x_ptr + token[:, None] * x_st + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w_mask = n_ok[:, None] & k_ok[None, :]
+            w_gate = tl.load(w_base + n[:, None] * w_sn + k[None, :], mask=w_mask, other=0.0)
+            w_up = tl.load(w_base + (inter + n)[:, None] * w_sn + k[None, :], mask=w_mask, other=0.0)
+            acc_gate += dot(a, tl.trans(w_gate), PRECISION)
+            acc_up += dot(a, tl.trans(w_up), PRECISION)
+        dtype = h_ptr.dtype.element_ty
+        gate = round_as(acc_gate, dtype)
+        h = round_as(gate * tl.sigmoid(gate), dtype) * round_as(acc_up, dtype)
+        tl.store(h_ptr + rows[:, None] * inter + n[None, :], cast(h, dtype), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr, w_ptr, w_se, w_sn, order_ptr, offsets_ptr, topk_w_ptr, y_ptr,
+    hidden, inter, num_experts,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr, PRECISION: tl.constexpr,
+):
+    expert, first, end = _tile_of(tl.program_id(0), offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
+    if expert < num_experts:
+        rows = first + tl.arange(0, BLOCK_M)
+        row_ok = rows < end
+        pair = tl.load(order_ptr + rows, mask=row_ok, other=0)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < hidden
+        w_base = w_ptr + expert.to(tl.int64) * w_se
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < inter
+            a = tl.load(h_ptr + rows[:, None] * inter + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_base + n[:, None] * w_sn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += dot(a, tl.trans(w), PRECISION)
+        dtype = y_ptr.dtype.element_ty
+        weight = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
+        y = round_as(acc, dtype) * weight[:, None]
+        tl.store(y_ptr + pair.to(tl.int64)[:, None] * hidden + n[None, :], cast(y, dtype),
+                 mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _sum_choices_kernel(y_ptr, out_ptr, num_tokens, hidden, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T))[:, None]
+    cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
+    ok = (t < num_tokens) & (cols < hidden)
+    acc = tl.zeros([BLOCK_T, BLOCK], tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(y_ptr + (t * TOP_K + j).to(tl.int64) * hidden + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * hidden + cols, cast(acc, out_ptr.dtype.element_ty), mask=ok)
+
+
+def _gemm_tiles(dtype: torch.dtype, num_pairs: int, num_experts: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_stages): BLOCK_M from the mean pairs per expert (decode
+    batches route a few tokens to each expert); float32 tiles are narrower to fit shared memory."""
+    mean_rows = num_pairs / max(num_experts, 1)
+    block_m = 16 if mean_rows <= 16 else 32 if mean_rows <= 48 else 64
+    if INTERPRETED:  # few, large programs: the interpreter's cost is per program and operation
+        return block_m, 128, 256, 1
+    if dtype == torch.float32:
+        return block_m, 64, 32, 2
+    return block_m, 64, 64, 3
+
+
+def fused_experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = w13.shape
+    inter = two_inter // 2
+    top_k = topk_ids.shape[1]
+    if w13.shape[2] != hidden or w2.shape != (num_experts, hidden, inter) or topk_weights.shape != topk_ids.shape:
+        raise ValueError(
+            f"fused_experts: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}, "
+            f"weights {tuple(topk_weights.shape)}, ids {tuple(topk_ids.shape)} disagree"
+        )
+    out = new_empty((num_tokens, hidden), x.dtype, x.device)
+    if num_tokens == 0:
+        return out
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    w13, w2 = w13.contiguous(), w2.contiguous()
+    topk_weights = topk_weights.contiguous()
+    num_pairs = num_tokens * top_k
+    order, offsets = moe_sort_tokens(topk_ids, num_experts)
+    block_m, block_n, block_k, stages = _gemm_tiles(x.dtype, num_pairs, num_experts)
+    max_tiles = triton.cdiv(num_pairs, block_m) + num_experts
+    precision = dot_precision(x.dtype)
+    h = new_empty((num_pairs, inter), x.dtype, x.device)
+    _gate_up_kernel[(max_tiles, triton.cdiv(inter, block_n))](
+        x, x.stride(0), w13, w13.stride(0), w13.stride(1), order, offsets, h,
+        hidden, inter, num_experts,
+        TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_E=pow2(num_experts), PRECISION=precision, num_warps=4, num_stages=stages,
+    )
+    y = new_empty((num_pairs, hidden), x.dtype, x.device)
+    _down_kernel[(max_tiles, triton.cdiv(hidden, block_n))](
+        h, w2, w2.stride(0), w2.stride(1), order, offsets, topk_weights, y,
+        hidden, inter, num_experts,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_E=pow2(num_experts), PRECISION=precision, num_warps=4, num_stages=stages,
+    )
+    block = min(pow2(hidden), 1024)
+    block_t = rows_per_program(num_tokens, block)
+    _sum_choices_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(hidden, block))](
+        y, out, num_tokens, hidden, TOP_K=top_k, BLOCK_T=block_t, BLOCK=block
+    )
+    return out
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, x_st, out_ptr, num_rows, inter, BLOCK_T: tl.constexpr, BLOCK: tl.constexpr):
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T))[:, None]
+    cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
+    ok = (t < num_rows) & (cols < inter)
+    dtype = out_ptr.dtype.element_ty
+    gate = tl.load(x_ptr + t * x_st + cols, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + t * x_st + inter + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * inter + cols, cast(round_as(gate * tl.sigmoid(gate), dtype) * up, dtype), mask=ok)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if x.shape[-1] % 2:
+        raise ValueError(f"silu_and_mul needs an even last dim, got {x.shape[-1]}")
+    inter = x.shape[-1] // 2
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = new_empty((*x.shape[:-1], inter), x.dtype, x.device)
+    num_rows = rows.shape[0]
+    if num_rows:
+        block = min(pow2(inter), 1024)
+        block_t = rows_per_program(num_rows, block)
+        _silu_and_mul_kernel[(triton.cdiv(num_rows, block_t), triton.cdiv(inter, block))](
+            rows, rows.stride(0), out, num_rows, inter, BLOCK_T=block_t, BLOCK=block
+        )
+    return out
+
+
+@triton.jit
+def _shared_combine_kernel(routed_ptr, shared_ptr, gate_ptr, g_st, out_ptr, num_tokens, hidden,
+                           BLOCK_T: tl.constexpr, BLOCK: tl.constexpr):
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T))[:, None]
+    cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
+    t_ok = t < num_tokens
+    ok = t_ok & (cols < hidden)
+    dtype = out_ptr.dtype.element_ty
+    gate = round_as(tl.sigmoid(tl.load(gate_ptr + t * g_st, mask=t_ok, other=0.0).to(tl.float32)), dtype)
+    shared = tl.load(shared_ptr + t * hidden + cols, mask=ok, other=0.0).to(tl.float32)
+    routed = tl.load(routed_ptr + t * hidden + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * hidden + cols, cast(routed + round_as(gate * shared, dtype), dtype), mask=ok)
+
+
+def shared_expert_combine(routed: torch.Tensor, shared: torch.Tensor, gate_logit: torch.Tensor) -> torch.Tensor:
+    num_tokens, hidden = routed.shape
+    if shared.shape != routed.shape or gate_logit.shape != (num_tokens, 1):
+        raise ValueError(
+            f"shared_expert_combine: routed {tuple(routed.shape)}, shared {tuple(shared.shape)}, "
+            f"gate_logit {tuple(gate_logit.shape)} disagree"
+        )
+    routed, shared = routed.contiguous(), shared.contiguous()
+    out = new_empty((num_tokens, hidden), routed.dtype, routed.device)
+    if num_tokens:
+        block = min(pow2(hidden), 1024)
+        block_t = rows_per_program(num_tokens, block)
+        _shared_combine_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(hidden, block))](
+            routed, shared, gate_logit, gate_logit.stride(0), out, num_tokens, hidden, BLOCK_T=block_t, BLOCK=block
+        )
+    return out

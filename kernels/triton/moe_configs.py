@@ -1,0 +1,66 @@
+"""Tile configurations of the MoE grouped GEMMs, per GEMM and expert shape, chosen by the mean
+number of (token, choice) pairs per expert.
+
+``TUNED`` holds what ``benchmarks/tune_moe.py`` measured on the H200 (it prints entries in this
+format); shapes it does not list use ``DEFAULT``. A table instead of autotuning: start-up pays
+no tuning run, and a launch chooses its tiles from host-side sizes only (no device sync).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from freetoken.kernels.triton._common import INTERPRETED
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One grouped-GEMM launch: tile sizes, ``group_m`` row tiles run together over all column
+    blocks (so a weight block is reused from L2 by them), warps and software-pipelining depth."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+C = GemmConfig
+# (largest mean pairs per expert, config), increasing; the last bucket has no upper bound.
+Buckets = tuple[tuple[float, GemmConfig], ...]
+
+DEFAULT: dict[str, Buckets] = {
+    # gate/up: each program computes a gate block and the matching up block (2 x block_n columns).
+    "gate_up": (
+        (16, C(16, 64, 64, 1, 4, 3)),
+        (48, C(32, 64, 64, 1, 4, 3)),
+        (96, C(64, 64, 64, 4, 4, 3)),
+        (float("inf"), C(128, 64, 64, 8, 8, 3)),
+    ),
+    "down": (
+        (16, C(16, 64, 64, 1, 4, 3)),
+        (48, C(32, 64, 64, 1, 4, 3)),
+        (96, C(64, 128, 64, 4, 4, 3)),
+        (float("inf"), C(128, 128, 64, 8, 8, 3)),
+    ),
+}
+
+# (gemm, hidden, intermediate, experts) -> buckets, bf16, measured on the H200.
+TUNED: dict[tuple[str, int, int, int], Buckets] = {}
+
+
+def moe_gemm_config(
+    gemm: str, dtype: torch.dtype, num_pairs: int, num_experts: int, hidden: int, inter: int
+) -> GemmConfig:
+    """The configuration of ``gemm`` (``"gate_up"`` or ``"down"``) for this launch."""
+    mean_rows = num_pairs / max(num_experts, 1)
+    buckets = TUNED.get((gemm, hidden, inter, num_experts), DEFAULT[gemm])
+    config = next(c for bound, c in buckets if mean_rows <= bound)
+    if INTERPRETED:  # few, large programs: the interpreter's cost is per program and operation
+        return replace(config, block_m=min(config.block_m, 64), block_n=128, block_k=256, num_stages=1)
+    if dtype == torch.float32:  # float32 tiles are narrower to fit shared memory
+        return replace(config, block_m=min(config.block_m, 64), block_n=64, block_k=32, num_warps=4, num_stages=2)
+    return config
