@@ -3,7 +3,7 @@
 #   1. tests/gpu (pytest -m gpu): every Triton kernel against its torch reference at the real model
 #      sizes, and float32 end-to-end greedy parity with transformers on CUDA;
 #   2. tests/kernels compiled on the GPU (the CI kernel suite at small odd sizes, CPU e2e test too);
-#   3. kernel timings against the measured hardware floor (tests/gpu/bench_kernels.py).
+#   3. kernel timings against the measured hardware floor (benchmarks/kernels.py).
 # Logs go under $OUT (default /tmp/freetoken-gpu); a summary table is printed last.
 # GPU_TESTS (default: tests/gpu) and KERNEL_TESTS (default: tests/kernels; "none" skips the stage)
 # narrow a re-run to what changed; BENCH=none skips the timings.
@@ -37,7 +37,7 @@ if [ "${KERNEL_TESTS:-tests/kernels}" != none ]; then
         --junitxml="$OUT/kernels-junit.xml" 2>&1 | tee "$OUT/pytest-kernels.log"
 fi
 if [ "${BENCH:-yes}" != none ]; then
-    timeout 120 python3 tests/gpu/bench_kernels.py --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+    timeout 120 python3 benchmarks/kernels.py --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
 fi
 
 python3 - "$OUT" <<'PY'

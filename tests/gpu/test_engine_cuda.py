@@ -6,45 +6,41 @@ from __future__ import annotations
 import pytest
 import torch
 
-from freetoken import LLM, SamplingParams
-from oracle import PROMPTS, reference_greedy, reference_logits
+from freetoken import LLM
+from oracle import CASES, DEMO, PAGE_SIZE, PROMPTS, Case, assert_greedy_batch, checkpoint, reference_logits
 
 pytestmark = pytest.mark.gpu
 
-SHAPES = ["demo", "odd_heads_padded_vocab"]
+# Qwen3.5 with both backend choices ("auto" must pick the Triton kernels on CUDA); every Qwen4-Exp
+# shape with the default one.
+RUNS = [
+    *(
+        pytest.param(case, backend, id=f"{case}-{backend}")
+        for case in (Case("qwen3_5_moe", "demo"), Case("qwen3_5_moe", "odd_heads_padded_vocab"))
+        for backend in ("auto", "triton")
+    ),
+    *(pytest.param(case, "auto", id=f"{case}-auto") for case in CASES if case.family == "qwen4_exp"),
+]
 
 
-@pytest.fixture(scope="module")
-def checkpoints(checkpoint_factory):
-    return {name: checkpoint_factory(name) for name in SHAPES}
-
-
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("kernel_backend", ["auto", "triton"])
-def test_float32_greedy_tokens_equal_transformers_on_cuda(checkpoints, shape, kernel_backend):
-    path = checkpoints[shape]
+@pytest.mark.parametrize("case, kernel_backend", RUNS)
+def test_float32_greedy_tokens_equal_transformers_on_cuda(case, kernel_backend):
     llm = LLM(
-        model=str(path),
+        model=str(checkpoint(case)),
         dtype="float32",
         device="cuda",
-        kernel_backend=kernel_backend,  # "auto" must pick the Triton kernels on CUDA
-        max_prefill_length=32,  # the long prompts are chunked next to decodes
-        page_size=4,
+        kernel_backend=kernel_backend,
+        max_prefill_length=16,  # the long prompts are chunked next to decodes
+        page_size=PAGE_SIZE,
     )
-    engine = llm.runtime.engine
-    assert engine.model.embed_tokens.device.type == "cuda"
-    max_tokens = 24
-    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=max_tokens))
-    for prompt, output in zip(PROMPTS, outputs):
-        assert output.error is None, output.error
-        ids = llm.runtime.tokenize(prompt)
-        assert output.token_ids == reference_greedy(path, ids, max_tokens), (shape, prompt)
+    assert llm.runtime.engine.model.embed_tokens.device.type == "cuda"
+    assert_greedy_batch(llm, case)
 
 
-def test_pools_sized_from_free_gpu_memory(checkpoints):
+def test_pools_sized_from_free_gpu_memory():
     """No num_pages given: the pages come from the free memory after the weights, capped at what
     max_running_requests x max_model_len can use."""
-    llm = LLM(model=str(checkpoints["demo"]), dtype="bfloat16", device="cuda", max_running_requests=8)
+    llm = LLM(model=str(checkpoint(DEMO["qwen3_5_moe"])), dtype="bfloat16", device="cuda", max_running_requests=8)
     engine = llm.runtime.engine
     sizes = engine.pool_sizes
     layer = next(l.mixer for l in engine.model.layers if hasattr(l.mixer, "k_cache"))
@@ -54,10 +50,10 @@ def test_pools_sized_from_free_gpu_memory(checkpoints):
     assert free > 0
 
 
-def test_bf16_logits_close_to_transformers(checkpoints):
+def test_bf16_logits_close_to_transformers():
     """bf16 on CUDA against the exact logits (float32 transformers on the CPU): relative L2 <= 2e-2."""
-    path = checkpoints["demo"]
-    llm = LLM(model=str(path), dtype="bfloat16", device="cuda", max_prefill_length=16, page_size=4)
+    path = checkpoint(DEMO["qwen3_5_moe"])
+    llm = LLM(model=str(path), dtype="bfloat16", device="cuda", max_prefill_length=16, page_size=PAGE_SIZE)
     for prompt in PROMPTS:
         ids = llm.runtime.tokenize(prompt)
         ours = llm.prompt_logits(ids).float().cpu()

@@ -23,8 +23,6 @@ if COMPILE_CHECK_ARCH:
 elif not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from kernel_checks import DEVICE  # noqa: E402,F401  (also importable from here)
-
 
 @pytest.fixture(autouse=True)
 def poisoned_outputs(monkeypatch):

@@ -3,8 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import DEVICE
-from kernel_checks import assert_close
+from kernel_checks import DEVICE, assert_close
 from freetoken.kernels import hyper_connection as ref
 
 TOKENS, STREAMS, HIDDEN = 7, 3, 20

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import DEVICE
+from kernel_checks import DEVICE
 from freetoken.kernels import ngram as ref
 from freetoken.layers.ple import head_vocab_sizes, layer_multipliers
 

@@ -13,7 +13,7 @@ from freetoken.models.loader import load_model
 from freetoken.models.qwen4_exp import Qwen4ExpModel
 from freetoken.models.qwen4_exp.text_config import ngram_sizes
 from freetoken.demo import QWEN4_EXP_TEXT_CONFIG
-from qwen4_cases import EOS, checkpoint, reference_model
+from oracle import EOS, Case, checkpoint, reference_model
 
 
 def _text_config(**overrides):
@@ -69,8 +69,9 @@ def test_ngram_embeddings_equal_reference_module_across_steps(ngram_size):
 @pytest.mark.parametrize("shape", ["blocks_of_a_page", "blocks_within_pages"])
 def test_split_ngram_tables_load_whole(shape):
     """12 shards (names sort out of numeric order) and 5 uneven shards in sharded safetensors files."""
-    loaded = load_model(str(checkpoint(shape)), "float32", torch.device("cpu")).model
-    reference = reference_model(shape)
+    path = checkpoint(Case("qwen4_exp", shape))
+    loaded = load_model(str(path), "float32", torch.device("cpu")).model
+    reference = reference_model(path)
     language_model = getattr(reference.model, "language_model", reference.model)
     ple_layers = [(i, layer.ple) for i, layer in enumerate(loaded.layers) if layer.ple is not None]
     assert ple_layers

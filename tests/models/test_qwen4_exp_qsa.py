@@ -8,14 +8,14 @@ import torch
 
 from freetoken import LLM, SamplingParams
 from freetoken.layers.qsa_indexer import QSAIndexer
-from qwen4_cases import PAGE_SIZE, checkpoint, prompts, reference_model
+from oracle import PAGE_SIZE, Case, checkpoint, random_prompts, reference_model
 
 NEW_TOKENS = 12
 
 
 def _reference_selections(shape: str, prompt: list[int]) -> dict[int, dict[int, set[int]]]:
     """``{layer: {query position: selected token positions}}`` from transformers' indexer during generate()."""
-    model = reference_model(shape)
+    model = reference_model(checkpoint(Case("qwen4_exp", shape)))
     found: dict[int, dict[int, set[int]]] = {}
 
     def record(module, args, output):
@@ -41,7 +41,10 @@ def _reference_selections(shape: str, prompt: list[int]) -> dict[int, dict[int, 
 
 def _engine_selections(shape: str, prompt: list[int], max_prefill_length: int) -> dict[int, dict[int, set[int]]]:
     llm = LLM(
-        model=str(checkpoint(shape)), dtype="float32", device="cpu", max_prefill_length=max_prefill_length,
+        model=str(checkpoint(Case("qwen4_exp", shape))),
+        dtype="float32",
+        device="cpu",
+        max_prefill_length=max_prefill_length,
         page_size=PAGE_SIZE,
     )
     model = llm.runtime.engine.model
@@ -71,7 +74,7 @@ def _recording(indexer: QSAIndexer, rows: dict[int, set[int]]):
 
 @pytest.mark.parametrize("shape", ["blocks_of_a_page", "blocks_within_pages", "blocks_across_pages"])
 def test_selected_tokens_equal_reference_indexer(shape):
-    prompt = prompts(2, seed=5)[0]
+    prompt = random_prompts(2, seed=5)[0]
     want = _reference_selections(shape, prompt)
     got = _engine_selections(shape, prompt, max_prefill_length=16)
     assert set(got) == set(want)

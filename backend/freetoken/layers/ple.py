@@ -10,6 +10,7 @@ place) with CUDA when the model runs there, and each step reads only the rows it
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -104,7 +105,7 @@ class NGramEmbedding(nn.Module):
         self.register_buffer("head_offsets", torch.tensor(offsets, dtype=torch.int64))
         self.table = nn.Parameter(torch.empty(rows, self.head_dim, device="cpu"), requires_grad=False)
         if torch.get_default_device().type == "cuda":
-            _pin_in_place(self.table.data)
+            _pin_in_place(self.table)
 
     def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
         table = f"{prefix}ngram_embedding."
@@ -141,6 +142,13 @@ def _pin_in_place(tensor: torch.Tensor) -> None:
     error = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.nbytes, portable_and_mapped))
     if error:
         raise RuntimeError(f"cudaHostRegister of the {tensor.nbytes / 2**30:.1f} GiB n-gram table failed: error {error}")
+    # Unregister when the table is freed: the allocator may hand the same address range to the next
+    # model's table, and registering a range twice fails (cudaErrorHostMemoryAlreadyRegistered).
+    weakref.finalize(tensor, _unpin, tensor.data_ptr())
+
+
+def _unpin(address: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(address)
 
 
 class PLELayer(nn.Module):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from oracle import PROMPTS
+from oracle import DEMO, PROMPTS, Case, checkpoint
 from freetoken import LLM, SamplingParams
 from freetoken.models.checkpoint import CheckpointError
 
@@ -55,8 +55,8 @@ def test_missing_directory_or_config(tmp_path):
         LLM(model=str(tmp_path), device="cpu")
 
 
-def test_missing_shard_is_named(checkpoint_factory, tmp_path):
-    path = _copy(checkpoint_factory("text_only_tied_sharded"), tmp_path / "sharded")
+def test_missing_shard_is_named(tmp_path):
+    path = _copy(checkpoint(Case("qwen3_5_moe", "text_only_tied_sharded")), tmp_path / "sharded")
     shards = sorted(path.glob("model-*.safetensors"))
     assert len(shards) > 1
     shards[-1].unlink()
@@ -100,3 +100,8 @@ def test_generation_config_defaults_apply(demo_checkpoint, tmp_path):
     assert (resolved.temperature, resolved.top_p, resolved.top_k) == (0.6, 0.95, 20)
     explicit = llm.runtime.make_request("h", "hi", SamplingParams(temperature=0.0)).sampling
     assert explicit.temperature == 0.0
+
+
+def test_page_size_and_compress_ratio_must_divide_one_another():
+    with pytest.raises(ValueError, match=r"page_size \(6\) and indexer_compress_ratio \(4\)"):
+        LLM(model=str(checkpoint(DEMO["qwen4_exp"])), dtype="float32", device="cpu", page_size=6)

@@ -1,6 +1,6 @@
 """Kernel timings against the hardware floor on one GPU (run by scripts/gpu_check.sh).
 
-    python tests/gpu/bench_kernels.py [--json FILE]
+    python benchmarks/kernels.py [--json FILE]
 
 Times are medians of ``triton.testing.do_bench`` (CUDA events, warm-up first). The floor of a
 kernel is max(bytes it must move / copy bandwidth, FLOPs / bf16 matrix rate), with both ceilings
