@@ -236,6 +236,9 @@ def test_grpc_cancel_aborts_within_a_step_and_frees_pools(server, reference):
     client.close()
     assert wait_for(lambda: server.metric("vllm:request_success_total", finished_reason="abort") > aborted_before)
     assert wait_for(lambda: pools_idle(server))
+    # the vLLM backend's log lines, which its request_cancellation_test.py reads
+    assert wait_for(lambda: "[vllm] Successfully cancelled the request" in server.log())
+    assert "[vllm] Cancelling the request" in server.log()
     time.sleep(0.3)  # metrics are flushed every 100 ms
     generated = server.metric("vllm:generation_tokens_total")
     time.sleep(0.5)

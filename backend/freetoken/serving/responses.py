@@ -161,6 +161,7 @@ class ResponseWorker:
         if stream.state is State.CANCELLED:
             if done:
                 self._close(stream, None, "abort")
+                logger.info("[vllm] Successfully cancelled the request %s", stream.request_id)
             return
         failed = next((o for _, o, _ in batch if o.finish_reason is FinishReason.ERROR), None)
         if failed is not None:
@@ -237,7 +238,8 @@ class ResponseWorker:
 
     def _check_cancelled(self, stream: Stream) -> None:
         if stream.sender.is_cancelled():
-            logger.info("request %s cancelled by the client", stream.request_id)
+            # the vLLM backend's log lines, which its CI (request_cancellation_test.py) looks for
+            logger.info("[vllm] Cancelling the request %s (cancelled by the client)", stream.request_id)
             stream.state = State.CANCELLED
             stream.abort_unfinished(self._runtime)
 
