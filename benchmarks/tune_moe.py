@@ -112,7 +112,7 @@ def main() -> None:
     for gemm in ("gate_up", "down"):
         smallest = rows[0]
         kept = [f"        ({bound}, C({', '.join(map(str, vars(c).values()))}))," for bound, c in DEFAULT[gemm]
-                if bound < smallest / 2]  # decode buckets below the tuned sizes stay as they are
+                if bound < smallest]  # buckets below the smallest tuned size stay as they are
         for i, t in enumerate(tokens):
             bound = "float(\"inf\")" if i == len(tokens) - 1 else f"{math.sqrt(rows[i] * rows[i + 1]):.0f}"
             c, us, tflops = results[t][gemm]

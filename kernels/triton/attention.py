@@ -248,12 +248,14 @@ def _multiprocessors(device_index: int) -> int:
 
 def _tile_sizes(dtype: torch.dtype, head_dim: int, group: int, max_seqlen_q: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages). Half-precision prefill takes 128 query rows
-    (16 tokens x 8 GQA heads share each key block) in two warpgroups of 64 rows; with head_dim 256
-    the 128 x 256 float32 accumulator leaves registers for 32-key blocks only (64 spill on sm_90),
-    head_dim 128 takes 64-key blocks three stages deep. float32 tiles are halved to fit shared memory."""
+    (16 tokens x 8 GQA heads share each key block) in two warpgroups of 64 rows, 64-key blocks two
+    stages deep: the fastest tiles measured on the H200 for head_dim 256 and 128 (1408 / 934 µs at
+    8k tokens; 32-key blocks for 256: 1929, three stages for 128: 979; docs/benchmarks.md run 6)
+    although head_dim 256 spills a little there (the 128 x 256 float32 accumulator).
+    float32 tiles are halved to fit shared memory."""
     wide = dtype == torch.float32
     if not wide and group * max_seqlen_q >= 128:
-        return (128, 32, 8, 2) if head_dim > 128 else (128, 64, 8, 3)
+        return 128, 64, 8, 2
     block_m_max = 32 if wide and head_dim > 128 else 64
     block_m = max(min(block_m_max, pow2(group * max_seqlen_q, 16)), pow2(group))
     block_n = 32 if wide and head_dim > 128 else 64

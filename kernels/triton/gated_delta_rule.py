@@ -1,17 +1,17 @@
 """Triton Gated DeltaNet: chunked prefill (chunks of 64, initial and final state) and the decode step.
 
-Prefill is the chunked WY / UT-transform form of the reference (``chunked_delta_rule``) in four
+Prefill is the chunked WY / UT-transform form of the reference (``chunked_delta_rule``) in three
 launches, so that only two dependent products per chunk remain sequential:
 
-1. ``_chunk_inverse_kernel``, parallel over every chunk of every request and head: the chunk's
-   unit lower-triangular system ``L = I + strict_lower((β·k̂) k̂ᵀ ⊙ Γ)`` (``Γ`` the pairwise decay)
-   and its inverse (blockwise: 16x16 diagonal blocks by forward substitution, then the blocks
-   below them by block substitution), stored as ``[chunk, head, 64, 64]`` float32.
-2. ``_wy_kernel``, parallel likewise: ``W = L⁻¹ (β k̂ e^γ)`` and ``U = L⁻¹ (β v)``.
-3. ``_state_pass_kernel``, parallel over (request, head, block of value dims), sequential over the
+1. ``_intra_chunk_kernel``, parallel over every chunk of every request and head: the chunk's
+   unit lower-triangular system ``L = I + strict_lower((β·k̂) k̂ᵀ ⊙ Γ)`` (``Γ`` the pairwise decay),
+   its inverse in registers (the four 16x16 diagonal blocks by forward substitution, as one
+   batch; the blocks below them as four 64-wide products), ``W = L⁻¹ (β k̂ e^γ)`` and
+   ``U = L⁻¹ (β v)``.
+2. ``_state_pass_kernel``, parallel over (request, head, block of value dims), sequential over the
    request's chunks: stores the state at each chunk's start, ``v' = U − W·S`` and updates ``S``
    (float32, in registers); the value block is narrowed until the launch fills the SMs twice.
-4. ``_output_kernel``, parallel over (chunk, head, value block):
+3. ``_output_kernel``, parallel over (chunk, value block; head):
    ``o = (q̂ e^γ) S_start + (q̂ k̂ᵀ ⊙ Γ, causal) v'``.
 
 Chunks are counted per request on the device (``cu_chunks``, and the request of every chunk);
@@ -33,6 +33,9 @@ import triton.language as tl
 from freetoken.kernels.triton._common import cast, device_function, dot, dot_precision, new_empty, pow2
 
 CHUNK = 64
+# Loads of the state pass are issued this many chunks minus one ahead: with 2 (round 1) the next
+# chunk's W and keys were requested only after this chunk's products, so every chunk waited for them.
+STATE_PASS_STAGES = 3
 
 
 @device_function
@@ -43,128 +46,54 @@ def _row_rsqrt(x):
 
 
 @device_function
-def _sub_block(k_ptr, k_st, beta_ptr, beta_st, g_ptr, g_st, h, rows, end, cols, col_ok, decay_before):
-    """One 16-row block of a chunk: the raw keys (the dot operands: exact in bf16 runs), β·‖k‖⁻¹ and ‖k‖⁻¹ (the
-    normalisation, applied to the Gram products' rows and columns), and the decay from the chunk
-    start."""
-    row_ok = rows < end
-    k = tl.load(k_ptr + rows[:, None] * k_st + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-    k_scale = _row_rsqrt(k)
-    beta = tl.load(beta_ptr + rows * beta_st + h, mask=row_ok, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + rows * g_st + h, mask=row_ok, other=0.0).to(tl.float32)
-    return k, beta * k_scale, k_scale, decay_before + tl.cumsum(g, 0), decay_before + tl.sum(g, 0)
-
-
-@device_function
-def _gram(k_i, scaled_beta_i, decay_i, k_j, scale_j, decay_j, lower, PRECISION: tl.constexpr):
-    """The block (i, j) of the system's strictly lower part: (β k̂_i) k̂_jᵀ ⊙ exp(decay_i - decay_j)
-    where ``lower``, else 0 (the exponent is masked too: above the diagonal it could overflow)."""
-    gram = dot(k_i, tl.trans(k_j), PRECISION) * scaled_beta_i[:, None] * scale_j[None, :]
-    return tl.where(lower, gram * tl.exp(tl.where(lower, decay_i[:, None] - decay_j[None, :], 0.0)), 0.0)
-
-
-@device_function
-def _diagonal_inverse(a, valid, PRECISION: tl.constexpr, SUB: tl.constexpr):
-    """Inverse of the unit lower-triangular diagonal block ``I + a`` by forward substitution:
-    row i is e_i - Σ_{j<i} a[i, j] · (row j of the inverse). Rows past the ``valid`` tokens of the
-    block are rows of the identity (their keys are zero), so the substitution stops there."""
+def _diagonal_inverses(a, PRECISION: tl.constexpr, SUB: tl.constexpr):
+    """Inverses of the unit lower-triangular blocks ``I + a[b]`` of a batch ``a [B, SUB, SUB]``,
+    all blocks at once, by forward substitution: row i is e_i - Σ_{j<i} a[i, j] · (row j of the
+    inverse). Rows of tokens past the end are rows of the identity (their keys are zero)."""
     idx = tl.arange(0, SUB)
-    eye = (idx[:, None] == idx[None, :]).to(tl.float32)
-    inv = eye
-    for i in range(1, tl.minimum(tl.maximum(valid, 1), SUB)):
-        # Only row i of the product is kept; a dot is cheaper than extracting the row.
-        row_i = idx[:, None] == i
+    eye = (idx[:, None] == idx[None, :]).to(tl.float32)[None, :, :]
+    inv = eye + tl.zeros(a.shape, tl.float32)
+    for i in range(1, SUB):
+        # Only row i of each product is kept; a (batched) dot is cheaper than extracting the row.
+        row_i = (idx == i)[None, :, None]
         inv = tl.where(row_i, eye - dot(tl.where(row_i, a, 0.0), inv, PRECISION), inv)
     return inv
 
 
 @device_function
-def _store_block(base, value, bi: tl.constexpr, bj: tl.constexpr, SUB: tl.constexpr, CHUNK_SIZE: tl.constexpr):
-    idx = tl.arange(0, SUB)
-    tl.store(base + (bi * SUB + idx)[:, None] * CHUNK_SIZE + (bj * SUB + idx)[None, :], value)
-
-
-@triton.jit
-def _chunk_inverse_kernel(
-    k_ptr, k_st, k_sh, beta_ptr, beta_st, g_ptr, g_st,
-    cu_ptr, cu_chunks_ptr, chunk_request_ptr, inv_ptr,
-    num_requests, num_v_heads, key_dim,
-    HEAD_RATIO: tl.constexpr, CHUNK_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-):
-    """L⁻¹ of one chunk, blockwise over four 16-row blocks: the diagonal blocks by substitution,
-    then ``X_ij = -D_i⁻¹ Σ_{j<=m<i} A_im X_mj`` for the blocks below the diagonal. Only blocks on
-    or below the diagonal that hold tokens are written."""
+def _chunk_inverse(a, PRECISION: tl.constexpr, CHUNK_SIZE: tl.constexpr):
+    """``(I + a)⁻¹`` for the strictly lower ``a [CHUNK, CHUNK]`` of one chunk. With ``D`` the unit
+    block diagonal (four 16x16 blocks) and ``E`` the rest: ``(D + E)⁻¹ = (I + M)⁻¹ D⁻¹``,
+    ``M = D⁻¹E`` strictly block-lower, so ``M⁴ = 0`` and ``(I + M)⁻¹ = I - M + M² - M³``: the block
+    substitution as four 64-wide products; the diagonal blocks by substitution, as one batch."""
     SUB: tl.constexpr = CHUNK_SIZE // 4
-    chunk = tl.program_id(0)
-    h = tl.program_id(1)
-    request = tl.load(chunk_request_ptr + chunk)
-    if request < num_requests:
-        t0 = tl.load(cu_ptr + request) + (chunk - tl.load(cu_chunks_ptr + request)) * CHUNK_SIZE
-        end = tl.load(cu_ptr + request + 1)
-        idx = tl.arange(0, SUB)
-        cols = tl.arange(0, BLOCK_K)
-        col_ok = cols < key_dim
-        kp = k_ptr + (h // HEAD_RATIO) * k_sh
-        valid = end - t0
-        base = inv_ptr + (chunk * num_v_heads + h).to(tl.int64) * (CHUNK_SIZE * CHUNK_SIZE)
-        # All Gram blocks first (blocks past the last token load zero keys), so the keys are dead
-        # before the substitutions; blocks past the chunk's last token are not stored: readers mask them.
-        args = (kp, k_st, beta_ptr, beta_st, g_ptr, g_st, h)
-        k0, b0, r0, d0, total = _sub_block(*args, t0 + idx, end, cols, col_ok, 0.0)
-        k1, b1, r1, d1, total = _sub_block(*args, t0 + SUB + idx, end, cols, col_ok, total)
-        k2, b2, r2, d2, total = _sub_block(*args, t0 + 2 * SUB + idx, end, cols, col_ok, total)
-        k3, b3, r3, d3, total = _sub_block(*args, t0 + 3 * SUB + idx, end, cols, col_ok, total)
-        lower = idx[:, None] > idx[None, :]
-        full = idx[:, None] >= 0
-        a00 = _gram(k0, b0, d0, k0, r0, d0, lower, PRECISION)
-        a11 = _gram(k1, b1, d1, k1, r1, d1, lower, PRECISION)
-        a22 = _gram(k2, b2, d2, k2, r2, d2, lower, PRECISION)
-        a33 = _gram(k3, b3, d3, k3, r3, d3, lower, PRECISION)
-        a10 = _gram(k1, b1, d1, k0, r0, d0, full, PRECISION)
-        a20 = _gram(k2, b2, d2, k0, r0, d0, full, PRECISION)
-        a21 = _gram(k2, b2, d2, k1, r1, d1, full, PRECISION)
-        a30 = _gram(k3, b3, d3, k0, r0, d0, full, PRECISION)
-        a31 = _gram(k3, b3, d3, k1, r1, d1, full, PRECISION)
-        a32 = _gram(k3, b3, d3, k2, r2, d2, full, PRECISION)
-        x00 = _diagonal_inverse(a00, valid, PRECISION, SUB)
-        _store_block(base, x00, 0, 0, SUB, CHUNK_SIZE)
-        if valid > SUB:
-            x11 = _diagonal_inverse(a11, valid - SUB, PRECISION, SUB)
-            x10 = -dot(x11, dot(a10, x00, PRECISION), PRECISION)
-            _store_block(base, x10, 1, 0, SUB, CHUNK_SIZE)
-            _store_block(base, x11, 1, 1, SUB, CHUNK_SIZE)
-            if valid > 2 * SUB:
-                x22 = _diagonal_inverse(a22, valid - 2 * SUB, PRECISION, SUB)
-                x21 = -dot(x22, dot(a21, x11, PRECISION), PRECISION)
-                x20 = -dot(x22, dot(a20, x00, PRECISION) + dot(a21, x10, PRECISION), PRECISION)
-                _store_block(base, x20, 2, 0, SUB, CHUNK_SIZE)
-                _store_block(base, x21, 2, 1, SUB, CHUNK_SIZE)
-                _store_block(base, x22, 2, 2, SUB, CHUNK_SIZE)
-                if valid > 3 * SUB:
-                    x33 = _diagonal_inverse(a33, valid - 3 * SUB, PRECISION, SUB)
-                    x32 = -dot(x33, dot(a32, x22, PRECISION), PRECISION)
-                    x31 = -dot(x33, dot(a31, x11, PRECISION) + dot(a32, x21, PRECISION), PRECISION)
-                    x30 = -dot(x33, dot(a30, x00, PRECISION) + dot(a31, x10, PRECISION) + dot(a32, x20, PRECISION),
-                               PRECISION)
-                    _store_block(base, x30, 3, 0, SUB, CHUNK_SIZE)
-                    _store_block(base, x31, 3, 1, SUB, CHUNK_SIZE)
-                    _store_block(base, x32, 3, 2, SUB, CHUNK_SIZE)
-                    _store_block(base, x33, 3, 3, SUB, CHUNK_SIZE)
+    idx = tl.arange(0, CHUNK_SIZE)
+    blk = tl.arange(0, 4)
+    on_diagonal = (blk[:, None, None, None] == blk[None, None, :, None])  # [4, 1, 4, 1]
+    blocks = tl.reshape(a, [4, SUB, 4, SUB])
+    d_inv = _diagonal_inverses(tl.sum(tl.where(on_diagonal, blocks, 0.0), 2), PRECISION, SUB)
+    d_inv = tl.reshape(tl.where(on_diagonal, d_inv[:, :, None, :], 0.0), [CHUNK_SIZE, CHUNK_SIZE])
+    e = tl.where((idx[:, None] // SUB) > (idx[None, :] // SUB), a, 0.0)
+    m = dot(d_inv, e, PRECISION)
+    m2 = dot(m, m, PRECISION)
+    eye = (idx[:, None] == idx[None, :]).to(tl.float32)
+    return dot(eye - m + m2 - dot(m2, m, PRECISION), d_inv, PRECISION)
 
 
 @triton.jit
-def _wy_kernel(
+def _intra_chunk_kernel(
     k_ptr, k_st, k_sh, v_ptr, v_st, v_sh, beta_ptr, beta_st, g_ptr, g_st,
-    cu_ptr, cu_chunks_ptr, chunk_request_ptr, inv_ptr, w_ptr, u_ptr, to_end_ptr, chunk_decay_ptr,
+    cu_ptr, cu_chunks_ptr, chunk_request_ptr, w_ptr, u_ptr, to_end_ptr, chunk_decay_ptr,
     num_requests, num_tokens, num_v_heads, key_dim, value_dim,
     HEAD_RATIO: tl.constexpr, CHUNK_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """One chunk of one head, in parallel over all: ``W = L⁻¹ (β k̂ e^γ)`` and ``U = L⁻¹ (β v)``
-    (``k̂`` the normalised keys, ``γ`` the decay from the chunk start), stored ``[head, token, dim]``
-    in the dot-operand dtype; and what the state pass needs per token and chunk,
-    ``‖k‖⁻¹ e^(γ_last − γ)`` and ``e^γ_last``. The key normalisation and the row factors are folded
-    into the columns of ``L⁻¹`` so the raw keys and values are the dot operands."""
+    """One chunk of one head, in parallel over all: the system ``L = I + strict_lower((β k̂) k̂ᵀ ⊙ Γ)``,
+    its inverse (``_chunk_inverse``, in registers), ``W = L⁻¹ (β k̂ e^γ)`` and ``U = L⁻¹ (β v)``
+    (``k̂`` the normalised keys, ``γ`` the decay from the chunk start, ``Γ`` the pairwise decay),
+    stored ``[head, token, dim]`` in the dot-operand dtype; and what the state pass needs,
+    ``‖k‖⁻¹ e^(γ_last − γ)`` per token and ``e^γ_last`` per chunk. The raw keys and values are the
+    dot operands: the normalisation and the row factors go on the rows and columns of the products."""
     chunk = tl.program_id(0)
     h = tl.program_id(1)
     request = tl.load(chunk_request_ptr + chunk)
@@ -187,19 +116,21 @@ def _wy_kernel(
         g = tl.load(g_ptr + rows * g_st + h, mask=row_ok, other=0.0).to(tl.float32)
         decay = tl.cumsum(g, 0)
         decay_last = tl.sum(g, 0)  # padding has g = 0, as in the reference
-        inv_base = inv_ptr + (chunk * num_v_heads + h).to(tl.int64) * (CHUNK_SIZE * CHUNK_SIZE)
-        # Only the block-lower-triangular part over the chunk's tokens was written.
-        inv_mask = ((idx[:, None] // (CHUNK_SIZE // 4)) >= (idx[None, :] // (CHUNK_SIZE // 4))) & row_ok[:, None] & row_ok[None, :]
-        inv = tl.load(inv_base + idx[:, None] * CHUNK_SIZE + idx[None, :], mask=inv_mask, other=0.0)
-        inv_k = inv * (beta * _row_rsqrt(k) * tl.exp(decay))[None, :]
-        w = dot(cast(inv_k, op), cast(k.to(tl.float32), op), PRECISION)
+        k_scale = _row_rsqrt(k)
+        k_op = cast(k.to(tl.float32), op)
+        lower = idx[:, None] > idx[None, :]
+        gram = dot(k_op, tl.trans(k_op), PRECISION) * (beta * k_scale)[:, None] * k_scale[None, :]
+        # The exponent is masked too: above the diagonal it could overflow.
+        a = tl.where(lower, gram * tl.exp(tl.where(lower, decay[:, None] - decay[None, :], 0.0)), 0.0)
+        inv = _chunk_inverse(a, PRECISION, CHUNK_SIZE)
+        w = dot(cast(inv * (beta * k_scale * tl.exp(decay))[None, :], op), k_op, PRECISION)
         u = dot(cast(inv * beta[None, :], op), cast(v.to(tl.float32), op), PRECISION)
         head_rows = h.to(tl.int64) * num_tokens + rows
         tl.store(w_ptr + head_rows[:, None] * key_dim + kcols[None, :], cast(w, op),
                  mask=row_ok[:, None] & k_ok[None, :])
         tl.store(u_ptr + head_rows[:, None] * value_dim + vcols[None, :], cast(u, op),
                  mask=row_ok[:, None] & v_ok[None, :])
-        tl.store(to_end_ptr + head_rows, _row_rsqrt(k) * tl.exp(decay_last - decay), mask=row_ok)
+        tl.store(to_end_ptr + head_rows, k_scale * tl.exp(decay_last - decay), mask=row_ok)
         tl.store(chunk_decay_ptr + chunk * num_v_heads + h, tl.exp(decay_last))
 
 
@@ -231,7 +162,13 @@ def _state_pass_kernel(
     state = tl.load(s_ptrs, mask=s_mask, other=0.0)
     idx = tl.arange(0, CHUNK_SIZE)
     kp = k_ptr + (h // HEAD_RATIO) * k_sh
-    for c in range(0, tl.cdiv(end - start, CHUNK_SIZE)):
+    num_chunks = tl.cdiv(end - start, CHUNK_SIZE)
+    # The chunk decay is loaded a chunk ahead by hand: the software pipeline prefetches tensors only.
+    next_decay = tl.load(chunk_decay_ptr + first_chunk * num_v_heads + h, mask=num_chunks > 0, other=1.0)
+    for c in range(0, num_chunks):
+        chunk_decay = next_decay
+        next_decay = tl.load(chunk_decay_ptr + (first_chunk + c + 1) * num_v_heads + h, mask=c + 1 < num_chunks,
+                             other=1.0)
         rows = start + c * CHUNK_SIZE + idx
         row_ok = rows < end
         head_rows = h.to(tl.int64) * num_tokens + rows
@@ -244,7 +181,6 @@ def _state_pass_kernel(
                     other=0.0)
         k_t = tl.load(kp + rows[None, :] * k_st + kcols[:, None], mask=k_ok[:, None] & row_ok[None, :], other=0.0)
         to_end = tl.load(to_end_ptr + head_rows, mask=row_ok, other=0.0)
-        chunk_decay = tl.load(chunk_decay_ptr + chunk)
         v_new = u.to(tl.float32) - dot(w, cast(state, op), PRECISION)
         tl.store(v_new_ptr + head_rows[:, None] * value_dim + vcols[None, :], cast(v_new, op),
                  mask=row_ok[:, None] & v_ok[None, :])
@@ -263,7 +199,9 @@ def _output_kernel(
     """Outputs of one chunk, in parallel over all: ``o = (q̂ e^γ) S_start + (q̂ k̂ᵀ ⊙ Γ, causal) v'``.
     The raw q and k are the dot operands; their normalisation is applied to the products' rows
     and columns."""
-    chunk = tl.program_id(0)
+    # Value blocks of one (chunk, head) are neighbours in the launch: the second reads q and k from L2.
+    num_v_blocks = tl.cdiv(value_dim, BLOCK_V)
+    chunk = tl.program_id(0) // num_v_blocks
     h = tl.program_id(1)
     request = tl.load(chunk_request_ptr + chunk)
     if request < num_requests:
@@ -275,7 +213,7 @@ def _output_kernel(
         row_ok = rows < end
         kcols = tl.arange(0, BLOCK_K)
         k_ok = kcols < key_dim
-        vcols = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+        vcols = (tl.program_id(0) % num_v_blocks) * BLOCK_V + tl.arange(0, BLOCK_V)
         v_ok = vcols < value_dim
         kh = h // HEAD_RATIO
         qk_mask = row_ok[:, None] & k_ok[None, :]
@@ -347,10 +285,10 @@ def gated_delta_rule_prefill(
     cu_seqlens: torch.Tensor,
     state_block_v: int | None = None,
 ) -> torch.Tensor:
-    """Four launches: the chunk inverses, W and U (both parallel over every chunk of every request
-    and head), the sequential state pass, the outputs (parallel). Intermediates are stored in the
-    dot-operand dtype: the activations' half-precision dtype (full-rate tensor cores), float32 in
-    float32 runs. ``state_block_v`` overrides the state pass's value block (for tuning)."""
+    """Three launches: the chunk inverses applied as W and U (parallel over every chunk of every
+    request and head), the sequential state pass, the outputs (parallel). Intermediates are stored
+    in the dot-operand dtype: the activations' half-precision dtype (full-rate tensor cores),
+    float32 in float32 runs. ``state_block_v`` overrides the state pass's value block (for tuning)."""
     _check(q, k, v, g, beta, state)
     q, k, v, g, beta = _unit_stride(q, k, v, g, beta)
     num_tokens, num_v_heads, value_dim = v.shape
@@ -373,22 +311,15 @@ def gated_delta_rule_prefill(
     ratio = num_v_heads // num_k_heads
     common = dict(HEAD_RATIO=ratio, CHUNK_SIZE=CHUNK, BLOCK_K=block_k, PRECISION=precision)
 
-    inverse = new_empty((max_chunks, num_v_heads, CHUNK, CHUNK), torch.float32, device)
-    _chunk_inverse_kernel[(max_chunks, num_v_heads)](
-        k, k.stride(0), k.stride(1), beta, beta.stride(0), g, g.stride(0),
-        cu_seqlens, cu_chunks, chunk_request, inverse,
-        num_requests, num_v_heads, key_dim,
-        **common, num_warps=4,
-    )
     w = new_empty((num_v_heads, num_tokens, key_dim), operand, device)
     u = new_empty((num_v_heads, num_tokens, value_dim), operand, device)
     to_end = new_empty((num_v_heads, num_tokens), torch.float32, device)
     chunk_decay = new_empty((max_chunks, num_v_heads), torch.float32, device)
-    _wy_kernel[(max_chunks, num_v_heads)](
+    _intra_chunk_kernel[(max_chunks, num_v_heads)](
         k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), beta, beta.stride(0), g, g.stride(0),
-        cu_seqlens, cu_chunks, chunk_request, inverse, w, u, to_end, chunk_decay,
+        cu_seqlens, cu_chunks, chunk_request, w, u, to_end, chunk_decay,
         num_requests, num_tokens, num_v_heads, key_dim, value_dim,
-        **common, BLOCK_V=block_v, num_warps=8,
+        **common, BLOCK_V=block_v, num_warps=4,
     )
     states = new_empty((max_chunks, num_v_heads, key_dim, value_dim), operand, device)
     v_new = new_empty((num_v_heads, num_tokens, value_dim), operand, device)
@@ -397,10 +328,10 @@ def gated_delta_rule_prefill(
         k, k.stride(0), k.stride(1), w, u, to_end, chunk_decay,
         state, state.stride(0), state.stride(1), state.stride(2), state_slots, cu_seqlens, cu_chunks, states, v_new,
         num_tokens, num_v_heads, key_dim, value_dim,
-        **common, BLOCK_V=pass_v, num_warps=4, num_stages=2,
+        **common, BLOCK_V=pass_v, num_warps=4, num_stages=STATE_PASS_STAGES,
     )
     out_v = min(block_v, 64)
-    _output_kernel[(max_chunks, num_v_heads, triton.cdiv(value_dim, out_v))](
+    _output_kernel[(max_chunks * triton.cdiv(value_dim, out_v), num_v_heads)](
         q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), g, g.stride(0),
         cu_seqlens, cu_chunks, chunk_request, states, v_new, out,
         num_requests, num_tokens, num_v_heads, key_dim, value_dim, key_dim**-0.5,

@@ -2,7 +2,7 @@
 
 ``fused_experts`` runs, with no device->host sync:
 
-1. ``moe_sort_tokens``: per expert, a count pass and a stable scatter pass over the flat expert ids
+1. ``moe_sort_tokens``: a stable counting sort of the flat expert ids, parallel over blocks of pairs
    (``order``: pair indices grouped by expert, ``offsets``: each expert's range).
 2. ``_gate_up_kernel``: a grouped GEMM over tiles of ``BLOCK_M`` pairs of one expert. A program finds
    its (expert, tile) from ``offsets`` itself; tiles past the real count exit, so the grid is an upper
@@ -83,35 +83,60 @@ def moe_topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool)
 
 
 @triton.jit
-def _count_kernel(ids_ptr, counts_ptr, num_pairs, BLOCK: tl.constexpr):
-    expert = tl.program_id(0)
-    count = expert * 0
-    for start in range(0, num_pairs, BLOCK):
-        i = start + tl.arange(0, BLOCK)
+def _block_counts_kernel(ids_ptr, partial_ptr, num_pairs, num_experts,
+                         BLOCK: tl.constexpr, SUB: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Pairs per expert in block ``b`` of ``BLOCK`` consecutive pairs: ``partial[b, e]``."""
+    b = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    for sub in tl.static_range(BLOCK // SUB):
+        i = b * BLOCK + sub * SUB + tl.arange(0, SUB)
         ids = tl.load(ids_ptr + i, mask=i < num_pairs, other=-1)
-        count += tl.sum((ids == expert).to(tl.int32), 0)
-    tl.store(counts_ptr + expert, count)
+        counts += tl.sum((ids[:, None] == e[None, :]).to(tl.int32), 0)
+    tl.store(partial_ptr + b * num_experts + e, counts, mask=e < num_experts)
 
 
 @triton.jit
-def _scatter_kernel(ids_ptr, counts_ptr, order_ptr, offsets_ptr, num_pairs, num_experts,
-                    BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
-    expert = tl.program_id(0)
+def _block_prefix_kernel(partial_ptr, totals_ptr, num_blocks, num_experts,
+                         BLOCKS: tl.constexpr, GROUP_E: tl.constexpr):
+    """For ``GROUP_E`` experts: ``partial[b, e]`` becomes the pairs of ``e`` in the blocks before
+    ``b`` (exclusive prefix over blocks), ``totals[e]`` the expert's pairs."""
+    e = (tl.program_id(0) * GROUP_E + tl.arange(0, GROUP_E))[None, :]
+    blocks = tl.arange(0, BLOCKS)[:, None]
+    mask = (blocks < num_blocks) & (e < num_experts)
+    counts = tl.load(partial_ptr + blocks * num_experts + e, mask=mask, other=0)
+    before = tl.cumsum(counts, 0) - counts
+    tl.store(partial_ptr + blocks * num_experts + e, before, mask=mask)
+    tl.store(totals_ptr + e, tl.sum(counts, 0)[None, :], mask=e < num_experts)
+
+
+@triton.jit
+def _place_kernel(ids_ptr, partial_ptr, totals_ptr, order_ptr, offsets_ptr, num_pairs, num_experts,
+                  BLOCK: tl.constexpr, SUB: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Block ``b``'s pairs to their sorted places: the expert's start, plus its pairs in earlier
+    blocks, plus the pair's rank among the block's earlier pairs of that expert (stable)."""
+    b = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
-    counts = tl.load(counts_ptr + e, mask=e < num_experts, other=0)
-    offset = tl.sum(tl.where(e < expert, counts, 0), 0)
-    tl.store(offsets_ptr + expert + 1, offset + tl.sum(tl.where(e == expert, counts, 0), 0))
-    if expert == 0:
-        tl.store(offsets_ptr, 0)
-    for start in range(0, num_pairs, BLOCK):
-        i = start + tl.arange(0, BLOCK)
-        match = tl.load(ids_ptr + i, mask=i < num_pairs, other=-1) == expert
-        rank = tl.cumsum(match.to(tl.int32), 0)
-        tl.store(order_ptr + offset + rank - 1, i, mask=match)
-        offset += tl.sum(match.to(tl.int32), 0)
+    e_ok = e < num_experts
+    totals = tl.load(totals_ptr + e, mask=e_ok, other=0)
+    starts = tl.cumsum(totals, 0) - totals
+    if b == 0:
+        tl.store(offsets_ptr + e, starts, mask=e_ok)
+        tl.store(offsets_ptr + num_experts, tl.sum(totals, 0))
+    next_place = starts + tl.load(partial_ptr + b * num_experts + e, mask=e_ok, other=0)
+    for sub in tl.static_range(BLOCK // SUB):
+        i = b * BLOCK + sub * SUB + tl.arange(0, SUB)
+        ids = tl.load(ids_ptr + i, mask=i < num_pairs, other=-1)
+        match = (ids[:, None] == e[None, :]).to(tl.int32)
+        place = tl.sum(tl.where(match > 0, next_place[None, :] + tl.cumsum(match, 0) - 1, 0), 1)
+        tl.store(order_ptr + place, i, mask=i < num_pairs)
+        next_place += tl.sum(match, 0)
 
 
 def moe_sort_tokens(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three small launches, parallel over blocks of pairs (round 1 scanned every pair once per
+    expert: 113 µs at T=8192 on the H200): per-block expert counts, their prefix over blocks per
+    expert, and the stable placement."""
     flat = topk_ids.reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
@@ -119,11 +144,18 @@ def moe_sort_tokens(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Ten
     device = topk_ids.device
     order = new_empty((num_pairs,), torch.int32, device)
     offsets = new_empty((num_experts + 1,), torch.int32, device)
-    counts = new_empty((num_experts,), torch.int32, device)
-    block = min(pow2(num_pairs), 1024)
-    _count_kernel[(num_experts,)](flat, counts, num_pairs, BLOCK=block)
-    _scatter_kernel[(num_experts,)](
-        flat, counts, order, offsets, num_pairs, num_experts, BLOCK=block, BLOCK_E=pow2(num_experts)
+    block = max(256, pow2(triton.cdiv(num_pairs, 512)))  # at most 512 blocks: one prefix tile
+    num_blocks = max(triton.cdiv(num_pairs, block), 1)
+    partial = new_empty((num_blocks, num_experts), torch.int32, device)
+    totals = new_empty((num_experts,), torch.int32, device)
+    block_e, sub = pow2(num_experts), 32
+    _block_counts_kernel[(num_blocks,)](flat, partial, num_pairs, num_experts, BLOCK=block, SUB=sub, BLOCK_E=block_e)
+    group_e = max(1, min(block_e, 2048 // pow2(num_blocks)))  # tiles of 2K counts: no spills
+    _block_prefix_kernel[(triton.cdiv(num_experts, group_e),)](
+        partial, totals, num_blocks, num_experts, BLOCKS=pow2(num_blocks), GROUP_E=group_e
+    )
+    _place_kernel[(num_blocks,)](
+        flat, partial, totals, order, offsets, num_pairs, num_experts, BLOCK=block, SUB=sub, BLOCK_E=block_e
     )
     return order, offsets
 

@@ -48,8 +48,25 @@ DEFAULT: dict[str, Buckets] = {
     ),
 }
 
-# (gemm, hidden, intermediate, experts) -> buckets, bf16, measured on the H200.
-TUNED: dict[tuple[str, int, int, int], Buckets] = {}
+# (gemm, hidden, intermediate, experts) -> buckets, bf16, measured on the H200
+# (`benchmarks/tune_moe.py --tokens 4096 8192 --quick`, docs/benchmarks.md run 6); the buckets up
+# to 96 pairs per expert, below the tuned sizes, are DEFAULT's.
+TUNED: dict[tuple[str, int, int, int], Buckets] = {
+    ("gate_up", 2048, 512, 256): (
+        (16, C(16, 64, 64, 1, 4, 3)),
+        (48, C(32, 64, 64, 1, 4, 3)),
+        (96, C(64, 64, 64, 4, 4, 3)),
+        (181, C(128, 64, 64, 8, 8, 3)),  # T=4096: 411 us, 334 TFLOP/s
+        (float("inf"), C(128, 64, 64, 8, 8, 3)),  # T=8192: 674 us, 408 TFLOP/s
+    ),
+    ("down", 2048, 512, 256): (
+        (16, C(16, 64, 64, 1, 4, 3)),
+        (48, C(32, 64, 64, 1, 4, 3)),
+        (96, C(64, 128, 64, 4, 4, 3)),
+        (181, C(128, 128, 64, 8, 8, 3)),  # T=4096: 255 us, 270 TFLOP/s
+        (float("inf"), C(128, 128, 64, 8, 8, 3)),  # T=8192: 428 us, 321 TFLOP/s
+    ),
+}
 
 
 def moe_gemm_config(

@@ -27,7 +27,8 @@ def test_moe_topk_softmax(rng, dtype, renormalize):
     assert_close(weights, want_w)
 
 
-@pytest.mark.parametrize("tokens,top_k,experts", [(11, 3, 7), (1, 1, 5), (300, 4, 6)])
+# the last: 66 blocks of pairs, experts split over several prefix programs
+@pytest.mark.parametrize("tokens,top_k,experts", [(11, 3, 7), (1, 1, 5), (300, 4, 6), (2100, 8, 300)])
 def test_moe_sort_tokens(rng, tokens, top_k, experts):
     ids = torch.stack([torch.randperm(experts, generator=rng)[:top_k] for _ in range(tokens)]).int().to(DEVICE)
     order, offsets = _triton().moe_sort_tokens(ids, experts)

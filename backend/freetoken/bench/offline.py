@@ -110,6 +110,7 @@ def bench_batch(llm, batch_size: int, args: argparse.Namespace, traffic, progres
     progress.update(batch_size * warmup.max_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     on_cuda = llm.runtime.engine.device.type == "cuda"
+    memory = _MemoryWatch(on_cuda)
     with StepRecorder(llm.runtime, batch_size, args.output_len, args.profile_steps if on_cuda else 0, progress) as rec:
         outputs = llm.generate(requests, params)
     ttft = [o.metrics["time_to_first_token"] for o in outputs]
@@ -125,6 +126,8 @@ def bench_batch(llm, batch_size: int, args: argparse.Namespace, traffic, progres
         "prefill_tok_s": batch_size * args.input_len / max(ttft),
         "output_tok_s": batch_size * args.output_len / sum(r.seconds for r in rec.records),
         "gpu_idle_share": rec.gpu_idle_share,
+        "kernels": rec.kernel_table,
+        **memory.result(),
         "profiled_ms_per_step": rec.profiled_wall / args.profile_steps * 1e3 if rec.profiled_wall else None,
         "decode_ms_per_step": None,
         "decode_ms_p90": None,
@@ -146,6 +149,31 @@ def bench_batch(llm, batch_size: int, args: argparse.Namespace, traffic, progres
     else:
         logger.warning("batch %d: no steady decode step (raise --output-len)", batch_size)
     return result
+
+
+class _MemoryWatch:
+    """CUDA memory of the timed run beyond what was allocated before it (weights, KV pool, states):
+    the activations' peak (the largest prefill chunk's), and the caching allocator's retries (a
+    retry frees cached blocks and synchronises: the stalls long prefill chunks can cause)."""
+
+    def __init__(self, on_cuda: bool) -> None:
+        import torch
+
+        self.on_cuda = on_cuda
+        if on_cuda:
+            torch.cuda.reset_peak_memory_stats()
+            self.before = torch.cuda.memory_allocated()
+            self.retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+
+    def result(self) -> dict[str, Any]:
+        import torch
+
+        if not self.on_cuda:
+            return {"activation_peak_mib": None, "alloc_retries": None}
+        return {
+            "activation_peak_mib": (torch.cuda.max_memory_allocated() - self.before) / 2**20,
+            "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) - self.retries,
+        }
 
 
 def _quantile(values: list[float], q: float) -> float:

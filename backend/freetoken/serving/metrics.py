@@ -9,11 +9,20 @@ that a client reading /metrics after its response sees its request counted, as w
 backend), and samples the runtime's gauges every ``interval`` seconds.
 Counts are per sample (an ``n`` > 1 request is ``n`` engine requests, as in vLLM), except
 ``vllm:request_params_n``, observed once per request.
+
+Lifetime: every series carries an ``OWNER_LABEL`` unique to this stub process. Triton's core keeps
+one Prometheus family per name and hands two instances that ask for the same name and labels the
+*same* Prometheus series, but counts references per ``MetricFamily`` object: when a model is
+reloaded (the new instance starts before the old one finalizes), the old instance's
+``MetricFamily``/``Metric`` teardown deletes the series the new instance is writing to, and the
+server crashes (segfault or heap corruption; reproduced on 2.51, unchanged in Triton's main). With
+a label of its own per instance, each instance owns its series and removes only those.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -72,6 +81,7 @@ FAMILIES: dict[str, tuple[str, str, list[float] | str | None]] = {
 FINISH_REASONS = ("stop", "length", "abort", "error")
 SUCCESS = "vllm:request_success_total"
 BATCH_SECONDS = 0.01  # after a flush, events gather this long before the next one
+OWNER_LABEL = "stub_pid"  # the stub process that owns a series (see the module docstring)
 
 
 class Metrics:
@@ -81,6 +91,7 @@ class Metrics:
                  max_model_len: int) -> None:
         """``pb_utils`` None: metrics off (the ``report_metrics`` parameter); ``max_model_len`` bounds
         the token-count buckets."""
+        labels = {**labels, OWNER_LABEL: str(os.getpid())}
         self._stats = stats
         self._interval = interval
         self._events: queue.SimpleQueue[tuple] = queue.SimpleQueue()

@@ -83,6 +83,7 @@ class ResponseWorker:
         self._decode_token = decode_token
         self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._streams: dict[str, tuple[Stream, int]] = {}  # engine id -> (stream, sample index)
+        self._requests: dict[str, Stream] = {}  # request id -> stream, while open
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -95,6 +96,14 @@ class ResponseWorker:
     def on_output(self, output: RequestOutput) -> None:
         """The engine's callback (engine thread): queue, nothing else."""
         self._inbox.put(("output", output, time.monotonic()))
+
+    def refuse(self, request_id: str, message: str, code: str) -> None:
+        """End an adopted stream that was never submitted (its prompt was refused after tokenizing)."""
+        self._inbox.put(("refuse", request_id, message, code))
+
+    def end_all(self, message: str, code: str) -> None:
+        """Abort every open stream now, each with an error response carrying ``message`` (shutdown)."""
+        self._inbox.put(("end_all", message, code))
 
     def stop(self, timeout: float) -> None:
         self._inbox.put(("stop",))
@@ -118,12 +127,21 @@ class ResponseWorker:
             stopping = False
             for item in items:
                 if item[0] == "adopt":
+                    self._requests[item[1].request_id] = item[1]
                     for index, sample in enumerate(item[1].samples):
                         self._streams[sample.engine_id] = (item[1], index)
                 elif item[0] == "output":
                     owner = self._streams.get(item[1].request_id)
                     if owner is not None:
                         batches.setdefault(owner[0], []).append((owner[1], item[1], item[2]))
+                elif item[0] == "refuse":
+                    stream = self._requests.get(item[1])
+                    if stream is not None:
+                        self._guard(stream, self._end, stream, item[2], item[3], "error")
+                elif item[0] == "end_all":
+                    for stream in self._open_streams():
+                        stream.abort_unfinished(self._runtime)
+                        self._guard(stream, self._end, stream, item[1], item[2], "abort")
                 else:
                     stopping = True
             for stream, batch in batches.items():
@@ -162,6 +180,8 @@ class ResponseWorker:
             if done:
                 self._close(stream, None, "abort")
                 logger.info("[vllm] Successfully cancelled the request %s", stream.request_id)
+            else:  # cancelled while its prompt was being tokenized: the first abort found nothing
+                stream.abort_unfinished(self._runtime)
             return
         failed = next((o for _, o, _ in batch if o.finish_reason is FinishReason.ERROR), None)
         if failed is not None:
@@ -212,8 +232,14 @@ class ResponseWorker:
         else:
             sender.send(response, flags=final)
 
+    def _end(self, stream: Stream, message: str, code: str, reason: str) -> None:
+        """Close with an error response, or with only the final flag if the client cancelled."""
+        response = error_response(self._pb, message, code) if stream.state is State.OPEN else None
+        self._close(stream, response, reason)
+
     def _forget(self, stream: Stream, reason: str | None) -> None:
         stream.state, stream.sender = State.CLOSED, None
+        self._requests.pop(stream.request_id, None)
         now = time.monotonic()
         for sample in stream.samples:
             self._streams.pop(sample.engine_id, None)
@@ -234,7 +260,7 @@ class ResponseWorker:
                 self._guard(stream, self._check_cancelled, stream)
 
     def _open_streams(self) -> list[Stream]:
-        return list({id(stream): stream for stream, _ in self._streams.values()}.values())
+        return list(self._requests.values())
 
     def _check_cancelled(self, stream: Stream) -> None:
         if stream.sender.is_cancelled():
