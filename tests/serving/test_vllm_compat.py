@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from tritonclient.utils import InferenceServerException
 
-from freetoken.serving.metrics import E2E_BUCKETS, FAMILIES, N_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS
+from freetoken.serving.metrics import E2E_BUCKETS, FAMILIES, N_BUCKETS, OWNER_LABEL, TPOT_BUCKETS, TTFT_BUCKETS
 
 from .conftest import PROMPTS, Server, sampling
 from .test_server import grpc_generate, wait_for
@@ -152,7 +152,7 @@ def _series(server: Server) -> dict[str, float]:
         match = re.match(r"^((?:vllm:|freetoken_)[^{ ]+)(?:\{(.*)\})? (\S+)$", line)
         if match:
             labels = [f'{k}="{v}"' for k, v in re.findall(r'(\w+)="([^"]*)"', match.group(2) or "")
-                      if k not in ("model", "version", "le")]
+                      if k not in ("model", "version", "le", OWNER_LABEL)]
             key = match.group(1) + ("{" + ",".join(labels) + "}" if labels else "")
             if 'le="' not in (match.group(2) or ""):
                 values[key] = float(match.group(3))
