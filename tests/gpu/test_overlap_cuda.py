@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from freetoken import LLM, SamplingParams
-from oracle import PROMPTS
+from oracle import DEMO, PROMPTS, checkpoint
 
 pytestmark = pytest.mark.gpu
 
@@ -24,8 +24,8 @@ def _params() -> list[SamplingParams]:
     ]
 
 
-def test_overlapped_equals_synchronous_on_cuda(checkpoint_factory):
-    path = str(checkpoint_factory("demo"))
+def test_overlapped_equals_synchronous_on_cuda():
+    path = str(checkpoint(DEMO["qwen3_5_moe"]))
     results = {}
     for overlap in (True, False):
         llm = LLM(model=path, overlap_schedule=overlap, **OPTIONS)
@@ -36,8 +36,8 @@ def test_overlapped_equals_synchronous_on_cuda(checkpoint_factory):
     assert results[True] == results[False]
 
 
-def test_decode_staging_and_sampling_do_not_synchronize(checkpoint_factory):
-    llm = LLM(model=str(checkpoint_factory("demo")), **OPTIONS)
+def test_decode_staging_and_sampling_do_not_synchronize():
+    llm = LLM(model=str(checkpoint(DEMO["qwen3_5_moe"])), **OPTIONS)
     runtime = llm.runtime
     for i, prompt in enumerate(PROMPTS):
         params = SamplingParams(temperature=1.0, seed=i, max_tokens=64, ignore_eos=True, repetition_penalty=1.2)

@@ -1,11 +1,11 @@
 """W4A16 (NVFP4 weights, bf16 activations) kernel timings against the hardware floor and against
 the bf16 kernels, at Qwen3.6-35B-A3B's sizes, on one GPU:
 
-    python tests/gpu/bench_nvfp4.py [--json FILE]
+    python benchmarks/nvfp4.py [--json FILE]
 
 Random packed weights and scales are made on the device (no checkpoint needed). The floor of a
 kernel is max(bytes it must move / copy bandwidth, FLOPs / bf16 matrix rate) with the ceilings of
-``bench_kernels.py``; an NVFP4 weight moves 0.5 byte a parameter plus one e4m3 byte per 16 and a
+``benchmarks/kernels.py``; an NVFP4 weight moves 0.5 byte a parameter plus one e4m3 byte per 16 and a
 float32 per row. Every weight set is larger than the 60 MB L2, except the few experts one decode
 token touches (which is what decode reads).
 """
@@ -17,7 +17,7 @@ import json
 
 import torch
 
-from bench_kernels import BF16, CUDA, EXPERTS, HIDDEN, INTER, TOP_K, ceilings, median_ms
+from kernels import BF16, CUDA, EXPERTS, HIDDEN, INTER, TOP_K, ceilings, median_ms
 from freetoken.kernels.triton import moe, nvfp4
 
 # Dense projections of one Qwen3.6-35B-A3B layer: attention q(+gate)/k/v and o, GDN in_proj (q, k, v, z) and out.
