@@ -5,6 +5,7 @@ flag (on 2.51 that segfaults the server), every request gets exactly one final f
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
@@ -257,3 +258,74 @@ def test_finalize_closes_open_requests_without_unloading(demo_model):
     assert not request.sender.violations
     time.sleep(0.1)
     assert pb.unloaded == []
+
+
+def test_execute_returns_in_milliseconds_whatever_the_prompt(backend):
+    """Tokenizing happens on a tokenizer thread: a prompt at the byte limit (~1 s to tokenize here)
+    does not hold execute(), nor a short request sent right after it."""
+    big = FakeRequest(text_input=("The quick brown fox jumps over the lazy dog. " * 5000)[: backend.prompt_byte_limit])
+    small = FakeRequest(text_input="hi", sampling_parameters=json.dumps({"max_tokens": 2}))
+    for request in (big, small):
+        started = time.monotonic()
+        backend.execute([request])
+        assert time.monotonic() - started < 0.25  # milliseconds when the machine is idle
+    wait_closed(small)
+    assert not big.sender.closed.is_set()  # the short one was answered while the long one tokenized
+    wait_closed(big)
+    assert big.sender.responses[-1].error.code == "INVALID_ARG" and "prompt has" in big.sender.responses[-1].error.message
+    assert small.sender.responses[-1].error is None
+
+
+def test_stop_deadline_refuses_new_requests_then_aborts_open_ones(demo_model, tmp_path, monkeypatch):
+    from freetoken.serving import control
+
+    monkeypatch.setenv(control.ENV, str(tmp_path))
+    pb = FakePbUtils()
+    params = to_parameters(_engine(demo_model), BackendOptions(cancel_poll_ms=20))
+    backend = TritonBackend(pb, {"parameters": {k: {"string_value": v} for k, v in params.items()}}, "freetoken", "1")
+    try:
+        assert control.LauncherControl(tmp_path).instance_pids() == [os.getpid()]
+        running = FakeRequest(text_input="hi", stream=True,
+                              sampling_parameters=json.dumps({"max_tokens": 4000, "ignore_eos": True}))
+        backend.execute([running])
+        while not running.sender.responses:
+            time.sleep(0.01)
+        control.LauncherControl(tmp_path).request_stop(0.5)
+        time.sleep(0.3)
+        late = FakeRequest(text_input="hi")
+        backend.execute([late])
+        assert late.sender.responses[-1].error.code == "UNAVAILABLE"
+        assert "shutting down" in late.sender.responses[-1].error.message
+        assert not running.sender.closed.is_set()  # still within the drain
+        wait_closed(running, timeout=5)
+        error = running.sender.responses[-1].error
+        assert error.code == "UNAVAILABLE" and "aborted at the stop timeout" in error.message
+        assert not running.sender.violations
+        deadline = time.monotonic() + 5
+        while backend.runtime.stats().pages_used and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert backend.runtime.stats().pages_used == 0
+    finally:
+        backend.finalize()
+    assert control.LauncherControl(tmp_path).instance_pids() == []  # finalize deregisters
+    assert control.LauncherControl(tmp_path).fatal() is None
+
+
+def test_request_cancelled_while_tokenizing_is_aborted(backend):
+    make_request = backend.runtime.make_request
+
+    def slow_make_request(*args):  # a long tokenization: the cancel poll (20 ms) sees it first
+        time.sleep(0.3)
+        return make_request(*args)
+
+    backend.runtime.make_request = slow_make_request
+    request = FakeRequest(text_input="hi", stream=True,
+                          sampling_parameters=json.dumps({"max_tokens": 2000, "ignore_eos": True}))
+    request.sender.cancelled = True
+    backend.execute([request])
+    wait_closed(request, timeout=5)  # aborted: its 2,000 tokens would take far longer
+    assert request.sender.responses == [None] and not request.sender.violations
+    deadline = time.monotonic() + 5
+    while backend.runtime.stats().num_running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert backend.runtime.stats().pages_used == 0

@@ -1,5 +1,5 @@
 """Server lifecycles of their own: ``freetoken serve`` stopped by SIGTERM, and an engine thread
-that dies under load."""
+that dies under load (reported to the launcher's control directory)."""
 
 from __future__ import annotations
 
@@ -56,8 +56,10 @@ def test_engine_death_fails_requests_and_unloads_the_model(demo_model, tmp_path)
     shutil.copy(DYING_MODEL, target / "1" / "model.py")
     install = find_tritonserver(None, None)
     prefix = f"freetokentest{http}_"
+    control_dir = tmp_path / "control"
+    control_dir.mkdir()
     process = launcher.ServerProcess(launcher.tritonserver_command(install, repo, args, prefix),
-                                     server_environment(install), prefix)
+                                     server_environment(install), prefix, control_dir)
     server = Server(process.proc, http, grpc, metrics, "dying", tmp_path / "unused.log")
     try:
         assert wait_for(server.ready, timeout=240, interval=0.3), "the model did not load"
@@ -78,6 +80,8 @@ def test_engine_death_fails_requests_and_unloads_the_model(demo_model, tmp_path)
         responses, error = long_running["result"]
         assert error is not None and "engine" in error.message() and responses  # it had been streaming
         assert wait_for(lambda: not server.ready(), timeout=30)
+        fatal = process.control.fatal()  # what makes `freetoken serve` exit 3
+        assert fatal is not None and "engine thread died" in fatal and "injected engine failure" in fatal, fatal
         status, body = http_post(server, "generate", {"text_input": "hi"}, timeout=30)
         assert status >= 400  # the model is gone: Triton answers for it
         assert time.monotonic() - started < 60

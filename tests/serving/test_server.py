@@ -67,8 +67,10 @@ def text_of(response) -> str:
 
 
 def http_post(server: Server, path: str, body: dict, timeout: float = 120) -> tuple[int, dict | str]:
+    # JSON, not urllib's default form encoding: 2.51 segfaults parsing a multi-MB form-encoded body
     request = urllib.request.Request(f"http://{server.http}/v2/models/{server.model}/{path}",
-                                     data=json.dumps(body).encode(), method="POST")
+                                     data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             raw = response.read().decode()
