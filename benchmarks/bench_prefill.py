@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
 from unittest import mock
 
 import torch
@@ -78,6 +79,12 @@ def gdn_case(lengths: list[int]):
     for block_v in (16, 32, 64):
         variants[f"new state_block_v={block_v}"] = run(gated_delta_rule, state_block_v=block_v)
 
+    def two_stages():
+        with mock.patch.object(gated_delta_rule, "STATE_PASS_STAGES", 2):  # round 1's state pass pipeline
+            return variants["new"]()
+
+    variants["new state pass 2 stages"] = two_stages
+
     def outputs(name):
         state.copy_(state0)
         out = variants[name]()
@@ -124,6 +131,16 @@ def moe_case(tokens: int):
     touched = int(torch.unique(ids).numel())
     variants = {"old": lambda: old_moe.fused_experts(x, w13, w2, weights, ids),
                 "new": lambda: moe.fused_experts(x, w13, w2, weights, ids)}
+
+    def configs(name, change):
+        def fn():
+            tuned = moe.moe_gemm_config
+            with mock.patch.object(moe, "moe_gemm_config", lambda gemm, *a: change(gemm, tuned(gemm, *a))):
+                return moe.fused_experts(x, w13, w2, weights, ids)
+        variants[f"new {name}"] = fn
+
+    configs("GEMMs 4 stages", lambda gemm, c: replace(c, num_stages=4))
+    configs("gate/up BLOCK_K 128", lambda gemm, c: replace(c, block_k=128) if gemm == "gate_up" else c)
     bytes_ = touched * 3 * INTER * HIDDEN * 2 + 2 * tokens * HIDDEN * 2
     flops = 2 * tokens * TOP_K * 3 * INTER * HIDDEN
     return variants, bytes_, flops, lambda name: variants[name]().float()
