@@ -85,6 +85,12 @@ def gdn_case(lengths: list[int]):
 
     variants["new state pass 2 stages"] = two_stages
 
+    def outputs_64():
+        with mock.patch.object(gated_delta_rule, "OUTPUT_BLOCK_V", 64):  # round 1's output value block
+            return variants["new"]()
+
+    variants["new outputs block_v=64"] = outputs_64
+
     def outputs(name):
         state.copy_(state0)
         out = variants[name]()
