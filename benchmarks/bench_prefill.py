@@ -72,12 +72,18 @@ def gdn_case(lengths: list[int]):
     cu = torch.tensor([0] + lengths, device=CUDA).cumsum(0).int()
     state = state0.clone()
 
-    def run(impl, **kw):
-        return lambda: impl.gated_delta_rule_prefill(q, k, v, g, beta, state, slots, cu, **kw)
+    def run(impl, block_v: int | None = None):
+        def call():
+            if block_v is None:
+                return impl.gated_delta_rule_prefill(q, k, v, g, beta, state, slots, cu)
+            with mock.patch.object(impl, "state_pass_block_v", lambda *_: block_v):  # the state pass's value block
+                return impl.gated_delta_rule_prefill(q, k, v, g, beta, state, slots, cu)
+
+        return call
 
     variants = {"old": run(old_gdn), "new": run(gated_delta_rule)}
     for block_v in (16, 32, 64):
-        variants[f"new state_block_v={block_v}"] = run(gated_delta_rule, state_block_v=block_v)
+        variants[f"new state_block_v={block_v}"] = run(gated_delta_rule, block_v)
 
     def two_stages():
         with mock.patch.object(gated_delta_rule, "STATE_PASS_STAGES", 2):  # round 1's state pass pipeline

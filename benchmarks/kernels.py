@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-from freetoken.kernels.triton import attention, gated_delta_rule, moe
+from freetoken.kernels.triton import attention, gated_delta_rule, moe, moe_decode
+from freetoken.kernels.triton import gdn_decode as gdn_decode_kernel
 
 CUDA = torch.device("cuda")
 BF16 = torch.bfloat16
@@ -118,6 +119,45 @@ def gdn_decode(batch: int):
     return fn, 2 * batch * HV * DK * DV * 4, 4 * batch * HV * DK * DV
 
 
+def moe_block(tokens: int, fused: bool):
+    """The MoE block after its router GEMM (routing, routed and shared experts, combine): the fused
+    decode op, or the general ops it replaces."""
+    x = torch.randn(tokens, HIDDEN, dtype=BF16, device=CUDA)
+    w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, dtype=BF16, device=CUDA) * HIDDEN**-0.5
+    w2 = torch.randn(EXPERTS, HIDDEN, INTER, dtype=BF16, device=CUDA) * INTER**-0.5
+    shared_gate_up = torch.randn(2 * INTER, HIDDEN, dtype=BF16, device=CUDA) * HIDDEN**-0.5
+    shared_down = torch.randn(HIDDEN, INTER, dtype=BF16, device=CUDA) * INTER**-0.5
+    gate_logits = torch.randn(tokens, EXPERTS + 1, dtype=BF16, device=CUDA)
+    touched = int(torch.unique(moe.moe_topk_softmax(gate_logits[:, :EXPERTS], TOP_K, True)[1]).numel())
+
+    def unfused():
+        weights, ids = moe.moe_topk_softmax(gate_logits[:, :EXPERTS], TOP_K, True)
+        routed = moe.fused_experts(x, w13, w2, weights, ids)
+        shared = F.linear(moe.silu_and_mul(F.linear(x, shared_gate_up)), shared_down)
+        return moe.shared_expert_combine(routed, shared, gate_logits[:, EXPERTS:])
+
+    fn = (
+        (lambda: moe_decode.sparse_moe_decode(x, gate_logits, w13, w2, shared_gate_up, shared_down, TOP_K, True))
+        if fused
+        else unfused
+    )
+    bytes_ = (touched + 1) * 3 * INTER * HIDDEN * 2 + 2 * tokens * HIDDEN * 2
+    flops = 2 * tokens * (TOP_K + 1) * 3 * INTER * HIDDEN
+    return fn, bytes_, flops
+
+
+def gdn_decode_gated(batch: int):
+    q = torch.randn(batch, HK, DK, dtype=BF16, device=CUDA)
+    k = torch.randn_like(q)
+    v = torch.randn(batch, HV, DV, dtype=BF16, device=CUDA)
+    a, b = torch.randn(batch, HV, dtype=BF16, device=CUDA), torch.randn(batch, HV, dtype=BF16, device=CUDA)
+    A_log, dt_bias = torch.randn(HV, dtype=BF16, device=CUDA), torch.randn(HV, dtype=BF16, device=CUDA)
+    state = torch.randn(batch + 1, HV, DK, DV, device=CUDA)
+    slots = torch.arange(1, batch + 1, dtype=torch.int32, device=CUDA)
+    fn = lambda: gdn_decode_kernel.gated_delta_rule_decode_gated(q, k, v, a, b, A_log, dt_bias, state, slots)  # noqa: E731
+    return fn, 2 * batch * HV * DK * DV * 4, 4 * batch * HV * DK * DV
+
+
 CASES = {
     "decode attention B=64 ctx=4096": lambda: decode_attention(64, 4096),
     "decode attention B=1 ctx=65536": lambda: decode_attention(1, 65536),
@@ -126,6 +166,13 @@ CASES = {
     "fused MoE T=4096 (prefill)": lambda: fused_moe(4096),
     "GDN prefill 1x8192": lambda: gdn_prefill(8192),
     "GDN decode B=64": lambda: gdn_decode(64),
+    "GDN decode B=1": lambda: gdn_decode(1),
+    "GDN decode + gating fused B=1": lambda: gdn_decode_gated(1),
+    "GDN decode + gating fused B=64": lambda: gdn_decode_gated(64),
+    "MoE block T=1, general ops": lambda: moe_block(1, fused=False),
+    "MoE block T=1, sparse_moe_decode": lambda: moe_block(1, fused=True),
+    "MoE block T=8, general ops": lambda: moe_block(8, fused=False),
+    "MoE block T=8, sparse_moe_decode": lambda: moe_block(8, fused=True),
 }
 
 

@@ -13,6 +13,9 @@ from freetoken.kernels.attention import paged_attention, store_kv
 from freetoken.kernels.conv1d import causal_conv1d_decode, causal_conv1d_prefill
 from freetoken.kernels.gated_delta_rule import gated_delta_rule_decode, gated_delta_rule_prefill
 from freetoken.kernels.moe import fused_experts, moe_sort_tokens, moe_topk_softmax, shared_expert_combine, silu_and_mul
+from freetoken.kernels.nvfp4 import fused_experts_nvfp4, nvfp4_linear
+from freetoken.kernels.moe_decode import sparse_moe_decode
+from freetoken.kernels.gdn_decode import gated_delta_rule_decode_gated
 from freetoken.kernels.sampling import sample_tokens
 from freetoken.kernels.hyper_connection import hc_combine, hc_mix, hc_norm
 from freetoken.kernels.ngram import ngram_embed, ngram_update_context
@@ -34,11 +37,15 @@ __all__ = [
     "causal_conv1d_decode",
     "gated_delta_rule_prefill",
     "gated_delta_rule_decode",
+    "gated_delta_rule_decode_gated",
     "moe_topk_softmax",
     "moe_sort_tokens",
     "fused_experts",
     "silu_and_mul",
     "shared_expert_combine",
+    "nvfp4_linear",
+    "fused_experts_nvfp4",
+    "sparse_moe_decode",
     "sample_tokens",
     "hc_norm",
     "hc_mix",

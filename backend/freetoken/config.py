@@ -33,12 +33,15 @@ class EngineConfig:
     max_running_requests: int = option(64, "requests decoded together (also the Gated DeltaNet state slots)")
     max_model_len: int | None = option(None, "longest prompt + output in tokens (default: the model's)")
     page_size: int = option(16, "tokens per KV-cache page")
-    num_pages: int | None = option(None, "KV-cache pages (default: sized from free memory)")
+    num_pages: int | None = option(None, "usable KV-cache pages (default: sized from free memory)")
     gpu_memory_fraction: float = option(
         0.85, "fraction of the GPU memory free after loading weights given to KV pages and states"
     )
     cpu_kv_cache_gib: float = option(2.0, "on the CPU, memory for KV pages and states in GiB")
     seed: int = option(0, "seed from which unseeded requests draw their sampling seeds")
+    overlap_schedule: bool = option(
+        True, "schedule and stage the next step, and resolve the previous one, while the device runs a step"
+    )
     enforce_eager: bool = option(False, "run every step eagerly: no CUDA graphs for decode steps")
     cuda_graph_max_bs: int | None = option(
         None, "largest decode batch replayed from a CUDA graph (default: max_running_requests); larger ones run eagerly"
@@ -55,8 +58,8 @@ class EngineConfig:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
-        if self.num_pages is not None and self.num_pages < 2:
-            raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {self.num_pages}")
+        if self.num_pages is not None and self.num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:

@@ -125,8 +125,10 @@ class ResolvedSampling:
 
 @dataclass
 class RequestOutput:
-    """What a request produced. Streaming callbacks receive the delta since the last call in the
-    ``new_*`` fields; the cumulative fields hold everything so far."""
+    """What a request produced. Every output carries the delta since the last one in the ``new_*``
+    fields; the whole output (``token_ids``, ``text``, ``logprobs``) is filled in the finished one
+    only (empty before), so streaming stays linear in the output length. ``cumulative_logprob``
+    is always the running sum."""
 
     request_id: str
     prompt_token_ids: list[int]

@@ -39,6 +39,7 @@ def append_token(req: Request, out: OutputText, token_id: int, logprob: float | 
     req.token_ids.append(token_id)
     if logprob is not None:
         req.output_logprobs.append(logprob)
+        req.cumulative_logprob += logprob
     new_text = out.detokenizer.step([token_id])
     out.text += new_text
     if token_id in req.stop_token_ids:  # sampling blocks them before min_tokens
@@ -72,14 +73,17 @@ def streamable_text(req: Request, out: OutputText) -> str:
 def make_output(
     req: Request, out: OutputText, new_token_ids: list[int], new_logprobs: list[float] | None
 ) -> RequestOutput:
+    """The delta since the last output; the whole output (tokens, text, logprobs) only once the
+    request finished, so a request costs O(its length) in outputs, not O(length^2)."""
     wants_logprobs = req.params.logprobs is not None
+    whole = req.finish_reason is not None
     return RequestOutput(
         request_id=req.request_id,
         prompt_token_ids=req.prompt_token_ids,
-        token_ids=req.output_token_ids,
-        text=out.text,
-        logprobs=list(req.output_logprobs) if wants_logprobs else None,
-        cumulative_logprob=sum(req.output_logprobs) if wants_logprobs else None,
+        token_ids=req.output_token_ids if whole else [],
+        text=out.text if whole else "",
+        logprobs=list(req.output_logprobs) if wants_logprobs and whole else None,
+        cumulative_logprob=req.cumulative_logprob if wants_logprobs else None,
         finish_reason=req.finish_reason,
         stop_reason=req.stop_reason,
         error=req.error,

@@ -20,9 +20,11 @@ import torch
 from freetoken.config import EngineConfig
 from freetoken.core import FinishReason, RequestOutput, SamplingParams
 from freetoken.engine.engine import Engine
+from freetoken.engine.outputs import StepOutput
 from freetoken.output import OutputText, append_token, make_output
+from freetoken.scheduler.cache import PagePool, SlotPool
 from freetoken.scheduler.request import Request
-from freetoken.scheduler.scheduler import Scheduler
+from freetoken.scheduler.scheduler import ScheduledStep, Scheduler
 from freetoken.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -62,7 +64,8 @@ class Runtime:
         self.model_dir = model_dir
         self.engine = Engine(config, model_dir)
         self.tokenizer = load_tokenizer(config.tokenizer or model_dir)
-        pages, slots = self.engine.create_pools()
+        sizes = self.engine.pool_sizes
+        pages, slots = PagePool(sizes.num_pages, config.page_size), SlotPool(sizes.num_slots)
         self.scheduler = Scheduler(pages, slots, config.max_prefill_length, config.max_running_requests)
         self.max_total_tokens = min(self.engine.max_model_len, pages.capacity * pages.page_size)
         self.eos_token_ids = set(self.engine.loaded.eos_token_ids)
@@ -75,6 +78,8 @@ class Runtime:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.fatal_error: BaseException | None = None
+        self.overlap = config.overlap_schedule
+        self._in_flight: tuple[ScheduledStep, StepOutput] | None = None
 
     # ----- building requests (any thread) -----
 
@@ -128,29 +133,65 @@ class Runtime:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or not self._inbox.empty()
+        return self.scheduler.has_work or self._in_flight is not None or not self._inbox.empty()
 
     def step(self) -> list[RequestOutput]:
-        """Take queued submissions and aborts, run one batch, return the outputs it produced."""
+        """One turn of the loop: take queued submissions and aborts, launch the next step, then
+        resolve a step's tokens (append, stop checks, detokenize, outputs).
+
+        Overlapped (``overlap_schedule``, the default) the step resolved is the previous one: the
+        host does that work, and schedules and stages the next step on the following call, while
+        the device runs the step just launched. A decode scheduled before its last token reached
+        the host reads it from the device's last-token pool. Synchronous, the step launched is
+        resolved at once (the same tokens, one step of latency less per output, no overlap).
+        """
         outputs = self._drain_inbox()
-        batch = self.scheduler.schedule()
-        if batch is None:
-            return outputs
+        launched = self._launch(outputs)
+        previous, self._in_flight = self._in_flight, launched
+        if previous is not None:
+            outputs += self._land(*previous)
+        if not self.overlap and self._in_flight is not None:
+            outputs += self._land(*self._in_flight)
+            self._in_flight = None
+        return outputs
+
+    def _launch(self, outputs: list[RequestOutput]) -> tuple[ScheduledStep, StepOutput] | None:
+        step = self.scheduler.schedule()
+        if step is None:
+            return None
         try:
-            result = self.engine.step(batch)
+            pending = self.engine.launch(step.plan)
         except Exception as exc:  # a failed step fails its requests; the engine keeps serving
             logger.error("engine step failed:\n%s", traceback.format_exc())
-            for req in batch.requests:
+            for req in step.requests:
                 outputs.append(self._finish(req, FinishReason.ERROR, error=f"engine step failed: {exc}"))
+            return None
+        self.scheduler.launched(step)
+        return step, pending
+
+    def _land(self, step: ScheduledStep, pending: StepOutput) -> list[RequestOutput]:
+        """Append a launched step's sampled tokens to their requests; finished ones give their
+        pages and slot back (requests aborted or failed meanwhile are skipped)."""
+        outputs: list[RequestOutput] = []
+        try:
+            token_ids, logprobs = pending.result()
+        except Exception as exc:
+            logger.error("engine step failed:\n%s", traceback.format_exc())
+            self.scheduler.landed(step)
+            for req in step.requests:
+                if not req.finished:
+                    outputs.append(self._finish(req, FinishReason.ERROR, error=f"engine step failed: {exc}"))
             return outputs
-        self.scheduler.after_step(batch)
-        for req, token_id, logprob in zip(batch.sampling_requests, result.token_ids, result.logprobs):
+        self.scheduler.landed(step)
+        for index, req in enumerate(step.sampling_requests):
+            if req.finished:
+                continue
+            logprob = logprobs[index] if logprobs is not None and req.params.logprobs is not None else None
             text = self._table[req.request_id].text
-            append_token(req, text, token_id, logprob)
-            new_logprobs = [logprob] if logprob is not None else None
+            append_token(req, text, token_ids[index], logprob)
             if req.finish_reason is not None:
                 self.scheduler.finish(req)
-            outputs.append(make_output(req, text, [token_id], new_logprobs))
+            outputs.append(make_output(req, text, [token_ids[index]], [logprob] if logprob is not None else None))
         return outputs
 
     def _drain_inbox(self) -> list[RequestOutput]:
@@ -237,6 +278,12 @@ class Runtime:
 
     def _fail_all(self, message: str) -> None:
         self._drain_inbox()
+        if self._in_flight is not None:
+            try:
+                self._in_flight[1].result()
+            except Exception:  # the device failed too; the requests fail below either way
+                pass
+            self._in_flight = None
         outputs = [
             self._finish(req, FinishReason.ERROR, error=message)
             for req in (*self.scheduler.running, *self.scheduler.waiting)

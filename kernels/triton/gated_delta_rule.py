@@ -286,12 +286,11 @@ def gated_delta_rule_prefill(
     state: torch.Tensor,
     state_slots: torch.Tensor,
     cu_seqlens: torch.Tensor,
-    state_block_v: int | None = None,
 ) -> torch.Tensor:
     """Three launches: the chunk inverses applied as W and U (parallel over every chunk of every
     request and head), the sequential state pass, the outputs (parallel). Intermediates are stored
     in the dot-operand dtype: the activations' half-precision dtype (full-rate tensor cores),
-    float32 in float32 runs. ``state_block_v`` overrides the state pass's value block (for tuning)."""
+    float32 in float32 runs."""
     _check(q, k, v, g, beta, state)
     q, k, v, g, beta = _unit_stride(q, k, v, g, beta)
     num_tokens, num_v_heads, value_dim = v.shape
@@ -326,7 +325,7 @@ def gated_delta_rule_prefill(
     )
     states = new_empty((max_chunks, num_v_heads, key_dim, value_dim), operand, device)
     v_new = new_empty((num_v_heads, num_tokens, value_dim), operand, device)
-    pass_v = state_block_v or state_pass_block_v(num_requests * num_v_heads, value_dim, device)
+    pass_v = state_pass_block_v(num_requests * num_v_heads, value_dim, device)
     _state_pass_kernel[(num_requests, num_v_heads, triton.cdiv(value_dim, pass_v))](
         k, k.stride(0), k.stride(1), w, u, to_end, chunk_decay,
         state, state.stride(0), state.stride(1), state.stride(2), state_slots, cu_seqlens, cu_chunks, states, v_new,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from freetoken.bench.presets import preset_config, write_preset_dir
-from freetoken.bench.timing import StepRecorder, busy_time
+from freetoken.bench.timing import StepRecorder, busy_time, kernel_table
 from freetoken.cli import build_parser, main
 
 
@@ -114,3 +114,13 @@ def test_recorder_times_steady_steps_and_profiles_a_window_of_them():
     assert recorder.profiled_wall > 0
     # Only CPU activity recorded: no GPU interval, so the "GPU" was idle throughout.
     assert recorder.gpu_idle_share == pytest.approx(1.0)
+    assert recorder.kernel_table == []
+
+
+def test_kernel_table_groups_activities_by_name_per_step():
+    activities = [("gemm", 0, 30), ("norm", 30, 40), ("gemm", 50, 80), ("norm", 80, 90), ("gemm", 100, 120)]
+    table = kernel_table(activities, steps=2)
+    assert [k["name"] for k in table] == ["gemm", "norm"]
+    assert table[0]["launches_per_step"] == 1.5 and table[0]["us_per_step"] == pytest.approx(40e-3)
+    assert table[1]["launches_per_step"] == 1.0 and table[1]["us_per_step"] == pytest.approx(10e-3)
+    assert table[0]["share"] == pytest.approx(0.8) and table[1]["share"] == pytest.approx(0.2)

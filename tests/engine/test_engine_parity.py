@@ -58,7 +58,7 @@ def test_preempted_requests_recompute_equal_transformers(case):
     max_tokens = FAMILIES[case.family].max_tokens
     prompts = batch_prompts(case)
     usable = -(-(len(prompts[0]) + max_tokens) // PAGE_SIZE) + -(-len(prompts[1]) // PAGE_SIZE)
-    llm = _llm(case, num_pages=1 + usable)  # page 0 is the null page
+    llm = _llm(case, num_pages=usable)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     assert llm.runtime.scheduler.num_preemptions > 0

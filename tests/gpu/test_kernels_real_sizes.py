@@ -14,7 +14,9 @@ import torch.nn.functional as F
 from freetoken.kernels import attention as ref_attention
 from freetoken.kernels import conv1d as ref_conv
 from freetoken.kernels import gated_delta_rule as ref_gdn
+from freetoken.kernels import gdn_decode as ref_gdn_decode
 from freetoken.kernels import moe as ref_moe
+from freetoken.kernels import moe_decode as ref_moe_decode
 from freetoken.kernels import norm as ref_norm
 from freetoken.kernels import rotary as ref_rotary
 from freetoken.kernels import sampling as ref_sampling
@@ -170,6 +172,37 @@ def test_gated_delta_rule(rng, check, dtype):
     want = ref_gdn.gated_delta_rule_decode_reference(q, k, v, g, beta, want_state, slots)
     check("gdn_decode_out", gdn.gated_delta_rule_decode(q, k, v, g, beta, state, slots), want, dtype)
     check("gdn_decode_state", state, want_state, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_gated_delta_rule_decode_gated(rng, check, dtype, batch):
+    gdn = _triton("gdn_decode")
+    q, k, v, _, _, state = _gdn_inputs(rng, dtype, batch, 80)
+    a, b = randn(rng, batch, HV, dtype=dtype), randn(rng, batch, HV, dtype=dtype)
+    A_log, dt_bias = randn(rng, HV, dtype=dtype, scale=0.5), randn(rng, HV, dtype=dtype)
+    slots = torch.randperm(80, generator=rng, device=CUDA)[:batch].int()
+    want_state = state.clone()
+    want = ref_gdn_decode.gated_delta_rule_decode_gated_reference(q, k, v, a, b, A_log, dt_bias, want_state, slots)
+    got = gdn.gated_delta_rule_decode_gated(q, k, v, a, b, A_log, dt_bias, state, slots)
+    check(f"gdn_decode_gated_out_{batch}", got, want, dtype)
+    check(f"gdn_decode_gated_state_{batch}", state, want_state, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_sparse_moe_decode(rng, check, dtype, tokens):
+    moe_decode = _triton("moe_decode")
+    x = randn(rng, tokens, HIDDEN, dtype=dtype)
+    distinct = torch.stack([torch.randperm(EXPERTS, generator=rng, device=CUDA) for _ in range(tokens)])
+    gate_logits = torch.cat([(distinct - 128) / 32.0, randn(rng, tokens, 1)], dim=1).to(dtype)
+    w13 = randn(rng, EXPERTS, 2 * INTER, HIDDEN, dtype=dtype, scale=HIDDEN**-0.5)
+    w2 = randn(rng, EXPERTS, HIDDEN, INTER, dtype=dtype, scale=INTER**-0.5)
+    shared_gate_up = randn(rng, 2 * INTER, HIDDEN, dtype=dtype, scale=HIDDEN**-0.5)
+    shared_down = randn(rng, HIDDEN, INTER, dtype=dtype, scale=INTER**-0.5)
+    args = (x, gate_logits, w13, w2, shared_gate_up, shared_down, TOP_K, True)
+    want = ref_moe_decode.sparse_moe_decode_reference(*args)
+    check(f"sparse_moe_decode_{tokens}", moe_decode.sparse_moe_decode(*args), want, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -35,7 +35,8 @@ def test_gated_delta_rule_prefill(rng, monkeypatch, dtype, heads, dims, state_bl
     from freetoken.kernels.triton import gated_delta_rule as triton_gdn
     from freetoken.kernels.triton.gated_delta_rule import gated_delta_rule_prefill
 
-    if state_block_v is not None:
+    if state_block_v is not None:  # narrower value blocks than the launch size would choose
+        monkeypatch.setattr(triton_gdn, "state_pass_block_v", lambda *_: state_block_v)
         monkeypatch.setattr(triton_gdn, "OUTPUT_BLOCK_V", 32)
 
     lens = [70, 0, 5, 129]  # several chunks with a partial last one, empty, shorter than a chunk
@@ -45,7 +46,7 @@ def test_gated_delta_rule_prefill(rng, monkeypatch, dtype, heads, dims, state_bl
     state_slots = torch.tensor([4, 1, 2, 5], dtype=torch.int32, device=DEVICE)
     want_state = state.clone()
     want = ref.gated_delta_rule_prefill_reference(q, k, v, g, beta, want_state, state_slots, cu)
-    got = gated_delta_rule_prefill(q, k, v, g, beta, state, state_slots, cu, state_block_v=state_block_v)
+    got = gated_delta_rule_prefill(q, k, v, g, beta, state, state_slots, cu)
     assert_close(got, want)
     assert_close(state, want_state, dtype=dtype)
 

@@ -269,7 +269,7 @@ def test_metrics_families_on_the_metrics_port(server):
         assert f"# TYPE {name} {kind.lower()}" in text
     assert wait_for(lambda: server.metric("freetoken_time_to_first_token_seconds_count") > 0)
     assert server.metric("freetoken_prompt_tokens_total") > 0
-    assert server.metric("freetoken_kv_cache_pages_total") == 511  # --num-pages 512, page 0 reserved
+    assert server.metric("freetoken_kv_cache_pages_total") == 512  # --num-pages 512: usable pages
 
 
 def test_perf_analyzer_input_data_through_the_load_client(server):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from freetoken import LLM, SamplingParams
+from freetoken import SamplingParams
 from freetoken.kernels.sampling import sample_tokens_reference, uniform_noise
 
 
@@ -60,15 +60,15 @@ def test_zero_temperature_is_greedy():
     assert set(_draws(logits, 100, temperature=0.0).tolist()) == {logits.argmax().item()}
 
 
-def test_penalties_follow_vllm(demo_checkpoint):
+def test_penalties_follow_vllm():
     from freetoken.engine.sample import apply_penalties
 
-    llm = LLM(model=str(demo_checkpoint), dtype="float32", device="cpu")
-    params = SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
-    req = llm.runtime.make_request("p", [5, 6], params)
-    req.token_ids += [6, 7, 7]  # outputs: 6 once, 7 twice
+    # prompt (5, 6), outputs 6 once and 7 twice, as the per-slot counts hold them.
+    counts = torch.tensor([[0, 0, 0, 0, 0, 0, 1, 2]], dtype=torch.int32)
+    prompt_seen = torch.zeros(1, 8, dtype=torch.bool)
+    prompt_seen[0, [5, 6]] = True
     logits = torch.tensor([[1.0, -1.0, 2.0, 0.0, 3.0, 4.0, -2.0, 6.0]])
-    apply_penalties(logits, [req])
+    apply_penalties(logits, torch.tensor([2.0]), torch.tensor([0.5]), torch.tensor([0.25]), counts, prompt_seen)
     # repetition over prompt + output (5, 6, 7): positive / 2, negative * 2; then presence and
     # frequency over the output counts (6: 1, 7: 2).
     expected = torch.tensor([[1.0, -1.0, 2.0, 0.0, 3.0, 2.0, -4.0 - 0.5 - 0.25, 3.0 - 0.5 - 0.5]])

@@ -45,10 +45,10 @@ def test_pools_return_to_full_after_finished_and_aborted_requests(demo_checkpoin
 
 
 def test_request_larger_than_free_pages_waits_then_completes(demo_checkpoint):
-    # 12 pages of 4 tokens (11 usable): one 30-token prompt + 10 outputs needs 10 pages, so the
+    # 11 usable pages of 4 tokens: one 30-token prompt + 10 outputs needs 10 pages, so the
     # second request must wait for the first to finish.
     llm = LLM(
-        model=str(demo_checkpoint), dtype="float32", device="cpu", page_size=4, num_pages=12, max_prefill_length=64
+        model=str(demo_checkpoint), dtype="float32", device="cpu", page_size=4, num_pages=11, max_prefill_length=64
     )
     runtime = llm.runtime
     rng = random.Random(1)
@@ -72,7 +72,7 @@ def test_request_larger_than_free_pages_waits_then_completes(demo_checkpoint):
 
 
 def test_prompt_that_can_never_fit_is_rejected(demo_checkpoint):
-    llm = LLM(model=str(demo_checkpoint), dtype="float32", device="cpu", page_size=4, num_pages=6)
+    llm = LLM(model=str(demo_checkpoint), dtype="float32", device="cpu", page_size=4, num_pages=5)
     try:
         llm.generate({"prompt_token_ids": list(range(40))}, SamplingParams(max_tokens=2))
     except ValueError as exc:
@@ -82,7 +82,7 @@ def test_prompt_that_can_never_fit_is_rejected(demo_checkpoint):
 
 
 def test_output_stops_at_the_kv_cache_capacity(demo_checkpoint):
-    llm = LLM(model=str(demo_checkpoint), dtype="float32", device="cpu", page_size=4, num_pages=6)
+    llm = LLM(model=str(demo_checkpoint), dtype="float32", device="cpu", page_size=4, num_pages=5)
     out = llm.generate({"prompt_token_ids": list(range(10))}, SamplingParams(max_tokens=50, ignore_eos=True))[0]
     assert out.finish_reason is FinishReason.LENGTH
     assert 10 + len(out.token_ids) == 5 * 4

@@ -126,6 +126,7 @@ def bench_batch(llm, batch_size: int, args: argparse.Namespace, traffic, progres
         "prefill_tok_s": batch_size * args.input_len / max(ttft),
         "output_tok_s": batch_size * args.output_len / sum(r.seconds for r in rec.records),
         "gpu_idle_share": rec.gpu_idle_share,
+        "kernels": rec.kernel_table,
         **memory.result(),
         "profiled_ms_per_step": rec.profiled_wall / args.profile_steps * 1e3 if rec.profiled_wall else None,
         "decode_ms_per_step": None,

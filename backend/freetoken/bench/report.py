@@ -56,6 +56,28 @@ HEADER = [
 ]
 
 
+KERNELS_SHOWN = 25
+
+
+def print_kernel_table(result: dict[str, Any]) -> None:
+    """The profiled steady steps' GPU activities by name: launches and µs per step, share."""
+    table = result.get("kernels")
+    if not table:
+        return
+    launches = sum(k["launches_per_step"] for k in table)
+    total_us = sum(k["us_per_step"] for k in table)
+    print(f"batch {result['batch_size']}: {launches:.0f} GPU activities, {total_us / 1e3:.2f} ms busy per step")
+    print(f"  {'launches':>8}  {'us/step':>9}  {'share':>6}  kernel")
+    for k in table[:KERNELS_SHOWN]:
+        print(f"  {k['launches_per_step']:8.1f}  {k['us_per_step']:9.1f}  {100 * k['share']:5.1f}%  {k['name'][:100]}")
+    if len(table) > KERNELS_SHOWN:
+        rest = table[KERNELS_SHOWN:]
+        print(
+            f"  {sum(k['launches_per_step'] for k in rest):8.1f}  {sum(k['us_per_step'] for k in rest):9.1f}  "
+            f"{100 * sum(k['share'] for k in rest):5.1f}%  ({len(rest)} more)"
+        )
+
+
 def print_report(report: dict[str, Any]) -> None:
     results = report["results"]
     header = HEADER + (["HF ms/step", "HF x floor"] if any("transformers" in r for r in results) else [])
@@ -68,3 +90,5 @@ def print_report(report: dict[str, Any]) -> None:
     )
     for row in rows:
         print("  ".join(cell.rjust(width) for cell, width in zip(row, widths)))
+    for result in results:
+        print_kernel_table(result)

@@ -13,6 +13,9 @@ last. Each step ends in a device->host copy of its tokens, so all GPU work of th
 lies inside that wall window and none of another step's does; only durations and overlaps of GPU
 intervals are used, so the GPU and host clocks need not be aligned. The profiled steps are left out
 of the step-time statistics (CUPTI adds a little launch overhead to them).
+
+Kernel table: the same window's GPU activities grouped by name (launches and µs per step, share of
+the busy time), the profile that decides which kernels to fuse next.
 """
 
 from __future__ import annotations
@@ -49,12 +52,31 @@ def busy_time(intervals: list[tuple[float, float]]) -> float:
     return busy
 
 
-def gpu_intervals_ns(prof: torch.profiler.profile) -> list[tuple[float, float]]:
-    """``(start, end)`` in ns of every GPU activity a stopped profiler recorded."""
+def gpu_activities(prof: torch.profiler.profile) -> list[tuple[str, float, float]]:
+    """``(name, start, end)`` in ns of every GPU activity a stopped profiler recorded."""
     return [
-        (e.start_ns(), e.end_ns())
+        (e.name(), e.start_ns(), e.end_ns())
         for e in prof.profiler.kineto_results.events()
         if e.device_type() == torch.autograd.DeviceType.CUDA
+    ]
+
+
+def kernel_table(activities: list[tuple[str, float, float]], steps: int) -> list[dict[str, Any]]:
+    """Per GPU activity name: launches and µs per step and share of the summed time, largest first."""
+    launches: dict[str, int] = {}
+    total_ns: dict[str, float] = {}
+    for name, start, end in activities:
+        launches[name] = launches.get(name, 0) + 1
+        total_ns[name] = total_ns.get(name, 0.0) + (end - start)
+    grand = sum(total_ns.values()) or 1.0
+    return [
+        {
+            "name": name,
+            "launches_per_step": launches[name] / steps,
+            "us_per_step": total_ns[name] / steps * 1e-3,
+            "share": total_ns[name] / grand,
+        }
+        for name in sorted(total_ns, key=total_ns.get, reverse=True)
     ]
 
 
@@ -84,6 +106,7 @@ class StepRecorder:
         self.profiler_activities = list(profiler_activities)
         self.records: list[StepRecord] = []
         self.gpu_idle_share: float | None = None
+        self.kernel_table: list[dict[str, Any]] | None = None
         self.profiled_wall: float | None = None
         self._profiler: torch.profiler.profile | None = None
         self._profile_tried = False
@@ -144,12 +167,13 @@ class StepRecorder:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self._profiler.stop()
-        intervals = gpu_intervals_ns(self._profiler)
+        activities = gpu_activities(self._profiler)
         self._profiler = None
         wall = self._window[-1] - self._window[0]
         if all(self._steady(r) for r in self.records if r.profiled) and wall > 0:
             self.profiled_wall = wall
-            self.gpu_idle_share = max(0.0, 1.0 - busy_time(intervals) * 1e-9 / wall)
+            self.gpu_idle_share = max(0.0, 1.0 - busy_time([(s, e) for _, s, e in activities]) * 1e-9 / wall)
+            self.kernel_table = kernel_table(activities, self.profile_steps)
 
     def steady_records(self) -> list[StepRecord]:
         return [r for r in self.records if self._steady(r) and not r.profiled]

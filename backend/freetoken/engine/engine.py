@@ -1,23 +1,22 @@
-"""The engine: a loaded model, its KV/state pools, and one forward + sample per scheduled batch."""
+"""The engine: a loaded model, its KV/state pools, and one forward + sample per step plan."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
-from freetoken.batch import ForwardBatch
 from freetoken.config import EngineConfig
+from freetoken.batch import ForwardBatch
+from freetoken.engine.buffers import StepBuffers, split_decodes
 from freetoken.engine.graph_runner import DecodeGraphRunner
 from freetoken.engine.memory import PoolSizes, size_pools
-from freetoken.engine.sample import SampleResult, sample
+from freetoken.engine.outputs import OutputRing, StepOutput
+from freetoken.engine.sample import SlotSampler
 from freetoken.kernels import KernelBackend, get_kernel_backend, set_kernel_backend
 from freetoken.models.loader import LoadedModel, load_model, load_random_model, read_config
 from freetoken.models.registry import text_config_of
-from freetoken.scheduler.cache import PagePool, SlotPool
-from freetoken.scheduler.scheduler import ScheduledBatch
+from freetoken.plan import PageUpdate, PlanRow, StepPlan
 
 logger = logging.getLogger(__name__)
 
@@ -38,19 +37,13 @@ def configure_precision(dtype: torch.dtype) -> None:
     torch.set_float32_matmul_precision("highest" if exact else "high")
 
 
-@dataclass
-class BatchEntry:
-    """One request's part of a step: its tokens ``[num_computed, num_computed + num_tokens)``."""
-
-    token_ids: list[int]
-    num_computed: int
-    num_tokens: int
-    pages: list[int]
-    slot: int
-    logits: Literal["last", "all"] | None  # which of its positions need logits
-
-
 class Engine:
+    """A loaded model with its pools, persistent step buffers and per-slot sampler; it runs
+    ``StepPlan``s. ``launch`` only queues device work and returns the step's pending output, so a
+    caller may prepare the next step while this one runs. All device work goes to one stream:
+    a later step can never overtake an earlier one, which is what lets the runtime reuse a page
+    or slot as soon as the host knows it is free."""
+
     def __init__(self, config: EngineConfig, model_dir: str) -> None:
         self.config = config
         self.device = resolve_device(config.device)
@@ -67,8 +60,20 @@ class Engine:
         self.pool_sizes: PoolSizes = size_pools(
             self.model, config, self.device, self.max_model_len, text_config.hidden_size
         )
-        self.model.allocate_state(self.pool_sizes.num_pages, config.page_size, self.pool_sizes.num_slots)
+        num_slots = self.pool_sizes.num_slots
+        self.model.allocate_state(self.pool_sizes.num_pages, config.page_size, num_slots)
         self.max_pages_per_request = -(-self.max_model_len // config.page_size)
+        max_rows = num_slots - 1
+        self.buffers = StepBuffers(
+            max_rows=max_rows,
+            max_tokens=config.max_prefill_length + max_rows,
+            num_slots=num_slots,
+            max_pages_per_slot=self.max_pages_per_request,
+            page_size=config.page_size,
+            device=self.device,
+        )
+        self.sampler = SlotSampler(num_slots, self.model.vocab_size, self.device)
+        self.outputs = OutputRing(max_rows, self.device)
         self.graph_runner: DecodeGraphRunner | None = None
         if self._graphs_wanted():
             max_bs = min(config.cuda_graph_max_bs or config.max_running_requests, config.max_running_requests)
@@ -87,87 +92,43 @@ class Engine:
             return False
         return True
 
-    def create_pools(self) -> tuple[PagePool, SlotPool]:
-        return PagePool(self.pool_sizes.num_pages, self.config.page_size), SlotPool(self.pool_sizes.num_slots)
-
     @property
     def vocab_size(self) -> int:
         return self.model.vocab_size
 
-    def build_forward_batch(self, entries: list[BatchEntry]) -> ForwardBatch:
-        """The device batch for requests given in the ``ForwardBatch`` order (single tokens first)."""
-        page_size = self.config.page_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        kv_locations: list[int] = []
-        cu_seqlens = [0]
-        seq_lens: list[int] = []
-        logits_indices: list[int] = []
-        page_table = torch.zeros(len(entries), max(len(e.pages) for e in entries), dtype=torch.int32)
-        for i, entry in enumerate(entries):
-            start, end = entry.num_computed, entry.num_computed + entry.num_tokens
-            input_ids += entry.token_ids[start:end]
-            positions += range(start, end)
-            kv_locations += [entry.pages[p // page_size] * page_size + p % page_size for p in range(start, end)]
-            first_token = cu_seqlens[-1]
-            cu_seqlens.append(first_token + entry.num_tokens)
-            seq_lens.append(end)
-            page_table[i, : len(entry.pages)] = torch.tensor(entry.pages, dtype=torch.int32)
-            if entry.logits == "last":
-                logits_indices.append(cu_seqlens[-1] - 1)
-            elif entry.logits == "all":
-                logits_indices += range(first_token, cu_seqlens[-1])
-        num_tokens = [e.num_tokens for e in entries]
-        num_decodes = 0
-        while num_decodes < len(num_tokens) and num_tokens[num_decodes] == 1:
-            num_decodes += 1
-
-        def to_device(values, dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
-
-        return ForwardBatch(
-            input_ids=to_device(input_ids, torch.int64),
-            positions=to_device(positions, torch.int64),
-            cu_seqlens=to_device(cu_seqlens, torch.int32),
-            seq_lens=to_device(seq_lens, torch.int32),
-            page_table=page_table.to(self.device, non_blocking=True),
-            kv_locations=to_device(kv_locations, torch.int64),
-            state_slots=to_device([e.slot for e in entries], torch.int32),
-            logits_indices=to_device(logits_indices, torch.int64),
-            num_decodes=num_decodes,
-            max_query_len=max(num_tokens),
-            query_lens=num_tokens,
-            max_seq_len=max(seq_lens),
-        )
+    def _prepare(self, plan: StepPlan) -> None:
+        if plan.copy_slots:
+            raise NotImplementedError("copy_slots: slot copies arrive with prefix caching")
+        if plan.reset_slots:
+            self.model.reset_slots(torch.tensor(plan.reset_slots, dtype=torch.int64).to(self.device))
+        self.sampler.admit(plan.admissions)
 
     @torch.inference_mode()
-    def step(self, batch: ScheduledBatch) -> SampleResult:
-        """Run the batch and sample a token for each request that reached its last known token."""
-        if batch.fresh_slots:
-            self.model.reset_slots(torch.tensor(batch.fresh_slots, dtype=torch.int64, device=self.device))
-        entries = [
-            BatchEntry(req.token_ids, req.num_computed, n, req.pages, req.slot, "last" if samples else None)
-            for req, n, samples in zip(batch.requests, batch.num_tokens, batch.samples)
-        ]
-        logits = self._forward(entries)
-        if logits.shape[0] == 0:
-            return SampleResult([], [])
-        return sample(logits, batch.sampling_requests)
+    def launch(self, plan: StepPlan) -> StepOutput:
+        """Queue the plan's forward and sampling; the result comes through the returned output."""
+        self._prepare(plan)
+        staged = self.buffers.stage(plan, self.sampler.last_token)
+        decode_logits = sum(1 for row in plan.rows[: plan.num_decodes] if row.samples)
+        logits = self._forward(staged.batch, decode_logits)
+        host_slots = [row.slot for row in plan.sampling_rows]
+        if not host_slots:  # prompt chunks only
+            return self.outputs.send(torch.zeros(0, dtype=torch.int64, device=self.device), None, [])
+        token_ids, logprobs = self.sampler.sample(logits, staged.sample_slots, host_slots)
+        return self.outputs.send(token_ids, logprobs, staged.sampled_rows)
 
-    def _forward(self, entries: list[BatchEntry]) -> torch.Tensor:
-        """Logits of the entries' wanted rows, in order. With graphs, a step mixing decodes and
-        prefill chunks runs as two forwards, the decodes replayed and the chunks eager (the
-        requests are independent, so the split changes no result; docs/architecture.md)."""
+    def _forward(self, batch: ForwardBatch, decode_logits: int) -> torch.Tensor:
+        """Logits of the batch's logits rows, in order. With graphs, a decode-only step replays; a
+        step mixing decodes and prefill chunks runs as two forwards, the decodes replayed and the
+        chunks eager (the requests are independent, so the split changes no result;
+        docs/architecture.md). ``decode_logits``: how many logits rows are decode rows'."""
         runner = self.graph_runner
-        num_decodes = next((i for i, e in enumerate(entries) if e.num_tokens != 1), len(entries))
-        if runner is not None and 0 < num_decodes < len(entries) and num_decodes <= runner.max_batch_size:
-            return torch.cat([self._run(entries[:num_decodes]), self._run(entries[num_decodes:])])
-        return self._run(entries)
-
-    def _run(self, entries: list[BatchEntry]) -> torch.Tensor:
-        batch = self.build_forward_batch(entries)
-        if self.graph_runner is not None and self.graph_runner.supports(batch):
-            return self.graph_runner.run(batch)
+        if runner is None:
+            return self.model(batch)
+        if 0 < batch.num_decodes < batch.num_requests and batch.num_decodes <= runner.max_batch_size:
+            decodes, chunks = split_decodes(batch, decode_logits)
+            return torch.cat([runner.run(decodes), self.model(chunks)])
+        if runner.supports(batch):
+            return runner.run(batch)
         return self.model(batch)
 
     @torch.inference_mode()
@@ -175,9 +136,15 @@ class Engine:
         """float32 logits after every position of one prompt ``[len, vocab]``, computed in chunks of
         ``max_prefill_length`` as a request would be, in the given pages and state slot."""
         self.model.reset_slots(torch.tensor([slot], device=self.device))
-        chunk = self.config.max_prefill_length
+        chunk, page_size = self.config.max_prefill_length, self.config.page_size
         logits = []
         for start in range(0, len(token_ids), chunk):
-            entry = BatchEntry(token_ids, start, min(chunk, len(token_ids) - start), pages, slot, "all")
-            logits.append(self.model(self.build_forward_batch([entry])))
+            end = min(start + chunk, len(token_ids))
+            first_page, last_page = -(-start // page_size), -(-end // page_size)
+            plan = StepPlan(
+                rows=[PlanRow(slot, start, end - start, False, tuple(token_ids[start:end]))],
+                page_updates=[PageUpdate(slot, first_page, tuple(pages[first_page:last_page]))],
+            )
+            staged = self.buffers.stage(plan, self.sampler.last_token, all_logits=True)
+            logits.append(self.model(staged.batch))
         return torch.cat(logits)

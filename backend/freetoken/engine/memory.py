@@ -55,7 +55,7 @@ def size_pools(
     pages_per_request = -(-max_model_len // config.page_size)
     useful_pages = config.max_running_requests * pages_per_request + 1
     if config.num_pages is not None:
-        num_pages = config.num_pages
+        num_pages = config.num_pages + 1  # usable pages, as stated; page 0 is the reserved null page
     else:
         budget = pool_budget_bytes(config, device, hidden_size) - num_slots * slot_bytes
         affordable = budget // page_bytes if page_bytes else useful_pages

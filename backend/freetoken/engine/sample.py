@@ -1,4 +1,13 @@
-"""From logits to tokens: min_tokens, penalties, then the sampling kernel; logprobs of the choice."""
+"""From logits to tokens, on the device: min_tokens, penalties, the sampling kernel, logprobs.
+
+Sampling is split in two. ``SlotSampler.admit`` (host side, once per admission) stages a
+request's parameters in per-slot device tables, with its prompt's token set and the counts of the
+outputs it already has. ``SlotSampler.sample`` (device only) gathers the tables by the step's slots,
+blocks stop tokens before ``min_tokens``, applies penalties from the per-slot counts, samples, and
+writes each token back: into the last-token pool (the next decode's input), the counts, and the
+slot's output counter (the sampling step of the counter-based randomness). Nothing waits for the
+host; the tokens reach it through ``engine.outputs``.
+"""
 
 from __future__ import annotations
 
@@ -7,68 +16,128 @@ from dataclasses import dataclass
 import torch
 
 from freetoken import kernels
-from freetoken.scheduler.request import Request
+from freetoken.plan import SlotSampling
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    repetition: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+    output_counts: torch.Tensor,
+    prompt_seen: torch.Tensor,
+) -> None:
+    """vLLM's penalties, in place on ``logits [N, V]``: repetition over prompt + output tokens
+    (divide positive logits, multiply negative ones), presence and frequency over the output's
+    token counts ``output_counts [N, V]``; ``prompt_seen [N, V]`` marks prompt tokens."""
+    counts = output_counts.to(logits.dtype)
+    seen = prompt_seen | (output_counts > 0)
+    rep = repetition[:, None]
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits.copy_(torch.where(seen, penalized, logits))
+    logits -= frequency[:, None] * counts + presence[:, None] * (counts > 0).to(logits.dtype)
 
 
 @dataclass
-class SampleResult:
-    token_ids: list[int]
-    logprobs: list[float | None]
+class _HostSlot:
+    """What the host needs to know of a slot to skip work no sampled row asks for."""
+
+    uses_penalties: bool = False
+    min_tokens: int = 0
+    logprobs: bool = False
 
 
-def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
-    """vLLM's penalties, in place: repetition over prompt + output (divide positive logits, multiply
-    negative ones), presence and frequency over the output's token counts."""
-    vocab = logits.shape[-1]
-    for row, req in enumerate(requests):
-        sampling = req.sampling
-        if not sampling.uses_penalties:
-            continue
-        if sampling.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted({t for t in req.token_ids if t < vocab}), dtype=torch.int64)
-            seen = seen.to(logits.device)
-            values = logits[row, seen]
-            penalized = torch.where(
-                values > 0, values / sampling.repetition_penalty, values * sampling.repetition_penalty
+class SlotSampler:
+    def __init__(self, num_slots: int, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+
+        def table(dtype: torch.dtype, fill: float = 0) -> torch.Tensor:
+            return torch.full((num_slots,), fill, dtype=dtype, device=device)
+
+        self.temperature = table(torch.float32, 1.0)
+        self.top_p = table(torch.float32, 1.0)
+        self.top_k = table(torch.int32)
+        self.min_p = table(torch.float32)
+        self.repetition = table(torch.float32, 1.0)
+        self.presence = table(torch.float32)
+        self.frequency = table(torch.float32)
+        self.seed = table(torch.int64)
+        self.min_tokens = table(torch.int64)
+        self.num_outputs = table(torch.int64)  # the sampling step of each slot
+        self.last_token = table(torch.int64)  # the last-token pool: a decode row's input
+        self.output_counts = torch.zeros(num_slots, vocab_size, dtype=torch.int32, device=device)
+        self.prompt_seen = torch.zeros(num_slots, vocab_size, dtype=torch.bool, device=device)
+        self.stop_mask = torch.zeros(num_slots, vocab_size, dtype=torch.bool, device=device)
+        self._host = [_HostSlot() for _ in range(num_slots)]
+        self.device = device
+
+    def admit(self, admissions: list[SlotSampling]) -> None:
+        """Stage each admitted request's parameters and token history in its slot."""
+        if not admissions:
+            return
+        device, vocab = self.device, self.vocab_size
+        slots = torch.tensor([a.slot for a in admissions], dtype=torch.int64, device=device)
+
+        def put(table: torch.Tensor, values: list) -> None:
+            table[slots] = torch.tensor(values, dtype=table.dtype).to(device, non_blocking=True)
+
+        put(self.temperature, [a.temperature for a in admissions])
+        put(self.top_p, [a.top_p for a in admissions])
+        put(self.top_k, [a.top_k for a in admissions])
+        put(self.min_p, [a.min_p for a in admissions])
+        put(self.repetition, [a.repetition_penalty for a in admissions])
+        put(self.presence, [a.presence_penalty for a in admissions])
+        put(self.frequency, [a.frequency_penalty for a in admissions])
+        put(self.seed, [a.seed for a in admissions])
+        put(self.min_tokens, [a.min_tokens for a in admissions])
+        put(self.num_outputs, [len(a.output_token_ids) for a in admissions])
+        for rows in (self.output_counts, self.prompt_seen, self.stop_mask):
+            rows[slots] = 0
+        for a in admissions:
+            self._host[a.slot] = _HostSlot(a.uses_penalties, a.min_tokens, a.logprobs)
+            if a.uses_penalties:
+                prompt = torch.tensor([t for t in a.prompt_token_ids if t < vocab], dtype=torch.int64)
+                self.prompt_seen[a.slot, prompt.to(device)] = True
+                outputs = torch.tensor([t for t in a.output_token_ids if t < vocab], dtype=torch.int64)
+                self.output_counts[a.slot] = torch.bincount(outputs, minlength=vocab).to(device, torch.int32)
+            if a.min_tokens > 0 and a.stop_token_ids:
+                stop = torch.tensor([t for t in a.stop_token_ids if t < vocab], dtype=torch.int64)
+                self.stop_mask[a.slot, stop.to(device)] = True
+
+    def sample(self, logits: torch.Tensor, slots: torch.Tensor, host_slots: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``logits [N, V]`` float32 of the rows sampling into ``slots [N]`` (device; ``host_slots``
+        is the same on the host). Returns token ids ``[N]`` int64 and, if any row asks, the raw
+        model logprob of each chosen token ``[N]`` float32."""
+        host = [self._host[s] for s in host_slots]
+        slots = slots.long()
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(h.logprobs for h in host) else None
+        num_outputs = self.num_outputs[slots]
+        if any(h.min_tokens > 0 for h in host):
+            blocked = self.stop_mask[slots] & (num_outputs < self.min_tokens[slots])[:, None]
+            logits.masked_fill_(blocked, float("-inf"))
+        if any(h.uses_penalties for h in host):
+            apply_penalties(
+                logits,
+                self.repetition[slots],
+                self.presence[slots],
+                self.frequency[slots],
+                self.output_counts[slots],
+                self.prompt_seen[slots],
             )
-            logits[row].index_copy_(0, seen, penalized)
-        if sampling.presence_penalty or sampling.frequency_penalty:
-            output = torch.tensor([t for t in req.output_token_ids if t < vocab], dtype=torch.int64)
-            counts = torch.bincount(output.to(logits.device), minlength=vocab).to(logits.dtype)
-            logits[row] -= sampling.frequency_penalty * counts + sampling.presence_penalty * (counts > 0)
-
-
-def _block_stop_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
-    """Before ``min_tokens`` outputs, stop tokens cannot be chosen."""
-    for row, req in enumerate(requests):
-        if req.num_output_tokens < req.params.min_tokens and req.stop_token_ids:
-            ids = [t for t in req.stop_token_ids if t < logits.shape[-1]]
-            logits[row, ids] = float("-inf")
-
-
-def sample(logits: torch.Tensor, requests: list[Request]) -> SampleResult:
-    """``logits [N, V]`` float32, one row per request that samples this step."""
-    raw_logprobs = None
-    if any(req.params.logprobs is not None for req in requests):
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
-    _block_stop_tokens(logits, requests)
-    apply_penalties(logits, requests)
-    device = logits.device
-
-    def column(values, dtype):
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
-    token_ids = kernels.sample_tokens(
-        logits,
-        column([r.sampling.temperature for r in requests], torch.float32),
-        column([r.sampling.top_k for r in requests], torch.int32),
-        column([r.sampling.top_p for r in requests], torch.float32),
-        column([r.sampling.min_p for r in requests], torch.float32),
-        column([r.sampling.seed for r in requests], torch.int64),
-        column([r.num_output_tokens for r in requests], torch.int64),
-    )
-    logprobs: list[float | None] = [None] * len(requests)
-    if raw_logprobs is not None:
-        chosen = raw_logprobs.gather(1, token_ids[:, None].long())[:, 0].tolist()
-        logprobs = [lp if req.params.logprobs is not None else None for lp, req in zip(chosen, requests)]
-    return SampleResult(token_ids.tolist(), logprobs)
+        token_ids = kernels.sample_tokens(
+            logits,
+            self.temperature[slots],
+            self.top_k[slots],
+            self.top_p[slots],
+            self.min_p[slots],
+            self.seed[slots],
+            num_outputs,
+        ).long()
+        # Scatters (atomic adds where slots repeat: padding rows all write scratch slot 0) never
+        # wait for the device, unlike an accumulating index_put.
+        self.last_token.scatter_(0, slots, token_ids)
+        ones = torch.ones_like(token_ids)
+        self.output_counts.view(-1).scatter_add_(0, slots * self.vocab_size + token_ids, ones.int())
+        self.num_outputs.scatter_add_(0, slots, ones)
+        logprobs = None if raw_logprobs is None else raw_logprobs.gather(1, token_ids[:, None])[:, 0]
+        return token_ids, logprobs

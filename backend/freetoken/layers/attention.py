@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from freetoken import kernels
 from freetoken.batch import ForwardBatch
+from freetoken.layers.linear import linear
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.weights import WeightTarget, new_param, packed_targets
 
@@ -82,7 +82,7 @@ class GatedAttention(nn.Module):
         projections' outputs in ``extra_projections`` order.
         """
         num_tokens = x.shape[0]
-        q_gate, k, v, *extra = F.linear(x, self.qkv_proj).split([rows for _, rows in self.packed_parts], dim=-1)
+        q_gate, k, v, *extra = linear(x, self.qkv_proj).split([rows for _, rows in self.packed_parts], dim=-1)
         q, gate = q_gate.view(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = self.q_norm(q)
         k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
@@ -93,7 +93,7 @@ class GatedAttention(nn.Module):
 
     def output(self, attended: torch.Tensor) -> torch.Tensor:
         """``o_proj`` of the gated attention output ``[T, Hq, D]``."""
-        return F.linear(attended.reshape(attended.shape[0], -1), self.o_proj)
+        return linear(attended.reshape(attended.shape[0], -1), self.o_proj)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         q, gate, _ = self.project(x, batch)

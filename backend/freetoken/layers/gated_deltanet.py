@@ -10,6 +10,7 @@ from torch import nn
 
 from freetoken import kernels
 from freetoken.batch import ForwardBatch
+from freetoken.layers.linear import linear
 from freetoken.layers.weights import WeightTarget, new_param, packed_targets
 
 
@@ -90,30 +91,39 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         num_tokens = x.shape[0]
-        mixed_qkv, z, b, a = F.linear(x, self.in_proj).split(
+        mixed_qkv, z, b, a = linear(x, self.in_proj).split(
             [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1
         )
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        core = torch.empty(num_tokens, self.num_v_heads, self.head_v_dim, dtype=x.dtype, device=x.device)
         nd = batch.num_decodes
-        if nd:
-            slots = batch.state_slots[:nd]
-            conv = kernels.causal_conv1d_decode(mixed_qkv[:nd], self.conv_weight, self.conv_state, slots)
-            q, k, v = self._split_heads(conv)
-            core[:nd] = kernels.gated_delta_rule_decode(q, k, v, g[:nd], beta[:nd], self.recurrent_state, slots)
         if batch.has_prefill:
+            core = torch.empty(num_tokens, self.num_v_heads, self.head_v_dim, dtype=x.dtype, device=x.device)
+            if nd:
+                core[:nd] = self._decode(mixed_qkv[:nd], a[:nd], b[:nd], batch.state_slots[:nd])
             first, cu_seqlens, slots = batch.prefill_part()
-            conv = kernels.causal_conv1d_prefill(
-                mixed_qkv[first:], self.conv_weight, self.conv_state, slots, cu_seqlens
-            )
-            q, k, v = self._split_heads(conv)
-            core[first:] = kernels.gated_delta_rule_prefill(
-                q, k, v, g[first:], beta[first:], self.recurrent_state, slots, cu_seqlens
-            )
+            core[first:] = self._prefill(mixed_qkv[first:], a[first:], b[first:], slots, cu_seqlens)
+        else:  # decode only: the step's output is the core
+            core = self._decode(mixed_qkv, a, b, batch.state_slots[:nd])
         z = z.reshape(num_tokens, self.num_v_heads, self.head_v_dim)
         out = self.output_norm(core, z)
-        return F.linear(out.reshape(num_tokens, self.value_dim), self.out_proj)
+        return linear(out.reshape(num_tokens, self.value_dim), self.out_proj)
+
+    def _decode(self, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """One token per request: the conv step, then the delta-rule step with its gating fused in."""
+        conv = kernels.causal_conv1d_decode(mixed_qkv, self.conv_weight, self.conv_state, slots)
+        q, k, v = self._split_heads(conv)
+        return kernels.gated_delta_rule_decode_gated(
+            q, k, v, a, b, self.A_log, self.dt_bias, self.recurrent_state, slots
+        )
+
+    def _prefill(
+        self, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor
+    ) -> torch.Tensor:
+        """The prefill chunks: conv over each chunk, gating, the chunked delta rule."""
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        conv = kernels.causal_conv1d_prefill(mixed_qkv, self.conv_weight, self.conv_state, slots, cu_seqlens)
+        q, k, v = self._split_heads(conv)
+        return kernels.gated_delta_rule_prefill(q, k, v, g, beta, self.recurrent_state, slots, cu_seqlens)
 
     def output_norm(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """The gated output norm ``(w · x̂) · silu(z)``; families with another gate activation override it."""

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from freetoken import kernels
+from freetoken.layers.linear import linear
 from freetoken.layers.weights import WeightTarget, new_param, packed_targets
 
 
@@ -40,9 +41,9 @@ class HyperConnection(nn.Module):
     def mix(self, hyper: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(block input [T, H], injection logits [T, n] or None)``."""
         normed = kernels.hc_norm(hyper, self.norm_weight, self.eps, self.num_streams)
-        projected = F.linear(normed, self.down_inject)
+        projected = linear(normed, self.down_inject)
         down, inject = projected[:, : self.rank], projected[:, self.rank :]
-        mix_logits = F.linear(F.silu(down / self.num_streams), self.up)
+        mix_logits = linear(F.silu(down / self.num_streams), self.up)
         block_input = kernels.hc_mix(mix_logits, normed, self.num_streams)
         return block_input, (inject if self.combine_streams else None)
 

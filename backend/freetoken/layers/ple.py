@@ -14,11 +14,11 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from freetoken import kernels
 from freetoken.batch import ForwardBatch
+from freetoken.layers.linear import linear
 from freetoken.layers.weights import WeightTarget, chunked_targets, new_param, packed_targets
 
 _MASK64 = (1 << 64) - 1
@@ -209,7 +209,7 @@ class PLELayer(nn.Module):
         eos_token_id: int,
     ) -> torch.Tensor:
         embedding = self.embedding(batch, token_request, context, eos_token_id)
-        key, value = F.linear(embedding.to(hyper.dtype), self.key_value).split([self.width, self.hidden_size], dim=-1)
+        key, value = linear(embedding.to(hyper.dtype), self.key_value).split([self.width, self.hidden_size], dim=-1)
         key = kernels.hc_norm(key, self.norm_key, self.eps, self.num_streams)
         query = kernels.hc_norm(hyper, self.norm_query, self.eps, self.num_streams)
         gated = kernels.ple_gate(key, query, value, self.num_streams)

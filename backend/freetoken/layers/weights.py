@@ -3,6 +3,7 @@ one ``WeightTarget`` per tensor, naming the part of the parameter it fills."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -11,11 +12,13 @@ from torch import nn
 
 @dataclass(frozen=True)
 class WeightTarget:
-    """The checkpoint tensor fills ``param[index][rows]`` (``index``: an expert, ``rows``: a packed slice)."""
+    """The checkpoint tensor fills ``param[index][rows]`` (``index``: an expert, ``rows``: a packed slice),
+    after ``convert`` if given (an NVFP4 per-tensor scale becomes one per row)."""
 
     param: nn.Parameter
     rows: slice | None = None
     index: int | None = None
+    convert: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def destination(self) -> torch.Tensor:
         dst = self.param.data

@@ -12,6 +12,8 @@ from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from freetoken.models.base import CausalLM
 from freetoken.models.checkpoint import CheckpointError, canonical_name, count_tensors, iterate_tensors, shard_files
+from freetoken.models.nvfp4_loading import plan_nvfp4
+from freetoken.models.quantization import NVFP4Config, read_quantization
 from freetoken.models.registry import family_of, text_config_of
 
 logger = logging.getLogger(__name__)
@@ -77,8 +79,9 @@ def load_model(model_dir: str, dtype: str, device: torch.device) -> LoadedModel:
     config = read_config(model_dir)
     text_config = text_config_of(config)
     torch_dtype = resolve_dtype(dtype, config)
+    quantization = read_quantization(model_dir, config)
     model = build_model(config, torch_dtype, device)
-    load_weights(model, model_dir)
+    load_weights(model, model_dir, quantization)
     generation_config = None
     if (Path(model_dir) / "generation_config.json").exists():
         generation_config = GenerationConfig.from_pretrained(model_dir)
@@ -102,10 +105,17 @@ def load_random_model(config: PretrainedConfig, dtype: str, device: torch.device
 
 
 @torch.no_grad()
-def load_weights(model: CausalLM, model_dir: str) -> None:
-    """Copy every checkpoint tensor into its target; error on wrong shapes and on parameters left unfilled."""
+def load_weights(model: CausalLM, model_dir: str, quantization: NVFP4Config | None = None) -> None:
+    """Copy every checkpoint tensor into its target; error on wrong shapes and on parameters left unfilled.
+
+    With an NVFP4 ``quantization``, the linears the checkpoint quantized are replaced by packed
+    weights first (``plan_nvfp4``) and filled from their packed tensors.
+    """
     targets = model.weight_targets()
     files = shard_files(model_dir)
+    plan = plan_nvfp4(model, targets, files, quantization) if quantization else None
+    if plan:
+        targets = plan.targets
     total = sum(count_tensors(f) for f in files)
     filled: dict[int, int] = {}
     unexpected: list[str] = []
@@ -118,9 +128,11 @@ def load_weights(model: CausalLM, model_dir: str) -> None:
                     continue
                 target = targets.get(canonical)
                 if target is None:
-                    unexpected.append(name)
+                    if not (plan and canonical in plan.unused):
+                        unexpected.append(name)
                     continue
                 destination = target.destination()
+                tensor = target.convert(tensor) if target.convert else tensor
                 destination.copy_(_fit(tensor, destination, name, path))
                 filled[id(target.param)] = filled.get(id(target.param), 0) + destination.numel()
     if unexpected:
@@ -158,6 +170,7 @@ def _fit(tensor: torch.Tensor, destination: torch.Tensor, name: str, path: Path)
             return tensor.reshape(destination.shape)
         if tensor.dim() == 3 and tensor.transpose(1, 2).shape == destination.shape:
             return tensor.transpose(1, 2)
+    hint = " (packed 4-bit? the checkpoint has no NVFP4 quantization config)" if tensor.dtype == torch.uint8 else ""
     raise CheckpointError(
-        f"tensor {name} in {path} has shape {tuple(tensor.shape)}, but the model config needs {tuple(destination.shape)}"
+        f"tensor {name} in {path} has shape {tuple(tensor.shape)}, but the model config needs {tuple(destination.shape)}{hint}"
     )

@@ -28,7 +28,13 @@ class Request:
     max_total_tokens: int  # prompt + output may not pass this (the context limit)
     token_ids: list[int] = field(init=False)  # prompt, then output
     output_logprobs: list[float] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
     num_computed: int = 0  # tokens whose KV / state are in the cache
+    # Tokens sampled on the device whose ids the host has not read yet (overlap scheduling).
+    num_in_flight: int = 0
+    # len(token_ids) when the request took its slot: later tokens were sampled into the slot's
+    # last-token pool, so a decode of one of them reads it from there.
+    num_admitted_tokens: int = 0
     pages: list[int] = field(default_factory=list)
     slot: int | None = None
     status: RequestStatus = RequestStatus.WAITING
@@ -54,8 +60,21 @@ class Request:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def num_known(self) -> int:
+        """Tokens that exist, on the host or in flight."""
+        return len(self.token_ids) + self.num_in_flight
+
+    @property
     def num_uncomputed(self) -> int:
-        return len(self.token_ids) - self.num_computed
+        return self.num_known - self.num_computed
+
+    @property
+    def in_flight_finishes(self) -> bool:
+        """The tokens in flight reach max_tokens or the context limit: nothing more to schedule."""
+        return self.num_in_flight > 0 and (
+            self.num_output_tokens + self.num_in_flight >= self.params.max_tokens
+            or self.num_known >= self.max_total_tokens
+        )
 
     @property
     def finished(self) -> bool:

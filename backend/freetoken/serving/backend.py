@@ -12,8 +12,17 @@ Threads and who owns what:
   request exactly once.
 - A metrics thread publishes freetoken_* families (see metrics.py).
 
-If the engine thread dies, every open request gets an error, new ones get UNAVAILABLE, and the
-model asks Triton to unload it, so its readiness turns false.
+- Tokenizer threads tokenize accepted prompts and submit them, so that no prompt, however long,
+  holds ``execute`` (and every request queued behind it): prompts up to ``SMALL_PROMPT_BYTES`` on
+  one lane, longer ones on another (``LARGE_PROMPT_THREADS``), so that long prompts never queue
+  ahead of short ones. A prompt above the byte limit derived from the context is refused before
+  tokenizing.
+- A control thread watches the launcher's control directory (control.py): on a stop deadline it
+  refuses new requests and, once the deadline passes, ends what is still in flight with an error
+  naming the shutdown, so Triton's wait for in-flight requests ends before its exit timeout.
+
+If the engine thread dies, every open request gets an error, new ones get UNAVAILABLE, the death is
+reported to the launcher, and the model asks Triton to unload it, so its readiness turns false.
 """
 
 from __future__ import annotations
@@ -22,16 +31,35 @@ import functools
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from freetoken.runtime import Runtime
+import numpy as np
+
+from freetoken.core import SamplingParams
+from freetoken.runtime import Prompt, Runtime
+from freetoken.serving.control import InstanceControl
 from freetoken.serving.metrics import Metrics
 from freetoken.serving.options import BackendOptions, options_from_model_config
-from freetoken.serving.protocol import ProtocolError, parse_request
+from freetoken.serving.protocol import TEXT_INPUT, GenerateSpec, ProtocolError, parse_request
 from freetoken.serving.responses import ResponseWorker, Stream, error_response
 
 logger = logging.getLogger(__name__)
+
+SMALL_PROMPT_BYTES = 8192  # tokenized in a few ms
+LARGE_PROMPT_THREADS = 2
+CONTROL_POLL_S = 0.1
+SHUTDOWN_MESSAGE = "the server is shutting down"
+
+
+def prompt_byte_limit(runtime: Runtime) -> int:
+    """Bytes beyond which a prompt cannot fit the context, whatever it holds: the context's tokens
+    times the longest vocabulary entry (characters, at most 4 UTF-8 bytes each). Refusing above it
+    costs no tokenization and never refuses a prompt that would fit."""
+    longest = max((len(token) for token in runtime.tokenizer.get_vocab()), default=1)
+    return runtime.max_total_tokens * 4 * max(longest, 1)
 
 
 class TritonBackend:
@@ -45,6 +73,7 @@ class TritonBackend:
         self.options: BackendOptions = options
         self.runtime = runtime_factory(engine_config)
         self.runtime.start()
+        self.prompt_byte_limit = prompt_byte_limit(self.runtime)
         labels = {"model": model_name, "version": str(model_version)}
         self.metrics = Metrics(pb_utils if options.report_metrics else None, labels, self.runtime.stats,
                                options.metrics_interval_ms / 1000)
@@ -56,6 +85,13 @@ class TritonBackend:
                            options.cancel_poll_ms / 1000, self._engine_died)
             for i in range(options.response_threads)
         ]
+        self._small_prompts = ThreadPoolExecutor(1, thread_name_prefix="freetoken-tokenize-small")
+        self._large_prompts = ThreadPoolExecutor(LARGE_PROMPT_THREADS, thread_name_prefix="freetoken-tokenize-large")
+        self._stop_deadline: float | None = None  # set by the control thread when the launcher stops the server
+        self._closing = threading.Event()
+        self.control = InstanceControl(model_name)  # last: a stub-<pid> file means a live, initialized instance
+        self._control_thread = threading.Thread(target=self._watch_control, name="freetoken-control", daemon=True)
+        self._control_thread.start()
         logger.info("FreeToken engine ready: model %s (%s), %d response threads",
                     self.runtime.model_dir, engine_config.dtype, len(self._workers))
 
@@ -76,23 +112,53 @@ class TritonBackend:
         if not self.runtime.is_alive:
             self._engine_died()
             raise _Unavailable("the engine thread died; the model is unavailable")
+        if self._stop_deadline is not None:
+            raise _Unavailable(SHUTDOWN_MESSAGE)
 
         def get_input(name: str) -> Any:
             tensor = self._pb.get_input_tensor_by_name(request, name)
             return None if tensor is None else tensor.as_numpy()
 
+        text = get_input(TEXT_INPUT)
+        size = self._check_prompt_bytes(text)
         spec = parse_request(get_input, request.parameters())
+        if text is None:
+            size = 4 * len(spec.prompt)
         n = next(self._ids)
         engine_id = f"{n}:{request.request_id()}"
-        try:
-            engine_request = self.runtime.make_request(engine_id, spec.prompt, spec.params)
-        except ValueError as exc:  # the prompt: too long for the context, token ids out of the vocabulary
-            raise ProtocolError(f"{'text_input' if isinstance(spec.prompt, str) else 'input_ids'}: {exc}") from None
         tokenizer, prompt = self.runtime.tokenizer, spec.prompt
         prompt_text = (lambda: prompt) if isinstance(prompt, str) else functools.partial(tokenizer.decode, prompt)
         worker = self._workers[n % len(self._workers)]
         worker.adopt(Stream(engine_id, spec, request.get_response_sender(), prompt_text))
-        self.runtime.submit(engine_request, worker.on_output)
+        lane = self._small_prompts if size <= SMALL_PROMPT_BYTES else self._large_prompts
+        lane.submit(self._admit, worker, engine_id, spec)
+
+    def _check_prompt_bytes(self, text: np.ndarray | None) -> int:
+        """The prompt's size in bytes, refused above the limit (before any decoding or tokenizing)."""
+        if text is None:
+            return 0
+        size = sum(len(item) for item in np.asarray(text, dtype=np.object_).reshape(-1) if isinstance(item, bytes))
+        if size > self.prompt_byte_limit:
+            raise ProtocolError(
+                f"input '{TEXT_INPUT}' has {size} bytes; at most {self.prompt_byte_limit} can fit the "
+                f"{self.runtime.max_total_tokens}-token context"
+            )
+        return size
+
+    def _admit(self, worker: ResponseWorker, engine_id: str, spec: GenerateSpec) -> None:
+        """Tokenize and submit (a tokenizer thread); a refusal goes through the stream's owner."""
+        try:
+            engine_request = self.runtime.make_request(engine_id, spec.prompt, spec.params)
+            check_context(len(engine_request.prompt_token_ids), spec.params, self.runtime)
+        except ProtocolError as exc:
+            worker.refuse(engine_id, str(exc), "INVALID_ARG")
+        except ValueError as exc:  # the prompt: too long for the context, token ids out of the vocabulary
+            worker.refuse(engine_id, f"{input_name(spec.prompt)}: {exc}", "INVALID_ARG")
+        except Exception as exc:
+            logger.exception("admitting request %s failed", engine_id)
+            worker.refuse(engine_id, f"internal error: {exc}", "INTERNAL")
+        else:
+            self.runtime.submit(engine_request, worker.on_output)
 
     def _refuse(self, request: Any, message: str, code: str) -> None:
         try:
@@ -110,16 +176,54 @@ class TritonBackend:
                 return
             self._unload_requested = True
         logger.critical("the engine thread died (%r); unloading model %s", self.runtime.fatal_error, self.model_name)
+        self.control.report_death(repr(self.runtime.fatal_error))
         try:
             self._pb.unload_model(self.model_name)
         except Exception as exc:
             logger.error("could not unload model %s (is model control explicit?): %s", self.model_name, exc)
 
+    def _watch_control(self) -> None:
+        """Follow the launcher's stop: refuse new requests at once, end the rest at the deadline."""
+        while not self._closing.wait(CONTROL_POLL_S):
+            deadline = self.control.stop_deadline()
+            if deadline is None:
+                continue
+            if self._stop_deadline is None:
+                logger.info("the server is stopping: refusing new requests, %.1f s for those in flight",
+                            max(0.0, deadline - time.time()))
+                self._stop_deadline = deadline
+            if time.time() >= deadline:
+                for worker in self._workers:
+                    worker.end_all(f"{SHUTDOWN_MESSAGE}: the request was aborted at the stop timeout", "UNAVAILABLE")
+                return
+
     def finalize(self) -> None:
-        self.runtime.shutdown()  # fails what is still queued or running; callbacks queue those errors
-        for worker in self._workers:
-            worker.stop(timeout=10)
-        self.metrics.close()
+        self._closing.set()
+        try:
+            for lane in (self._small_prompts, self._large_prompts):
+                lane.shutdown(wait=True, cancel_futures=True)
+            self.runtime.shutdown()  # fails what is still queued or running; callbacks queue those errors
+            for worker in self._workers:
+                worker.stop(timeout=10)
+            self.metrics.close()
+        finally:
+            self.control.close()
+
+
+def input_name(prompt: Prompt) -> str:
+    return TEXT_INPUT if isinstance(prompt, str) else "input_ids"
+
+
+def check_context(num_prompt_tokens: int, params: SamplingParams, runtime: Runtime) -> None:
+    """Refuse what cannot finish as asked (as vLLM's servers do) instead of clipping it to ``length``."""
+    limit = runtime.max_total_tokens
+    if num_prompt_tokens + params.max_tokens > limit:
+        raise ProtocolError(
+            f"sampling parameter 'max_tokens': the prompt's {num_prompt_tokens} tokens + max_tokens "
+            f"{params.max_tokens} = {num_prompt_tokens + params.max_tokens} exceed the {limit}-token context "
+            f"(max_model_len {runtime.engine.max_model_len}, KV cache {runtime.scheduler.pages.capacity} pages "
+            f"of {runtime.scheduler.pages.page_size} tokens)"
+        )
 
 
 class _Unavailable(Exception):

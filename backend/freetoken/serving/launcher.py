@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import glob
 import logging
+import math
 import os
 import shutil
 import signal
@@ -16,10 +17,21 @@ import urllib.request
 from pathlib import Path
 
 from freetoken.config import EngineConfig
+from freetoken.serving import control
+from freetoken.serving.control import LauncherControl
 from freetoken.serving.install import TritonInstall, find_tritonserver, server_environment, stub_python, warn_numpy
+from freetoken.serving.ports import busy_port, owns_listening_port
 from freetoken.serving.repository import engine_parameters, resolve_model, write_model_repository
 
 logger = logging.getLogger("freetoken.serve")
+
+EXIT_MODEL_DEAD = 3  # the model can no longer serve (engine thread died, stub killed): restart the server
+STOP_MARGIN_S = 5.0  # of --stop-timeout, kept for aborting, unloading and exiting after the drain
+
+
+def drain_seconds(stop_timeout: float) -> float:
+    """How long in-flight requests may run after SIGTERM before the model aborts them."""
+    return max(0.0, stop_timeout - min(STOP_MARGIN_S, stop_timeout / 2))
 
 
 def tritonserver_command(install: TritonInstall, repo: Path, args: argparse.Namespace, shm_prefix: str) -> list[str]:
@@ -36,6 +48,7 @@ def tritonserver_command(install: TritonInstall, repo: Path, args: argparse.Name
         f"--metrics-port={args.metrics_port}",
         f"--backend-config=python,shm-region-prefix-name={shm_prefix}",
         f"--log-verbose={args.log_verbose}",
+        f"--exit-timeout-secs={max(1, math.ceil(args.stop_timeout))}",
     ]
     if install.backend_dir is not None:
         cmd.append(f"--backend-directory={install.backend_dir}")
@@ -54,20 +67,40 @@ def _ready(url: str) -> bool:
         return False
 
 
+def metrics_enabled(args: argparse.Namespace) -> bool:
+    """Whether tritonserver serves its metrics port (``--allow-metrics=false`` among the extra arguments turns it off)."""
+    value = True
+    for arg in args.tritonserver_arg:
+        if arg.startswith("--allow-metrics="):
+            value = arg.split("=", 1)[1].strip().lower() not in ("false", "0", "no", "off")
+    return value
+
+
 class ServerProcess:
     """tritonserver in its own process group, so that stopping it also reaches its stub processes."""
 
-    def __init__(self, cmd: list[str], env: dict[str, str], shm_prefix: str) -> None:
+    def __init__(self, cmd: list[str], env: dict[str, str], shm_prefix: str,
+                 control_dir: Path | None = None, stop_timeout: float = 30.0) -> None:
         self.shm_prefix = shm_prefix
+        self.control = LauncherControl(control_dir) if control_dir is not None else None
+        self.stop_timeout = stop_timeout
+        if control_dir is not None:
+            env = {**env, control.ENV: str(control_dir)}
         self.proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         self.stop_requested: int | None = None
 
-    def request_stop(self, signum: int) -> None:
+    def request_stop(self, signum: int, drain: float | None = None) -> None:
+        """Tell the model how long in-flight requests may still run (default: from the stop timeout),
+        then SIGTERM tritonserver."""
         if self.stop_requested is not None:  # a second signal: no more waiting
             self.kill_group()
             return
         self.stop_requested = signum
-        logger.info("received %s: stopping tritonserver (pid %d)", signal.Signals(signum).name, self.proc.pid)
+        drain = drain_seconds(self.stop_timeout) if drain is None else drain
+        logger.info("received %s: stopping tritonserver (pid %d); requests in flight get %.1f s",
+                    signal.Signals(signum).name, self.proc.pid, drain)
+        if self.control is not None:
+            self.control.request_stop(drain)
         try:
             self.proc.send_signal(signal.SIGTERM)
         except ProcessLookupError:
@@ -100,6 +133,12 @@ def serve(config: EngineConfig, args: argparse.Namespace) -> int:
         config = resolve_model(config)
         config.validate()
         parameters = engine_parameters(config, args)
+        ports = {"HTTP": args.http_port, "gRPC": args.grpc_port}
+        if metrics_enabled(args):
+            ports["metrics"] = args.metrics_port
+        busy = busy_port(args.host, ports)
+        if busy is not None:
+            raise OSError(f"{busy}; is another server running? choose other ports (--http-port, --grpc-port, --metrics-port)")
     except (OSError, ValueError, RuntimeError) as exc:
         logger.error("%s", exc)
         return 2
@@ -108,9 +147,10 @@ def serve(config: EngineConfig, args: argparse.Namespace) -> int:
     repo.mkdir(parents=True, exist_ok=True)
     write_model_repository(repo, args.model_name, parameters)
     shm_prefix = f"freetoken{os.getpid()}_"
+    control_dir = Path(tempfile.mkdtemp(prefix="freetoken-control-"))
     cmd = tritonserver_command(install, repo, args, shm_prefix)
     logger.info("model repository %s; starting: %s", repo, " ".join(cmd))
-    server = ServerProcess(cmd, server_environment(install, python), shm_prefix)
+    server = ServerProcess(cmd, server_environment(install, python), shm_prefix, control_dir, args.stop_timeout)
     previous = {s: signal.signal(s, lambda signum, _frame: server.request_stop(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         return _supervise(server, args)
@@ -118,14 +158,33 @@ def serve(config: EngineConfig, args: argparse.Namespace) -> int:
         server.cleanup()
         for s, handler in previous.items():
             signal.signal(s, handler)
+        shutil.rmtree(control_dir, ignore_errors=True)
         if temporary:
             shutil.rmtree(repo, ignore_errors=True)
+
+
+def _own_server_ready(server: ServerProcess, args: argparse.Namespace, ready_url: str) -> bool:
+    """Ready, and answered by this launcher's tritonserver: its model instance registered in the
+    control directory and its process listening on the HTTP port."""
+    if server.control is not None and not server.control.instance_pids():
+        return False
+    return owns_listening_port(server.proc.pid, args.http_port) and _ready(ready_url)
+
+
+def _ready_line(args: argparse.Namespace, host: str) -> str:
+    line = (f"ready: model '{args.model_name}' on HTTP http://{host}:{args.http_port} "
+            f"(POST /v2/models/{args.model_name}/generate, /generate_stream), gRPC {host}:{args.grpc_port}")
+    if metrics_enabled(args):
+        line += f", metrics http://{host}:{args.metrics_port}/metrics"
+        if not args.report_metrics:
+            line += " (Triton's only: --no-report-metrics)"
+    return line + f" (bound to {args.host})"
 
 
 def _supervise(server: ServerProcess, args: argparse.Namespace) -> int:
     host = _local(args.host)
     ready_url = f"http://{host}:{args.http_port}/v2/models/{args.model_name}/ready"
-    started, announced, stop_deadline, gave_up = time.monotonic(), False, None, False
+    started, announced, stop_deadline, gave_up, dead = time.monotonic(), False, None, False, None
     while True:
         try:
             code = server.proc.wait(timeout=0.5)
@@ -137,21 +196,24 @@ def _supervise(server: ServerProcess, args: argparse.Namespace) -> int:
             if time.monotonic() > stop_deadline:
                 logger.warning("tritonserver did not stop within %.0f s: killing it", args.stop_timeout)
                 server.kill_group()
+            continue
+        dead = server.control.fatal() if server.control is not None else None
+        if dead is not None:
+            logger.error("model '%s' cannot serve any more: %s; stopping the server (exit %d) so that its "
+                         "supervisor restarts it", args.model_name, dead, EXIT_MODEL_DEAD)
+            server.request_stop(signal.SIGTERM, drain=0.0)
         elif not announced:
-            if _ready(ready_url):
+            if _own_server_ready(server, args, ready_url):
                 announced = True
-                logger.info(
-                    "ready: model '%s' on HTTP http://%s:%d (POST /v2/models/%s/generate, /generate_stream), "
-                    "gRPC %s:%d, metrics http://%s:%d/metrics (bound to %s)",
-                    args.model_name, host, args.http_port, args.model_name, host, args.grpc_port, host, args.metrics_port,
-                    args.host,
-                )
+                logger.info("%s", _ready_line(args, host))
             elif time.monotonic() - started > args.startup_timeout:
                 logger.error("model not ready after %.0f s: stopping", args.startup_timeout)
                 gave_up = True
                 server.request_stop(signal.SIGTERM)
     if gave_up:
         return 1
+    if dead is not None:
+        return EXIT_MODEL_DEAD
     if server.stop_requested is not None and code in (0, -signal.SIGTERM, -signal.SIGKILL):
         logger.info("tritonserver stopped")
         return 0

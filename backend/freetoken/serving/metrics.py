@@ -3,11 +3,20 @@
 Every metric update is a round trip to the server (18-46 us), so nothing here runs on the engine or
 response threads: they call ``record_*`` (a queue put) and one background thread aggregates the
 counters, observes the histograms and samples the runtime's gauges every ``interval`` seconds.
+
+Lifetime: every series carries an ``OWNER_LABEL`` unique to this stub process. Triton's core keeps
+one Prometheus family per name and hands two instances that ask for the same name and labels the
+*same* Prometheus series, but counts references per ``MetricFamily`` object: when a model is
+reloaded (the new instance starts before the old one finalizes), the old instance's
+``MetricFamily``/``Metric`` teardown deletes the series the new instance is writing to, and the
+server crashes (segfault or heap corruption; reproduced on 2.51, unchanged in Triton's main). With
+a label of its own per instance, each instance owns its series and removes only those.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from collections import Counter
@@ -44,6 +53,7 @@ FAMILIES: dict[str, tuple[str, str, list[float] | None]] = {
     "freetoken_state_slots_total": ("GAUGE", "Recurrent-state slots in the pool.", None),
 }
 FINISH_REASONS = ("stop", "length", "abort", "error")
+OWNER_LABEL = "stub_pid"  # the stub process that owns a series (see the module docstring)
 
 
 class Metrics:
@@ -51,6 +61,7 @@ class Metrics:
 
     def __init__(self, pb_utils: Any | None, labels: dict[str, str], stats: Callable[[], RuntimeStats], interval: float) -> None:
         """``pb_utils`` None: metrics off (the ``report_metrics`` parameter)."""
+        labels = {**labels, OWNER_LABEL: str(os.getpid())}
         self._stats = stats
         self._interval = interval
         self._events: queue.SimpleQueue[tuple] = queue.SimpleQueue()

@@ -77,6 +77,14 @@ class ResponseWorker:
         """The engine's callback (engine thread): queue, nothing else."""
         self._inbox.put(("output", output, time.monotonic()))
 
+    def refuse(self, engine_id: str, message: str, code: str) -> None:
+        """End an adopted stream that was never submitted (its prompt was refused after tokenizing)."""
+        self._inbox.put(("refuse", engine_id, message, code))
+
+    def end_all(self, message: str, code: str) -> None:
+        """Abort every open stream now, each with an error response carrying ``message`` (shutdown)."""
+        self._inbox.put(("end_all", message, code))
+
     def stop(self, timeout: float) -> None:
         self._inbox.put(("stop",))
         self._thread.join(timeout)
@@ -102,6 +110,14 @@ class ResponseWorker:
                     self._streams[item[1].engine_id] = item[1]
                 elif item[0] == "output":
                     batches.setdefault(item[1].request_id, []).append((item[1], item[2]))
+                elif item[0] == "refuse":
+                    stream = self._streams.get(item[1])
+                    if stream is not None:
+                        self._guard(stream, self._end, stream, item[2], item[3], "error")
+                elif item[0] == "end_all":
+                    for stream in list(self._streams.values()):
+                        self._runtime.abort(stream.engine_id)
+                        self._guard(stream, self._end, stream, item[1], item[2], "abort")
                 else:
                     stopping = True
             for engine_id, batch in batches.items():
@@ -138,6 +154,8 @@ class ResponseWorker:
         if stream.state is State.CANCELLED:
             if last.finished:
                 self._close(stream, None, "abort")
+            else:  # cancelled while its prompt was being tokenized: the first abort found nothing
+                self._runtime.abort(stream.engine_id)
             return
         if last.finish_reason is FinishReason.ERROR:
             message = last.error or "the engine failed this request"
@@ -178,6 +196,11 @@ class ResponseWorker:
             sender.send(flags=final)
         else:
             sender.send(response, flags=final)
+
+    def _end(self, stream: Stream, message: str, code: str, reason: str) -> None:
+        """Close with an error response, or with only the final flag if the client cancelled."""
+        response = error_response(self._pb, message, code) if stream.state is State.OPEN else None
+        self._close(stream, response, reason)
 
     def _forget(self, stream: Stream, reason: str) -> None:
         stream.state, stream.sender = State.CLOSED, None

@@ -10,6 +10,7 @@ from torch import nn
 from freetoken.batch import ForwardBatch
 from freetoken.layers.attention import GatedAttention
 from freetoken.layers.gated_deltanet import GatedDeltaNet
+from freetoken.layers.linear import linear
 from freetoken.layers.moe import SparseMoE
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.weights import WeightTarget, new_param
@@ -118,4 +119,4 @@ class Qwen3_5MoeModel(CausalLM):
             hidden, residual = layer(hidden, residual, batch)
         last = batch.logits_indices
         normed, _ = self.norm.add_forward(hidden[last], residual[last])
-        return F.linear(normed, self.lm_head).float()
+        return linear(normed, self.lm_head).float()

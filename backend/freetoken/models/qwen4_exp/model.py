@@ -15,6 +15,7 @@ from freetoken.batch import ForwardBatch
 from freetoken.layers.gated_deltanet import GatedDeltaNet
 from freetoken.layers.hyper_connection import HyperConnection
 from freetoken.layers.indexed_attention import IndexedAttention
+from freetoken.layers.linear import linear
 from freetoken.layers.moe import SparseMoE
 from freetoken.layers.ple import PLELayer
 from freetoken.layers.weights import WeightTarget, new_param
@@ -180,4 +181,4 @@ class Qwen4ExpModel(CausalLM):
         if self.ngram_context is not None:
             kernels.ngram_update_context(batch.input_ids, self.ngram_context, batch.state_slots, batch.cu_seqlens)
         hidden, _ = self.final_mixer.mix(hyper[batch.logits_indices])
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()

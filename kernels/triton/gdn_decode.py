@@ -1,0 +1,99 @@
+"""Triton Gated DeltaNet decode step with the gating computed in the kernel.
+
+One program per (request, value head, block of value columns), as ``gated_delta_rule_decode``; each
+also computes its head's ``β = sigmoid(b)`` (rounded to the activations' dtype, as the reference)
+and ``g = -exp(A_log) · softplus(a + dt_bias)`` in float32 (softplus with torch's threshold of 20),
+so the layer's eight small gating launches go.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from freetoken.kernels.triton._common import cast, new_empty, pow2, round_as
+
+BLOCK_V = 32
+
+
+@triton.jit
+def _decode_gated_kernel(
+    q_ptr, q_sb, q_sh, k_ptr, k_sb, k_sh, v_ptr, v_sb, v_sh,
+    a_ptr, a_sb, b_ptr, b_sb, a_log_ptr, dt_bias_ptr,
+    state_ptr, st_ss, st_sh, st_sk, slot_ptr, out_ptr,
+    num_v_heads, key_dim, value_dim, q_scale,
+    HEAD_RATIO: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    bi = tl.program_id(0)
+    h = tl.program_id(1)
+    kh = h // HEAD_RATIO
+    vcols = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    v_ok = vcols < value_dim
+    kcols = tl.arange(0, BLOCK_K)
+    k_ok = kcols < key_dim
+    dtype = out_ptr.dtype.element_ty
+    beta = round_as(tl.sigmoid(tl.load(b_ptr + bi * b_sb + h).to(tl.float32)), b_ptr.dtype.element_ty)
+    # dt_bias in its own dtype, added in float32 (the reference promotes a.float() + dt_bias).
+    x = tl.load(a_ptr + bi * a_sb + h).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+    g = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32)) * softplus
+    q = tl.load(q_ptr + bi * q_sb + kh * q_sh + kcols, mask=k_ok, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + bi * k_sb + kh * k_sh + kcols, mask=k_ok, other=0.0).to(tl.float32)
+    q = q * (tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * q_scale)
+    k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
+    v = tl.load(v_ptr + bi * v_sb + h * v_sh + vcols, mask=v_ok, other=0.0).to(tl.float32)
+    slot = tl.load(slot_ptr + bi).to(tl.int64)
+    s_ptrs = state_ptr + slot * st_ss + h * st_sh + kcols[:, None] * st_sk + vcols[None, :]
+    s_mask = k_ok[:, None] & v_ok[None, :]
+    s = tl.load(s_ptrs, mask=s_mask, other=0.0) * tl.exp(g)
+    predicted = tl.sum(s * k[:, None], 0)
+    s = s + k[:, None] * ((v - predicted) * beta)[None, :]
+    tl.store(s_ptrs, s, mask=s_mask)
+    out = tl.sum(s * q[:, None], 0)
+    tl.store(out_ptr + (bi * num_v_heads + h) * value_dim + vcols, cast(out, dtype), mask=v_ok)
+
+
+def gated_delta_rule_decode_gated(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    state_slots: torch.Tensor,
+) -> torch.Tensor:
+    batch, num_v_heads, value_dim = v.shape
+    num_k_heads, key_dim = k.shape[1:]
+    if (
+        q.shape != k.shape
+        or num_v_heads % num_k_heads
+        or a.shape != (batch, num_v_heads)
+        or b.shape != (batch, num_v_heads)
+        or A_log.shape != (num_v_heads,)
+        or dt_bias.shape != (num_v_heads,)
+        or state.shape[1:] != (num_v_heads, key_dim, value_dim)
+        or state.dtype != torch.float32
+        or state.stride(-1) != 1
+    ):
+        raise ValueError(
+            f"gated delta rule decode: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, a {tuple(a.shape)}, "
+            f"b {tuple(b.shape)}, A_log {tuple(A_log.shape)}, dt_bias {tuple(dt_bias.shape)}, "
+            f"state {tuple(state.shape)} {state.dtype} disagree"
+        )
+    q, k, v, a, b = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, a, b))
+    A_log, dt_bias = A_log.contiguous(), dt_bias.contiguous()
+    out = new_empty((batch, num_v_heads, value_dim), v.dtype, v.device)
+    if batch == 0:
+        return out
+    block_v = min(pow2(value_dim), BLOCK_V)
+    _decode_gated_kernel[(batch, num_v_heads, triton.cdiv(value_dim, block_v))](
+        q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
+        a, a.stride(0), b, b.stride(0), A_log, dt_bias,
+        state, state.stride(0), state.stride(1), state.stride(2), state_slots, out,
+        num_v_heads, key_dim, value_dim, key_dim**-0.5,
+        HEAD_RATIO=num_v_heads // num_k_heads, BLOCK_K=pow2(key_dim), BLOCK_V=block_v, num_warps=4,
+    )
+    return out

@@ -1,0 +1,78 @@
+"""The W4A16 kernels against their torch references at Qwen3.6-35B-A3B's sizes (hidden 2048, 256
+experts top-8 of intermediate 512, the layer's dense projections), decode and prefill tiles, and
+replayed from a CUDA graph as the engine runs them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from freetoken.kernels import moe as ref_moe
+from freetoken.kernels import nvfp4 as ref
+from kernel_checks import assert_close
+
+pytestmark = pytest.mark.gpu
+
+CUDA = torch.device("cuda")
+HIDDEN, EXPERTS, TOP_K, INTER = 2048, 256, 8, 512
+
+
+def random_nvfp4(rng: torch.Generator, *shape: int):
+    *lead, rows, cols = shape
+    packed = torch.randint(0, 256, (*lead, rows, cols // 2), generator=rng, dtype=torch.uint8)
+    scales = torch.randint(0x20, 0x48, (*lead, rows, cols // 16), generator=rng, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    row_scales = torch.rand(*lead, rows, generator=rng) * cols**-0.5 * 0.1 + 1e-3
+    return packed.to(CUDA), scales.to(CUDA), row_scales.to(CUDA)
+
+
+def _triton():
+    from freetoken.kernels.triton import nvfp4
+
+    return nvfp4
+
+
+@pytest.fixture
+def rng() -> torch.Generator:
+    return torch.Generator().manual_seed(1234)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 7, 64, 1000])
+@pytest.mark.parametrize("rows,cols", [(9216, 2048), (2048, 4096)])
+def test_nvfp4_linear_real_sizes(rng, dtype, tokens, rows, cols):
+    w = random_nvfp4(rng, rows, cols)
+    x = torch.randn(tokens, cols, generator=rng).to(dtype).to(CUDA)
+    assert_close(_triton().nvfp4_linear(x, *w), ref.nvfp4_linear_reference(x, *w))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 64, 2048])
+def test_fused_experts_nvfp4_real_sizes(rng, dtype, tokens):
+    w13 = random_nvfp4(rng, EXPERTS, 2 * INTER, HIDDEN)
+    w2 = random_nvfp4(rng, EXPERTS, HIDDEN, INTER)
+    x = torch.randn(tokens, HIDDEN, generator=rng).to(dtype).to(CUDA)
+    logits = torch.randn(tokens, EXPERTS, generator=rng).to(dtype).to(CUDA)
+    weights, ids = ref_moe.moe_topk_softmax_reference(logits, TOP_K, True)
+    got = _triton().fused_experts_nvfp4(x, *w13, *w2, weights, ids)
+    assert_close(got, ref.fused_experts_nvfp4_reference(x, *w13, *w2, weights, ids))
+
+
+def test_fused_experts_nvfp4_replays_from_a_cuda_graph(rng):
+    """Captured once, replayed on new routing: the grid and every buffer are fixed by the shapes."""
+    tokens = 16
+    w13 = random_nvfp4(rng, EXPERTS, 2 * INTER, HIDDEN)
+    w2 = random_nvfp4(rng, EXPERTS, HIDDEN, INTER)
+    x = torch.randn(tokens, HIDDEN, generator=rng).to(torch.bfloat16).to(CUDA)
+    logits = torch.randn(tokens, EXPERTS, device=CUDA).to(torch.bfloat16)
+    weights, ids = ref_moe.moe_topk_softmax_reference(logits, TOP_K, True)
+    kernel = _triton().fused_experts_nvfp4
+    kernel(x, *w13, *w2, weights, ids)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kernel(x, *w13, *w2, weights, ids)
+    new_weights, new_ids = ref_moe.moe_topk_softmax_reference(torch.randn_like(logits), TOP_K, True)
+    weights.copy_(new_weights)
+    ids.copy_(new_ids)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert_close(out, ref.fused_experts_nvfp4_reference(x, *w13, *w2, weights, ids))

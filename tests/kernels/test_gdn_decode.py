@@ -1,0 +1,47 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_checks import DEVICE, assert_close
+from freetoken.kernels import gdn_decode as ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_gated_delta_rule_decode_gated(rng, dtype, batch):
+    from freetoken.kernels.triton.gdn_decode import gated_delta_rule_decode_gated
+
+    hk, hv, dk, dv, slots_total = 2, 4, 24, 40, 7
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=rng) * scale).to(dtype).to(DEVICE)
+
+    # q, k, v strided views of one conv output, as the layer passes them.
+    conv = randn(batch, 2 * hk * dk + hv * dv)
+    q = conv[:, : hk * dk].reshape(batch, hk, dk)
+    k = conv[:, hk * dk : 2 * hk * dk].reshape(batch, hk, dk)
+    v = conv[:, 2 * hk * dk :].reshape(batch, hv, dv)
+    # a, b: columns of the in_proj output; a + dt_bias spans softplus's linear branch (> 20) too.
+    ab = randn(batch, 2 * hv + 3, scale=3.0)
+    b, a = ab[:, :hv], ab[:, hv : 2 * hv]
+    a[0, 0] = 25.0
+    A_log, dt_bias = randn(hv, scale=0.5), randn(hv)
+    state = (torch.randn(slots_total, hv, dk, dv, generator=rng) * 0.1).to(DEVICE)
+    slots = torch.randperm(slots_total, generator=rng)[:batch].int().to(DEVICE)
+    want_state = state.clone()
+    want = ref.gated_delta_rule_decode_gated_reference(q, k, v, a, b, A_log, dt_bias, want_state, slots)
+    got = gated_delta_rule_decode_gated(q, k, v, a, b, A_log, dt_bias, state, slots)
+    assert_close(got, want)
+    assert_close(state, want_state, dtype=dtype)
+
+
+def test_gated_delta_rule_decode_gated_rejects_mismatched_shapes():
+    from freetoken.kernels.triton.gdn_decode import gated_delta_rule_decode_gated
+
+    q = k = torch.zeros(2, 1, 8, device=DEVICE)
+    v = torch.zeros(2, 2, 8, device=DEVICE)
+    state = torch.zeros(3, 2, 8, 8, device=DEVICE)
+    slots = torch.arange(2, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="A_log"):
+        gated_delta_rule_decode_gated(q, k, v, torch.zeros(2, 2), torch.zeros(2, 2), torch.zeros(3), torch.zeros(2), state, slots)

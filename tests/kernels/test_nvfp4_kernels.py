@@ -1,0 +1,67 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_checks import DEVICE, assert_close
+from freetoken.kernels import moe as moe_ref
+from freetoken.kernels import nvfp4 as ref
+
+
+def _triton():
+    from freetoken.kernels.triton import nvfp4
+
+    return nvfp4
+
+
+def random_nvfp4(rng: torch.Generator, *shape: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random codes (every byte value), e4m3 scales over normal and subnormal values, and row scales
+    scaled so that the weights are about ``1 / sqrt(in)``."""
+    *lead, rows, cols = shape
+    packed = torch.randint(0, 256, (*lead, rows, cols // 2), generator=rng, dtype=torch.uint8)
+    scale_bytes = torch.randint(0, 0x7F, (*lead, rows, cols // 16), generator=rng, dtype=torch.uint8)  # no NaN
+    scales = scale_bytes.view(torch.float8_e4m3fn)
+    row_scales = torch.rand(*lead, rows, generator=rng) * 2**-6 * cols**-0.5 + 1e-4
+    return packed.to(DEVICE), scales.to(DEVICE), row_scales.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# Row counts and widths that pick each tile shape of the compiled kernel (decode, 64-row, 128-row tiles).
+@pytest.mark.parametrize("rows,n_out,k_in", [(1, 37, 48), (2, 4112, 16), (5, 40, 16), (33, 40, 32), (67, 24, 272)])
+def test_nvfp4_linear(rng, dtype, rows, n_out, k_in):
+    packed, scales, row_scales = random_nvfp4(rng, n_out, k_in)
+    x = torch.randn(rows, k_in, generator=rng).to(dtype).to(DEVICE)
+    got = _triton().nvfp4_linear(x, packed, scales, row_scales)
+    assert_close(got, ref.nvfp4_linear_reference(x, packed, scales, row_scales))
+
+
+def test_nvfp4_linear_keeps_leading_dims(rng):
+    packed, scales, row_scales = random_nvfp4(rng, 24, 32)
+    x = torch.randn(2, 3, 32, generator=rng).to(DEVICE)
+    assert_close(_triton().nvfp4_linear(x, packed, scales, row_scales), ref.nvfp4_linear_reference(x, packed, scales, row_scales))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 37, 150])
+def test_fused_experts_nvfp4(rng, dtype, tokens):
+    e, k, hidden, inter = 7, 3, 80, 48
+    x = torch.randn(tokens, hidden, generator=rng).to(dtype).to(DEVICE)
+    w13 = random_nvfp4(rng, e, 2 * inter, hidden)
+    w2 = random_nvfp4(rng, e, hidden, inter)
+    logits = torch.randn(tokens, e, generator=rng).to(dtype).to(DEVICE)
+    weights, ids = moe_ref.moe_topk_softmax_reference(logits, k, True)
+    got = _triton().fused_experts_nvfp4(x, *w13, *w2, weights, ids)
+    assert_close(got, ref.fused_experts_nvfp4_reference(x, *w13, *w2, weights, ids))
+
+
+def test_dequantization_decodes_every_code_and_scale():
+    """The kernel's in-register decode (integer arithmetic) against torch's e2m1 table and e4m3 cast:
+    a 1-row GEMM with one-hot inputs reads the weights back."""
+    codes = torch.arange(256, dtype=torch.uint8).repeat(2, 1)  # [2, 256]: every byte in every row
+    scale_bytes = torch.arange(0, 128, 4, dtype=torch.uint8).repeat(2, 1)[:, :32]  # [2, 32]
+    scales = scale_bytes.view(torch.float8_e4m3fn)
+    row_scales = torch.tensor([1.0, 0.5])
+    packed, scales, row_scales = codes.to(DEVICE), scales.to(DEVICE), row_scales.to(DEVICE)
+    eye = torch.eye(512, device=DEVICE)
+    got = _triton().nvfp4_linear(eye, packed, scales, row_scales).T
+    assert torch.equal(got, ref.dequantize_nvfp4(packed, scales, row_scales, torch.float32))
