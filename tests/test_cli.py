@@ -85,3 +85,67 @@ def test_pyproject_lists_every_package():
         for init in (ROOT / package_dirs[root]).rglob("__init__.py")
     }
     assert found <= listed, f"not in pyproject's packages: {sorted(found - listed)}"
+
+
+def test_help_loads_neither_torch_nor_transformers():
+    """`freetoken --help` stays well under a second: the engine is imported on first use only."""
+    code = ("import sys, freetoken, freetoken.cli; freetoken.cli.build_parser().format_help(); "
+            "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+    assert _freetoken("--version").stdout.strip() == f"freetoken {__import__('freetoken').__version__}"
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "demo-model"])
+def test_every_flag_has_help_with_its_default(command):
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, __import__("argparse")._SubParsersAction)).choices[command]
+    for action in sub._actions:
+        if action.option_strings and action.dest not in ("help", "prompt"):
+            assert action.help and "default" in action.help, f"{command} {action.option_strings[0]}: {action.help!r}"
+            assert action.help.count("default") == 1, f"{command} {action.option_strings[0]} shows two defaults"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--top-p", "1.5"], "sampling parameter 'top_p' must be in (0, 1], got 1.5"),
+    (["--presence-penalty", "3"], "sampling parameter 'presence_penalty' must be in [-2, 2]"),
+    (["--model", "/no/such/model"], "--model /no/such/model: no such directory"),
+    (["--max-running-requests", "0"], "max_running_requests must be >= 1"),
+])
+def test_generate_bad_values_end_in_one_line(flags, message):
+    done = _freetoken("generate", "--prompt", "x", *flags)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [f"freetoken generate: error: {done.stderr.split('error: ', 1)[1].strip()}"]
+    assert message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_generate_sampling_flags_are_sampling_params():
+    from freetoken import SamplingParams
+    from freetoken.sampling_flags import sampling_params_from_args
+
+    args = build_parser().parse_args([
+        "generate", "--prompt", "x", "--temperature", "0.7", "--top-p", "0.9", "--top-k", "5", "--min-p", "0.1",
+        "--repetition-penalty", "1.1", "--presence-penalty", "0.5", "--frequency-penalty", "-0.5", "--max-tokens", "9",
+        "--min-tokens", "2", "--stop", "a", "--stop", "bc", "--stop-token-id", "3", "--include-stop-str-in-output",
+        "--ignore-eos", "--seed", "11"])
+    assert sampling_params_from_args(args) == SamplingParams(
+        temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, repetition_penalty=1.1, presence_penalty=0.5,
+        frequency_penalty=-0.5, max_tokens=9, min_tokens=2, stop=["a", "bc"], stop_token_ids=[3],
+        include_stop_str_in_output=True, ignore_eos=True)
+    assert engine_config_from_args(args).seed == 11  # the engine's seed seeds each prompt's sampling
+
+
+@pytest.mark.slow
+def test_generate_sampling_flags_match_the_offline_api(demo_checkpoint):
+    from freetoken import LLM, SamplingParams
+
+    flags = ["--temperature", "0.8", "--min-p", "0.05", "--repetition-penalty", "1.2", "--presence-penalty", "0.5",
+             "--frequency-penalty", "0.3", "--max-tokens", "12", "--seed", "7"]
+    done = _freetoken("generate", "--model", str(demo_checkpoint), "--prompt", "The quick", "--dtype", "float32",
+                      "--device", "cpu", *flags)
+    assert done.returncode == 0, done.stderr
+    llm = LLM(model=str(demo_checkpoint), dtype="float32", device="cpu", seed=7)
+    params = SamplingParams(temperature=0.8, min_p=0.05, repetition_penalty=1.2, presence_penalty=0.5,
+                            frequency_penalty=0.3, max_tokens=12)
+    (expected,) = llm.generate("The quick", params)
+    assert done.stdout == expected.text + "\n"

@@ -37,7 +37,8 @@ def _mixed_params(llm: LLM) -> list[SamplingParams]:
 
 def _run(llm: LLM, params: list[SamplingParams]) -> list[tuple]:
     outputs = llm.generate([PROMPTS[i % len(PROMPTS)] for i in range(len(params))], params)
-    return [(o.token_ids, o.text, o.finish_reason, o.stop_reason, o.logprobs) for o in outputs]
+    return [(o.token_ids, o.text, o.finish_reason, o.stop_reason,
+             None if o.logprobs is None else [lp.logprob for lp in o.logprobs]) for o in outputs]
 
 
 def _assert_pools_full(llm: LLM) -> None:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from pathlib import Path
 
 from freetoken.config import EngineConfig
 from freetoken.fields import add_flags, from_namespace
+from freetoken.sampling_flags import add_sampling_flags, sampling_params_from_args
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -20,19 +22,21 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from freetoken.core import SamplingParams
-    from freetoken.llm import LLM
+    """Bad values (a flag out of range, a missing model directory) end in one line, not a traceback."""
+    try:
+        params = sampling_params_from_args(args)
+        config = engine_config_from_args(args)
+        config.validate()
+        if config.model is not None and not Path(config.model).is_dir():
+            raise FileNotFoundError(f"--model {config.model}: no such directory")
+        from freetoken.llm import LLM
 
-    config = engine_config_from_args(args)
-    llm = LLM(**dataclasses.asdict(config))
-    params = SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        max_tokens=args.max_tokens,
-        ignore_eos=args.ignore_eos,
-    )
-    for output in llm.generate(args.prompt, params):
+        llm = LLM(**dataclasses.asdict(config))
+        outputs = llm.generate(args.prompt, params)
+    except (ValueError, OSError) as exc:
+        print(f"freetoken generate: error: {exc}", file=sys.stderr)
+        return 2
+    for output in outputs:
         print(output.text)
         print(f"[{output.finish_reason.value}: {len(output.token_ids)} tokens]", file=sys.stderr)
     return 0
@@ -53,17 +57,16 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from freetoken import __version__
+
     parser = argparse.ArgumentParser(prog="freetoken", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"freetoken {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     generate = commands.add_parser("generate", help="generate text offline from one or more prompts")
     add_engine_flags(generate)
-    generate.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")
-    generate.add_argument("--max-tokens", type=int, default=64)
-    generate.add_argument("--temperature", type=float, default=None)
-    generate.add_argument("--top-p", type=float, default=None)
-    generate.add_argument("--top-k", type=int, default=None)
-    generate.add_argument("--ignore-eos", action="store_true")
+    generate.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several; required)")
+    add_sampling_flags(generate)
     generate.set_defaults(run=_generate)
 
     from freetoken.serving.flags import add_serve_flags  # no torch: --help stays fast
@@ -82,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser("demo-model", help="build the embedded tiny demo checkpoint (no downloads)")
     demo.add_argument("dir", nargs="?", default=None, help="where to write it (default: the cache)")
-    demo.add_argument("--family", choices=["qwen3_5_moe", "qwen4_exp"], default="qwen3_5_moe")
+    demo.add_argument("--family", choices=["qwen3_5_moe", "qwen4_exp"], default="qwen3_5_moe",
+                      help="the model family (default: qwen3_5_moe)")
     demo.set_defaults(run=_demo_model)
     return parser
 

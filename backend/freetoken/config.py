@@ -17,7 +17,7 @@ LoadFormat = Literal["auto", "dummy"]
 
 @dataclass
 class EngineConfig:
-    model: str | None = option(None, "Hugging Face model directory; none serves/uses the embedded demo model")
+    model: str | None = option(None, "Hugging Face model directory (default: the embedded demo model)")
     tokenizer: str | None = option(None, "tokenizer directory (default: the model directory)")
     dtype: DType = option("auto", "weights and activations dtype; auto takes the checkpoint's (bf16 if unset)")
     load_format: LoadFormat = option(

@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+MAX_LOGPROBS = 20  # the most alternatives ``logprobs`` may ask for (vLLM's default max_logprobs)
+
+
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # eos, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the context limit
@@ -41,8 +44,10 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     seed: int | None = None
-    logprobs: int | None = None  # None: no logprobs; >= 0: logprob of each chosen token
+    logprobs: int | None = None  # None: no logprobs; k >= 0: each chosen token's and the k likeliest
+    prompt_logprobs: int | None = None  # accepted as vLLM does; no output carries them (see docs/serving.md)
     skip_special_tokens: bool = True
+    n: int = 1  # samples per prompt; the serving layer runs them as sibling requests (Runtime.make_requests)
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -66,7 +71,10 @@ class SamplingParams:
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
             ("max_tokens", self.max_tokens >= 1, ">= 1"),
             ("min_tokens", 0 <= self.min_tokens <= self.max_tokens, "in [0, max_tokens]"),
-            ("logprobs", self.logprobs is None or self.logprobs >= 0, ">= 0"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]"),
+            ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+             f"in [0, {MAX_LOGPROBS}]"),
+            ("n", self.n >= 1, ">= 1"),
             ("seed", self.seed is None or -(2**63) <= self.seed < 2**64, "a 64-bit integer"),
         ]
         for name, ok, allowed in checks:
@@ -124,6 +132,17 @@ class ResolvedSampling:
 
 
 @dataclass
+class TokenLogprobs:
+    """One sampled token's log-probability (from the raw logits, before penalties and temperature,
+    as vLLM reports them), its rank among the vocabulary (1 = likeliest; ties count against it, as
+    in vLLM) and the ``logprobs`` likeliest tokens, best first."""
+
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob)
+
+
+@dataclass
 class RequestOutput:
     """What a request produced. Every output carries the delta since the last one in the ``new_*``
     fields; the whole output (``token_ids``, ``text``, ``logprobs``) is filled in the finished one
@@ -134,14 +153,14 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
-    logprobs: list[float] | None = None
+    logprobs: list[TokenLogprobs] | None = None
     cumulative_logprob: float | None = None
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     error: str | None = None
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
-    new_logprobs: list[float] | None = None
+    new_logprobs: list[TokenLogprobs] | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
 
     @property

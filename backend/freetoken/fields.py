@@ -60,7 +60,9 @@ def add_flags(group: argparse._ActionsContainer, cls: type) -> None:
     for f in dataclasses.fields(cls):
         kind = kinds[f.name]
         flag = "--" + f.name.replace("_", "-")
-        help = f"{f.metadata['help']} (default: {f.default})"
+        help = f.metadata["help"]
+        if "default" not in help and f.default is not None:  # a help text that says its default keeps it
+            help += f" (default: {to_text(f.default)})"
         if kind.kind is bool:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=help)
         else:

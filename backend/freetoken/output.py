@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from freetoken.core import FinishReason, RequestOutput
+from freetoken.core import FinishReason, RequestOutput, TokenLogprobs
 from freetoken.scheduler.request import Request
 from freetoken.tokenizer import IncrementalDetokenizer
 
@@ -31,7 +31,7 @@ def _find_stop(req: Request, out: OutputText, new_text_len: int) -> tuple[int, s
     return best
 
 
-def append_token(req: Request, out: OutputText, token_id: int, logprob: float | None) -> None:
+def append_token(req: Request, out: OutputText, token_id: int, logprob: TokenLogprobs | None) -> None:
     """Add one sampled token, its text, and finish the request if a stop condition holds."""
     now = time.monotonic()
     req.times.first_token = req.times.first_token or now
@@ -39,7 +39,7 @@ def append_token(req: Request, out: OutputText, token_id: int, logprob: float | 
     req.token_ids.append(token_id)
     if logprob is not None:
         req.output_logprobs.append(logprob)
-        req.cumulative_logprob += logprob
+        req.cumulative_logprob += logprob.logprob
     new_text = out.detokenizer.step([token_id])
     out.text += new_text
     if token_id in req.stop_token_ids:  # sampling blocks them before min_tokens
@@ -71,7 +71,7 @@ def streamable_text(req: Request, out: OutputText) -> str:
 
 
 def make_output(
-    req: Request, out: OutputText, new_token_ids: list[int], new_logprobs: list[float] | None
+    req: Request, out: OutputText, new_token_ids: list[int], new_logprobs: list[TokenLogprobs] | None
 ) -> RequestOutput:
     """The delta since the last output; the whole output (tokens, text, logprobs) only once the
     request finished, so a request costs O(its length) in outputs, not O(length^2)."""

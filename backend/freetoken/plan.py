@@ -36,7 +36,7 @@ class SlotSampling:
     stop_token_ids: tuple[int, ...]  # blocked while fewer than min_tokens outputs exist
     prompt_token_ids: tuple[int, ...]  # repetition penalty covers prompt + output
     output_token_ids: tuple[int, ...]  # outputs already sampled (non-empty after a preemption)
-    logprobs: bool  # return the logprob of each chosen token
+    logprobs: int | None  # None: no logprobs; k: each chosen token's logprob and rank, and the k likeliest
 
     @property
     def uses_penalties(self) -> bool:

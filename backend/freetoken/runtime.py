@@ -7,6 +7,7 @@ engine thread. Everything else runs on the thread that steps.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import random
@@ -98,8 +99,31 @@ class Runtime:
 
     def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Request:
         """Validate, tokenize, fill in the sampling defaults; raises ``ValueError`` naming what is wrong."""
-        params.validate()
+        if params.n != 1:
+            raise ValueError(f"sampling parameter 'n' must be 1 here, got {params.n}: n > 1 is served by "
+                             "`freetoken serve`; offline, give the prompt n times")
+        return self._make_request(request_id, self.tokenize(prompt), params)
+
+    def make_requests(self, request_id: str, prompt: Prompt, params: SamplingParams) -> list[Request]:
+        """``params.n`` sibling requests of one prompt (tokenized once), as vLLM's parallel sampling
+        lays them out: sample ``i`` is ``request_id#i`` (``request_id`` alone when n is 1) and, for a
+        seeded request, draws from ``seed + i``. Each prefills the prompt on its own."""
         token_ids = self.tokenize(prompt)
+        if params.n == 1:
+            return [self._make_request(request_id, token_ids, params)]
+        requests = []
+        for i, sample_id in enumerate(self.sample_ids(request_id, params.n)):
+            seed = None if params.seed is None else params.seed + i
+            requests.append(self._make_request(sample_id, token_ids, dataclasses.replace(params, n=1, seed=seed)))
+        return requests
+
+    @staticmethod
+    def sample_ids(request_id: str, n: int) -> list[str]:
+        """The engine ids ``make_requests`` gives the ``n`` samples of ``request_id``."""
+        return [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
+
+    def _make_request(self, request_id: str, token_ids: list[int], params: SamplingParams) -> Request:
+        params.validate()
         if len(token_ids) >= self.max_total_tokens:
             raise ValueError(
                 f"prompt has {len(token_ids)} tokens; at most {self.max_total_tokens - 1} fit "
@@ -186,7 +210,9 @@ class Runtime:
         for index, req in enumerate(step.sampling_requests):
             if req.finished:
                 continue
-            logprob = logprobs[index] if logprobs is not None and req.params.logprobs is not None else None
+            logprob = None
+            if logprobs is not None and req.params.logprobs is not None:  # its own k of the step's top-k
+                logprob = dataclasses.replace(logprobs[index], top=logprobs[index].top[: req.params.logprobs])
             text = self._table[req.request_id].text
             append_token(req, text, token_ids[index], logprob)
             if req.finish_reason is not None:

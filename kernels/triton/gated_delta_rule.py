@@ -36,6 +36,9 @@ CHUNK = 64
 # Loads of the state pass are issued this many chunks minus one ahead: with 2 (round 1) the next
 # chunk's W and keys were requested only after this chunk's products, so every chunk waited for them.
 STATE_PASS_STAGES = 3
+# Value columns per program of the outputs: the whole head (128) reads q and k and forms q kᵀ once
+# per (chunk, head); round 1 took 64 (two programs each).
+OUTPUT_BLOCK_V = 128
 
 
 @device_function
@@ -329,7 +332,7 @@ def gated_delta_rule_prefill(
         num_tokens, num_v_heads, key_dim, value_dim,
         **common, BLOCK_V=pass_v, num_warps=4, num_stages=STATE_PASS_STAGES,
     )
-    out_v = min(block_v, 64)
+    out_v = min(block_v, OUTPUT_BLOCK_V)
     _output_kernel[(max_chunks * triton.cdiv(value_dim, out_v), num_v_heads)](
         q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), g, g.stride(0),
         cu_seqlens, cu_chunks, chunk_request, states, v_new, out,

@@ -29,5 +29,22 @@ def test_logprobs_of_chosen_tokens(demo_checkpoint):
     reference = torch.log_softmax(reference_logits(demo_checkpoint, ids, torch.float32), dim=-1)
     prompt_len = len(ids) - len(out.token_ids)
     for i, (token, logprob) in enumerate(zip(out.token_ids, out.logprobs)):
-        assert math.isclose(logprob, reference[prompt_len - 1 + i, token].item(), abs_tol=1e-4)
-    assert math.isclose(out.cumulative_logprob, sum(out.logprobs))
+        assert math.isclose(logprob.logprob, reference[prompt_len - 1 + i, token].item(), abs_tol=1e-4)
+        assert logprob.rank == 1 and logprob.top == []  # greedy: the likeliest; logprobs=0: no alternatives
+    assert math.isclose(out.cumulative_logprob, sum(t.logprob for t in out.logprobs))
+
+
+def test_top_k_logprobs_and_ranks_of_sampled_tokens(demo_checkpoint):
+    """``logprobs: k``: the k likeliest tokens of the raw distribution, best first, and the sampled
+    token's rank in it (1 + the tokens at least as likely), as vLLM reports them."""
+    llm = LLM(model=str(demo_checkpoint), dtype="float32", device="cpu")
+    out = llm.generate(PROMPTS[1], SamplingParams(temperature=1.5, max_tokens=6, logprobs=5, seed=3))[0]
+    ids = llm.runtime.tokenize(PROMPTS[1]) + out.token_ids
+    reference = torch.log_softmax(reference_logits(demo_checkpoint, ids, torch.float32), dim=-1)
+    prompt_len = len(ids) - len(out.token_ids)
+    for i, (token, logprob) in enumerate(zip(out.token_ids, out.logprobs)):
+        row = reference[prompt_len - 1 + i]
+        values, top_ids = row.topk(5)
+        assert [t for t, _ in logprob.top] == top_ids.tolist()
+        assert all(math.isclose(lp, v, abs_tol=1e-4) for (_, lp), v in zip(logprob.top, values.tolist()))
+        assert logprob.rank == int((row >= row[token] - 1e-6).sum())

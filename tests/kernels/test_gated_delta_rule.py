@@ -26,13 +26,18 @@ def _inputs(rng, dtype, tokens, hk, hv, dk, dv, slots):
         (torch.float32, (2, 4), (12, 20), None),
         (torch.bfloat16, (1, 3), (16, 8), None),
         (torch.float32, (2, 2), (16, 16), None),
-        # several value blocks in the state pass (16 of 40 columns) and in the outputs (64 of 72)
+        # several value blocks in the state pass (16 of 40 columns) and in the outputs (32 of 72)
         (torch.float32, (1, 2), (8, 72), 16),
         (torch.bfloat16, (1, 1), (16, 40), 16),
     ],
 )
-def test_gated_delta_rule_prefill(rng, dtype, heads, dims, state_block_v):
+def test_gated_delta_rule_prefill(rng, monkeypatch, dtype, heads, dims, state_block_v):
+    from freetoken.kernels.triton import gated_delta_rule as triton_gdn
     from freetoken.kernels.triton.gated_delta_rule import gated_delta_rule_prefill
+
+    if state_block_v is not None:  # narrower value blocks than the launch size would choose
+        monkeypatch.setattr(triton_gdn, "state_pass_block_v", lambda *_: state_block_v)
+        monkeypatch.setattr(triton_gdn, "OUTPUT_BLOCK_V", 32)
 
     lens = [70, 0, 5, 129]  # several chunks with a partial last one, empty, shorter than a chunk
     (hk, hv), (dk, dv), slots = heads, dims, 6
@@ -41,7 +46,7 @@ def test_gated_delta_rule_prefill(rng, dtype, heads, dims, state_block_v):
     state_slots = torch.tensor([4, 1, 2, 5], dtype=torch.int32, device=DEVICE)
     want_state = state.clone()
     want = ref.gated_delta_rule_prefill_reference(q, k, v, g, beta, want_state, state_slots, cu)
-    got = gated_delta_rule_prefill(q, k, v, g, beta, state, state_slots, cu, state_block_v=state_block_v)
+    got = gated_delta_rule_prefill(q, k, v, g, beta, state, state_slots, cu)
     assert_close(got, want)
     assert_close(state, want_state, dtype=dtype)
 

@@ -93,10 +93,10 @@ class Server:
             return r.read().decode()
 
     def metric(self, name: str, **labels: str) -> float:
-        """The value of one freetoken_* series (summed over label sets matching ``labels``)."""
+        """The value of one series (summed over label sets matching ``labels``)."""
         total, found = 0.0, False
         for line in self.metrics_text().splitlines():
-            match = re.match(r"^(\w+)(?:\{(.*)\})? (\S+)$", line)
+            match = re.match(r"^([\w:]+)(?:\{(.*)\})? (\S+)$", line)
             if not match or match.group(1) != name:
                 continue
             have = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))

@@ -180,8 +180,46 @@ def test_cancelled_request_is_aborted_and_only_closed(backend):
     stats = backend.runtime.stats()
     assert (stats.pages_used, stats.slots_used, stats.num_running) == (0, 0, 0)
     time.sleep(0.1)
-    finished = FakeMetricFamily.created["freetoken_requests_finished_total"]
+    finished = FakeMetricFamily.created["vllm:request_success_total"]
     assert sum(m.value for m in finished) >= 1
+
+
+def observations(name: str) -> list[float]:
+    return [v for metric in FakeMetricFamily.created[name] for v in metric.observations]
+
+
+def test_n_samples_close_together_with_per_token_metrics(backend):
+    """n = 2: one response with both samples; vllm:time_per_output_token_seconds gets one
+    observation per token after each sample's first, the token-count histograms one per sample,
+    vllm:request_params_n one per request."""
+    tpot, n_before = len(observations("vllm:time_per_output_token_seconds")), len(observations("vllm:request_params_n"))
+    request = FakeRequest(text_input="hi", return_num_output_tokens=True,
+                          sampling_parameters=json.dumps({"max_tokens": 6, "ignore_eos": True, "n": 2, "seed": 5}))
+    backend.execute([request])
+    wait_closed(request)
+    (response,) = request.sender.responses
+    assert response.outputs["text_output"].shape == (2,) and response.outputs["num_output_tokens"].tolist() == [6, 6]
+    deadline = time.monotonic() + 5
+    while len(observations("vllm:request_params_n")) == n_before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert observations("vllm:request_params_n")[n_before:] == [2]
+    assert len(observations("vllm:time_per_output_token_seconds")) - tpot == 2 * 5
+    assert observations("vllm:request_generation_tokens")[-2:] == [6, 6]
+
+
+def test_cancelled_n_samples_are_all_aborted(backend):
+    request = FakeRequest(text_input="hi", stream=True,
+                          sampling_parameters=json.dumps({"max_tokens": 4000, "ignore_eos": True, "n": 3}))
+    backend.execute([request])
+    deadline = time.monotonic() + 30
+    while len(request.sender.responses) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert request.sender.responses[0].outputs["text_output"].shape == (3,)
+    request.sender.cancelled = True
+    wait_closed(request)
+    assert request.sender.responses[-1] is None and not request.sender.violations
+    stats = backend.runtime.stats()
+    assert (stats.pages_used, stats.slots_used, stats.num_running, stats.num_waiting) == (0, 0, 0, 0)
 
 
 def test_engine_death_fails_open_requests_and_unloads(backend):

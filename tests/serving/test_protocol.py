@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from freetoken.config import EngineConfig
-from freetoken.core import FinishReason, RequestOutput
+from freetoken.core import FinishReason, RequestOutput, TokenLogprobs
 from freetoken.bench import loadgen
 from freetoken.serving import install, repository
 from freetoken.serving.options import BackendOptions, options_from_model_config, to_parameters
@@ -49,7 +49,11 @@ def test_sampling_parameters_types_and_ranges():
     ('{"temperature": true}', "'temperature' must be a number"),
     ('{"temperature": "nan"}', "'temperature' must be a finite number"),
     ('{"ignore_eos": "yes"}', "'ignore_eos' must be a boolean"),
-    ('{"n": 2}', "unknown sampling parameter 'n'"),
+    ('{"n": 0}', "'n' must be >= 1"),
+    ('{"logprobs": 21}', "'logprobs' must be in [0, 20]"),
+    ('{"best_of": 2}', "unknown sampling parameter 'best_of'"),
+    ('{"lora_name": "doll"}', "LoRA feature is not enabled."),
+    ('{"structured_outputs": "{}"}', "'structured_outputs' is not supported"),
     ('{"stop": 3}', "'stop' must be a string or a list of strings"),
     ('[1, 2]', "sampling_parameters must be a JSON object"),
     ('{"max_tokens": ', "sampling_parameters is not valid JSON"),
@@ -63,8 +67,12 @@ def test_bad_sampling_parameters_name_the_field(raw, message):
 def test_request_defaults_follow_the_vllm_backend():
     spec = parse_request(inputs(text_input="hi"))
     assert not spec.stream and spec.prepend_input and spec.outputs == frozenset() and spec.params.max_tokens == 16
-    spec = parse_request(inputs(text_input="hi", stream=True, return_cumulative_logprob=True))
-    assert spec.stream and not spec.prepend_input and spec.params.logprobs == 0
+    spec = parse_request(inputs(text_input="hi", stream=True, return_cumulative_logprob=True, return_logprobs=True))
+    assert spec.stream and not spec.prepend_input and spec.params.logprobs == 0 and not spec.report_logprobs
+    spec = parse_request(inputs(text_input="hi", return_logprobs=True))
+    assert spec.params.logprobs is None and not spec.report_logprobs  # return_logprobs alone: null
+    spec = parse_request(inputs(text_input="hi", sampling_parameters='{"n": "2", "logprobs": 2, "prompt_logprobs": 1}'))
+    assert (spec.params.n, spec.params.logprobs, spec.report_logprobs) == (2, 2, True)
     spec = parse_request(inputs(input_ids=[1, 2, 3], exclude_input_in_output=True))
     assert spec.prompt == [1, 2, 3] and not spec.prepend_input
 
@@ -80,31 +88,66 @@ def test_request_parameters_stand_in_for_sampling_parameters():
     ({}, "exactly one of 'text_input' and 'input_ids'"),
     ({"text_input": ""}, "'text_input' must not be empty"),
     ({"input_ids": []}, "'input_ids' must not be empty"),
-    ({"text_input": "x", "stream": True, "exclude_input_in_output": False}, "exclude_input_in_output"),
+    ({"text_input": "x", "stream": True, "exclude_input_in_output": False},
+     r"^Error generating stream: When streaming, `exclude_input_in_output` = False is not allowed\.$"),
 ])
 def test_bad_requests_name_the_input(values, message):
     with pytest.raises(ProtocolError, match=message):
         parse_request(inputs(**values))
 
 
-def output(new_text, new_ids, finished=None, text="", ids=()):
+def output(new_text, new_ids, finished=None, text="", ids=(), logprobs=None):
     return RequestOutput(request_id="r", prompt_token_ids=[5, 6], token_ids=list(ids), text=text, new_text=new_text,
-                         new_token_ids=list(new_ids), finish_reason=finished)
+                         new_token_ids=list(new_ids), finish_reason=finished, new_logprobs=logprobs,
+                         logprobs=logprobs, cumulative_logprob=sum(t.logprob for t in logprobs or []) or None)
+
+
+def spell(token_id: int) -> str:
+    return f"<{token_id}>"
 
 
 def test_streaming_response_merges_deltas():
     spec = parse_request(inputs(text_input="hi", stream=True, return_output_ids=True, return_num_output_tokens=True,
                                 return_finish_reason=True, return_num_input_tokens=True))
-    arrays = build_outputs(spec, [output("a", [1]), output("bc", [2], FinishReason.LENGTH)], lambda: "unused")
+    last = output("bc", [2], FinishReason.LENGTH)
+    arrays = build_outputs(spec, [last], [[output("a", [1]), last]], lambda: "unused", spell)
     assert arrays["text_output"].tolist() == [b"abc"] and arrays["output_ids"].tolist() == [1, 2]
     assert arrays["num_output_tokens"].tolist() == [2] and arrays["num_input_tokens"].tolist() == [2]
     assert arrays["finish_reason"].tolist() == [b"length"]
+    running = output("a", [1])
+    arrays = build_outputs(spec, [running], [[running]], lambda: "unused", spell)
+    assert arrays["finish_reason"].tolist() == [b"None"]  # the vLLM backend's str(None) until the end
 
 
 def test_non_streaming_response_is_whole_with_the_prompt():
     spec = parse_request(inputs(text_input="hi "))
-    arrays = build_outputs(spec, [output("c", [3], FinishReason.STOP, text="abc", ids=[1, 2, 3])], lambda: "hi ")
+    last = output("c", [3], FinishReason.STOP, text="abc", ids=[1, 2, 3])
+    arrays = build_outputs(spec, [last], [[last]], lambda: "hi ", spell)
     assert arrays["text_output"].tolist() == [b"hi abc"] and set(arrays) == {"text_output"}
+
+
+def test_logprobs_in_the_vllm_layout_and_null_unless_asked():
+    chosen = [TokenLogprobs(-0.5, 2, [(7, -0.1), (3, -0.5)]), TokenLogprobs(-0.2, 1, [])]
+    last = output("xy", [3, 9], FinishReason.LENGTH, text="xy", ids=[3, 9], logprobs=chosen)
+    spec = parse_request(inputs(text_input="q", return_logprobs=True, exclude_input_in_output=True,
+                                sampling_parameters='{"logprobs": 2}'))
+    entries = json.loads(build_outputs(spec, [last], [[last]], lambda: "", spell)["logprobs"][0])
+    assert entries == [
+        {"3": {"logprob": -0.5, "rank": 2, "decoded_token": "<3>"}, "7": {"logprob": -0.1, "rank": 1, "decoded_token": "<7>"}},
+        {"9": {"logprob": -0.2, "rank": 1, "decoded_token": "<9>"}},
+    ]
+    spec = parse_request(inputs(text_input="q", return_logprobs=True, return_cumulative_logprob=True))
+    arrays = build_outputs(spec, [last], [[last]], lambda: "", spell)
+    assert arrays["logprobs"].tolist() == [b"null"] and arrays["cumulative_logprob"][0] == pytest.approx(-0.7)
+
+
+def test_n_samples_are_laid_out_one_element_each():
+    spec = parse_request(inputs(text_input="p", stream=True, return_finish_reason=True, return_num_output_tokens=True,
+                                return_output_ids=True, sampling_parameters='{"n": 2}'))
+    first, second = output("a", [1]), output("b", [2], FinishReason.STOP)
+    arrays = build_outputs(spec, [first, second], [[], [second]], lambda: "", spell)
+    assert arrays["text_output"].tolist() == [b"", b"b"] and arrays["finish_reason"].tolist() == [b"None", b"stop"]
+    assert arrays["num_output_tokens"].tolist() == [0, 1] and arrays["output_ids"].tolist() == [2]
 
 
 def test_options_round_trip_and_reject_unknown_names():
@@ -114,6 +157,9 @@ def test_options_round_trip_and_reject_unknown_names():
     assert options_from_model_config({"parameters": params}) == (engine, backend)
     params["EXECUTION_ENV_PATH"] = {"string_value": "/env"}  # Triton's own: left alone
     options_from_model_config({"parameters": params})
+    for value, expected in (("true", True), ("false", False)):  # the vLLM backend's switch decides
+        params["REPORT_CUSTOM_METRICS"] = {"string_value": value}
+        assert options_from_model_config({"parameters": params})[1].report_metrics is expected
     with pytest.raises(ValueError, match="max_runing_requests"):
         options_from_model_config({"parameters": {"max_runing_requests": {"string_value": "4"}}})
     with pytest.raises(ValueError, match="'dtype' must be one of"):

@@ -105,6 +105,7 @@ class StepRecorder:
         self.progress = progress
         self.profiler_activities = list(profiler_activities)
         self.records: list[StepRecord] = []
+        self._carried = 0.0  # seconds of calls that yielded no tokens
         self.gpu_idle_share: float | None = None
         self.kernel_table: list[dict[str, Any]] | None = None
         self.profiled_wall: float | None = None
@@ -144,7 +145,14 @@ class StepRecorder:
         start = time.perf_counter()
         outputs = self._step()
         end = time.perf_counter()
-        tokens = [len(o.token_ids) for o in outputs if o.new_token_ids]
+        # Outputs are deltas: a request's length so far is in its metrics. An overlapped call that
+        # only launched a step (no tokens yet) adds its time to the next record.
+        tokens = [len(o.token_ids) or o.metrics["num_output_tokens"] for o in outputs if o.new_token_ids]
+        if not tokens and not profiling:
+            self._carried += end - start
+            return outputs
+        start -= self._carried
+        self._carried = 0.0
         self.records.append(
             StepRecord(
                 seconds=end - start,

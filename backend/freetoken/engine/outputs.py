@@ -1,6 +1,7 @@
 """Sampled tokens on their way to the host: a pinned copy and an event, read when resolved.
 
-``OutputRing.send`` queues the device->host copy of a step's tokens (and logprobs) behind the step
+``OutputRing.send`` queues the device->host copy of a step's tokens (and logprobs: the chosen
+token's, its rank, the top-k) behind the step
 and returns at once; ``StepOutput.result`` waits for that copy only, so the host can schedule and
 stage the next step in between. Two pinned buffers alternate: step N+1's copy may land while the
 host still reads step N's; a buffer is reused only after its step was resolved.
@@ -12,24 +13,32 @@ from dataclasses import dataclass
 
 import torch
 
+from freetoken.core import MAX_LOGPROBS, TokenLogprobs
+from freetoken.engine.sample import SampledLogprobs
+
 
 @dataclass
 class StepOutput:
     """A launched step's sampled tokens, one per logits row (``None`` rows are not sampled)."""
 
     _tokens: torch.Tensor  # host [N] int64
-    _logprobs: torch.Tensor | None  # host [N] float32
+    _logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None  # host SampledLogprobs
     _event: torch.cuda.Event | None
     _sampled_rows: list[int]  # plan sampling row of each logits row, -1 for padding
     _ring: OutputRing | None = None
     _index: int = 0
 
-    def result(self) -> tuple[list[int], list[float] | None]:
-        """Token ids and logprobs of the plan's sampling rows, in order (waits for the step)."""
+    def result(self) -> tuple[list[int], list[TokenLogprobs] | None]:
+        """Token ids and logprobs of the plan's sampling rows, in order (waits for the step); each
+        row's top-k holds as many tokens as the step's largest ``logprobs``."""
         if self._event is not None:
             self._event.synchronize()
         tokens = self._tokens.tolist()
-        logprobs = self._logprobs.tolist() if self._logprobs is not None else None
+        logprobs = None
+        if self._logprobs is not None:
+            chosen, ranks, top_ids, top_values = (t.tolist() for t in self._logprobs)
+            logprobs = [TokenLogprobs(lp, rank, list(zip(ids, values)))
+                        for lp, rank, ids, values in zip(chosen, ranks, top_ids, top_values)]
         if self._ring is not None:
             self._ring.release(self._index)
             self._ring = None
@@ -46,10 +55,13 @@ class OutputRing:
         pin = device.type == "cuda"
         self._tokens = [torch.zeros(max_rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._logprobs = [torch.zeros(max_rows, dtype=torch.float32, pin_memory=pin) for _ in range(2)]
+        self._ranks = [torch.zeros(max_rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._top_ids = [torch.zeros(max_rows, MAX_LOGPROBS, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._top_values = [torch.zeros(max_rows, MAX_LOGPROBS, dtype=torch.float32, pin_memory=pin) for _ in range(2)]
         self._busy = [False, False]
         self._next = 0
 
-    def send(self, tokens: torch.Tensor, logprobs: torch.Tensor | None, sampled_rows: list[int]) -> StepOutput:
+    def send(self, tokens: torch.Tensor, logprobs: SampledLogprobs | None, sampled_rows: list[int]) -> StepOutput:
         index = self._next
         if self._busy[index]:
             raise RuntimeError("more than two steps in flight: resolve a step before launching another")
@@ -60,8 +72,12 @@ class OutputRing:
         host_tokens.copy_(tokens, non_blocking=True)
         host_logprobs = None
         if logprobs is not None:
-            host_logprobs = self._logprobs[index][:count]
-            host_logprobs.copy_(logprobs, non_blocking=True)
+            k = logprobs.top_ids.shape[1]
+            host_logprobs = (self._logprobs[index][:count], self._ranks[index][:count],
+                             self._top_ids[index][:count, :k], self._top_values[index][:count, :k])
+            for host, device in zip(host_logprobs, (logprobs.chosen, logprobs.ranks, logprobs.top_ids,
+                                                    logprobs.top_values)):
+                host.copy_(device, non_blocking=True)
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()

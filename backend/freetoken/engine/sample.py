@@ -1,4 +1,5 @@
-"""From logits to tokens, on the device: min_tokens, penalties, the sampling kernel, logprobs.
+"""From logits to tokens, on the device: min_tokens, penalties, the sampling kernel, logprobs (the
+chosen token's, its rank and the top-k alternatives: vLLM's ``logprobs``, from the raw logits).
 
 Sampling is split in two. ``SlotSampler.admit`` (host side, once per admission) stages a
 request's parameters in per-slot device tables, with its prompt's token set and the counts of the
@@ -44,7 +45,25 @@ class _HostSlot:
 
     uses_penalties: bool = False
     min_tokens: int = 0
-    logprobs: bool = False
+    logprobs: int | None = None  # the alternatives it asks for; None: no logprobs
+
+
+@dataclass
+class SampledLogprobs:
+    """On the device, per sampled row: the chosen token's raw logprob, its rank (the tokens at least
+    as likely, itself included, as vLLM counts: 1 is the likeliest), and the ``k`` likeliest tokens
+    (``k``: the most any row of the step asks for)."""
+
+    chosen: torch.Tensor  # [N] float32
+    ranks: torch.Tensor  # [N] int64
+    top_ids: torch.Tensor  # [N, k] int64
+    top_values: torch.Tensor  # [N, k] float32
+
+    @classmethod
+    def of(cls, raw_logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> "SampledLogprobs":
+        chosen = raw_logprobs.gather(1, token_ids[:, None])
+        top_values, top_ids = raw_logprobs.topk(k, dim=1)
+        return cls(chosen[:, 0], (raw_logprobs >= chosen).sum(dim=1), top_ids, top_values)
 
 
 class SlotSampler:
@@ -104,13 +123,14 @@ class SlotSampler:
                 stop = torch.tensor([t for t in a.stop_token_ids if t < vocab], dtype=torch.int64)
                 self.stop_mask[a.slot, stop.to(device)] = True
 
-    def sample(self, logits: torch.Tensor, slots: torch.Tensor, host_slots: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def sample(self, logits: torch.Tensor, slots: torch.Tensor, host_slots: list[int]) -> tuple[torch.Tensor, SampledLogprobs | None]:
         """``logits [N, V]`` float32 of the rows sampling into ``slots [N]`` (device; ``host_slots``
         is the same on the host). Returns token ids ``[N]`` int64 and, if any row asks, the raw
-        model logprob of each chosen token ``[N]`` float32."""
+        model logprobs of the chosen tokens, their ranks and the top-k."""
         host = [self._host[s] for s in host_slots]
         slots = slots.long()
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(h.logprobs for h in host) else None
+        wanted = [h.logprobs for h in host if h.logprobs is not None]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if wanted else None
         num_outputs = self.num_outputs[slots]
         if any(h.min_tokens > 0 for h in host):
             blocked = self.stop_mask[slots] & (num_outputs < self.min_tokens[slots])[:, None]
@@ -139,5 +159,5 @@ class SlotSampler:
         ones = torch.ones_like(token_ids)
         self.output_counts.view(-1).scatter_add_(0, slots * self.vocab_size + token_ids, ones.int())
         self.num_outputs.scatter_add_(0, slots, ones)
-        logprobs = None if raw_logprobs is None else raw_logprobs.gather(1, token_ids[:, None])[:, 0]
+        logprobs = None if raw_logprobs is None else SampledLogprobs.of(raw_logprobs, token_ids, max(wanted))
         return token_ids, logprobs

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from freetoken.core import FinishReason, RequestTimes, ResolvedSampling, SamplingParams
+from freetoken.core import FinishReason, RequestTimes, ResolvedSampling, SamplingParams, TokenLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -27,7 +27,7 @@ class Request:
     stop_token_ids: set[int]  # eos ids (unless ignore_eos) and the request's stop_token_ids
     max_total_tokens: int  # prompt + output may not pass this (the context limit)
     token_ids: list[int] = field(init=False)  # prompt, then output
-    output_logprobs: list[float] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     num_computed: int = 0  # tokens whose KV / state are in the cache
     # Tokens sampled on the device whose ids the host has not read yet (overlap scheduling).

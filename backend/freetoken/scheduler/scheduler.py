@@ -49,7 +49,7 @@ def slot_sampling(req: Request) -> SlotSampling:
         stop_token_ids=tuple(sorted(req.stop_token_ids)),
         prompt_token_ids=tuple(req.prompt_token_ids),
         output_token_ids=tuple(req.output_token_ids),
-        logprobs=req.params.logprobs is not None,
+        logprobs=req.params.logprobs,
     )
 
 

@@ -10,7 +10,7 @@ Threads and who owns what:
 - Each response thread (``ResponseWorker``, responses.py) owns a share of the requests and is
   the only code that touches their senders: it merges deltas, polls cancellation and closes each
   request exactly once.
-- A metrics thread publishes freetoken_* families (see metrics.py).
+- A metrics thread publishes the vllm:* and freetoken_* families (see metrics.py).
 
 - Tokenizer threads tokenize accepted prompts and submit them, so that no prompt, however long,
   holds ``execute`` (and every request queued behind it): prompts up to ``SMALL_PROMPT_BYTES`` on
@@ -44,7 +44,7 @@ from freetoken.serving.control import InstanceControl
 from freetoken.serving.metrics import Metrics
 from freetoken.serving.options import BackendOptions, options_from_model_config
 from freetoken.serving.protocol import TEXT_INPUT, GenerateSpec, ProtocolError, parse_request
-from freetoken.serving.responses import ResponseWorker, Stream, error_response
+from freetoken.serving.responses import ResponseWorker, Sample, Stream, error_response
 
 logger = logging.getLogger(__name__)
 
@@ -76,13 +76,14 @@ class TritonBackend:
         self.prompt_byte_limit = prompt_byte_limit(self.runtime)
         labels = {"model": model_name, "version": str(model_version)}
         self.metrics = Metrics(pb_utils if options.report_metrics else None, labels, self.runtime.stats,
-                               options.metrics_interval_ms / 1000)
+                               options.metrics_interval_ms / 1000, self.runtime.engine.max_model_len)
         self._ids = itertools.count()
         self._unloading = threading.Lock()
         self._unload_requested = False
+        decode_token = functools.lru_cache(maxsize=1 << 16)(lambda t: self.runtime.tokenizer.decode([t]))
         self._workers = [
             ResponseWorker(f"freetoken-responses-{i}", pb_utils, self.runtime, self.metrics,
-                           options.cancel_poll_ms / 1000, self._engine_died)
+                           options.cancel_poll_ms / 1000, self._engine_died, decode_token)
             for i in range(options.response_threads)
         ]
         self._small_prompts = ThreadPoolExecutor(1, thread_name_prefix="freetoken-tokenize-small")
@@ -129,7 +130,8 @@ class TritonBackend:
         tokenizer, prompt = self.runtime.tokenizer, spec.prompt
         prompt_text = (lambda: prompt) if isinstance(prompt, str) else functools.partial(tokenizer.decode, prompt)
         worker = self._workers[n % len(self._workers)]
-        worker.adopt(Stream(engine_id, spec, request.get_response_sender(), prompt_text))
+        samples = [Sample(sample_id) for sample_id in Runtime.sample_ids(engine_id, spec.params.n)]
+        worker.adopt(Stream(engine_id, spec, request.get_response_sender(), prompt_text, samples))
         lane = self._small_prompts if size <= SMALL_PROMPT_BYTES else self._large_prompts
         lane.submit(self._admit, worker, engine_id, spec)
 
@@ -148,8 +150,8 @@ class TritonBackend:
     def _admit(self, worker: ResponseWorker, engine_id: str, spec: GenerateSpec) -> None:
         """Tokenize and submit (a tokenizer thread); a refusal goes through the stream's owner."""
         try:
-            engine_request = self.runtime.make_request(engine_id, spec.prompt, spec.params)
-            check_context(len(engine_request.prompt_token_ids), spec.params, self.runtime)
+            engine_requests = self.runtime.make_requests(engine_id, spec.prompt, spec.params)
+            check_context(len(engine_requests[0].prompt_token_ids), spec.params, self.runtime)
         except ProtocolError as exc:
             worker.refuse(engine_id, str(exc), "INVALID_ARG")
         except ValueError as exc:  # the prompt: too long for the context, token ids out of the vocabulary
@@ -158,7 +160,8 @@ class TritonBackend:
             logger.exception("admitting request %s failed", engine_id)
             worker.refuse(engine_id, f"internal error: {exc}", "INTERNAL")
         else:
-            self.runtime.submit(engine_request, worker.on_output)
+            for engine_request in engine_requests:
+                self.runtime.submit(engine_request, worker.on_output)
 
     def _refuse(self, request: Any, message: str, code: str) -> None:
         try:

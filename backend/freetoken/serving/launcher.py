@@ -17,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 from freetoken.config import EngineConfig
+from freetoken.serving.cpu_host import BENIGN_ON_CPU, CPU_FLAGS, gpu_visible, relay_output
 from freetoken.serving import control
 from freetoken.serving.control import LauncherControl
 from freetoken.serving.install import TritonInstall, find_tritonserver, server_environment, stub_python, warn_numpy
@@ -52,6 +53,8 @@ def tritonserver_command(install: TritonInstall, repo: Path, args: argparse.Name
     ]
     if install.backend_dir is not None:
         cmd.append(f"--backend-directory={install.backend_dir}")
+    if not gpu_visible():
+        cmd += CPU_FLAGS
     return cmd + list(args.tritonserver_arg)
 
 
@@ -86,7 +89,10 @@ class ServerProcess:
         self.stop_timeout = stop_timeout
         if control_dir is not None:
             env = {**env, control.ENV: str(control_dir)}
-        self.proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        drop = () if gpu_visible() else BENIGN_ON_CPU
+        self.proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE if drop else None,
+                                     stderr=subprocess.STDOUT if drop else None)
+        self.output = relay_output(self.proc.stdout, drop) if drop else None
         self.stop_requested: int | None = None
 
     def request_stop(self, signum: int, drain: float | None = None) -> None:
@@ -115,6 +121,8 @@ class ServerProcess:
     def cleanup(self) -> None:
         """After tritonserver exits: kill what is left of its group, remove its shared memory."""
         self.kill_group()
+        if self.output is not None:
+            self.output.join(timeout=5)
         for path in glob.glob(f"/dev/shm/{self.shm_prefix}*"):
             try:
                 os.remove(path)

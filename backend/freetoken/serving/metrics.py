@@ -1,8 +1,14 @@
-"""freetoken_* metric families through the Python backend's custom metrics API.
+"""The vLLM backend's metric families (``vllm:*``: names, labels, meanings and histogram buckets, so
+its dashboards and CI checks read FreeToken unchanged), vLLM's own names for the scheduler's
+queues, preemptions and KV-cache use, and ``freetoken_*`` only for what vLLM has no name for.
 
 Every metric update is a round trip to the server (18-46 us), so nothing here runs on the engine or
 response threads: they call ``record_*`` (a queue put) and one background thread aggregates the
-counters, observes the histograms and samples the runtime's gauges every ``interval`` seconds.
+counters and observes the histograms soon after (within ~10 ms, batching what arrives meanwhile, so
+that a client reading /metrics after its response sees its request counted, as with the vLLM
+backend), and samples the runtime's gauges every ``interval`` seconds.
+Counts are per sample (an ``n`` > 1 request is ``n`` engine requests, as in vLLM), except
+``vllm:request_params_n``, observed once per request.
 
 Lifetime: every series carries an ``OWNER_LABEL`` unique to this stub process. Triton's core keeps
 one Prometheus family per name and hands two instances that ask for the same name and labels the
@@ -19,6 +25,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -27,45 +34,69 @@ from freetoken.runtime import RuntimeStats
 
 logger = logging.getLogger(__name__)
 
-LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
-REQUEST_BUCKETS = [0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0]
-TOKEN_GAP_BUCKETS = [0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5]
+# The vLLM backend's buckets (src/utils/metrics.py), and vLLM's for the queue time.
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0]
+TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
+E2E_BUCKETS = [1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0]
+N_BUCKETS = [1, 2, 5, 10, 20]
+QUEUE_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                 480.0, 960.0, 1920.0, 7680.0]
+TOKEN_COUNT_BUCKETS = "1-2-5"  # 1, 2, 5, 10, 20, 50, ... up to max_model_len, as vLLM's build_1_2_5_buckets
+
+
+def one_two_five_buckets(max_value: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... while <= ``max_value``."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return buckets
+            buckets.append(float(mantissa * scale))
+        scale *= 10
+
 
 # name -> (kind, description, buckets)
-FAMILIES: dict[str, tuple[str, str, list[float] | None]] = {
-    "freetoken_time_to_first_token_seconds": ("HISTOGRAM", "Time from arrival to the first output token.", LATENCY_BUCKETS),
-    "freetoken_inter_token_latency_seconds": (
-        "HISTOGRAM",
-        "Mean time between consecutive output tokens of a request, observed once per request.",
-        TOKEN_GAP_BUCKETS,
-    ),
-    "freetoken_request_queue_time_seconds": ("HISTOGRAM", "Time a request waited before its first step.", LATENCY_BUCKETS),
-    "freetoken_e2e_request_latency_seconds": ("HISTOGRAM", "Time from execute() to the final response.", REQUEST_BUCKETS),
-    "freetoken_prompt_tokens_total": ("COUNTER", "Prompt tokens prefilled.", None),
-    "freetoken_generation_tokens_total": ("COUNTER", "Output tokens generated.", None),
-    "freetoken_requests_finished_total": ("COUNTER", "Requests finished, by finish_reason.", None),
-    "freetoken_num_preemptions_total": ("COUNTER", "Requests preempted for lack of KV pages.", None),
-    "freetoken_num_requests_running": ("GAUGE", "Requests in the running batch.", None),
-    "freetoken_num_requests_waiting": ("GAUGE", "Requests waiting to be scheduled.", None),
-    "freetoken_kv_cache_pages_used": ("GAUGE", "KV-cache pages in use.", None),
+FAMILIES: dict[str, tuple[str, str, list[float] | str | None]] = {
+    "vllm:prompt_tokens_total": ("COUNTER", "Number of prefill tokens processed.", None),
+    "vllm:generation_tokens_total": ("COUNTER", "Number of generation tokens processed.", None),
+    "vllm:time_to_first_token_seconds": ("HISTOGRAM", "Histogram of time to first token in seconds.", TTFT_BUCKETS),
+    "vllm:time_per_output_token_seconds": ("HISTOGRAM", "Histogram of time per output token in seconds.",
+                                           TPOT_BUCKETS),
+    "vllm:e2e_request_latency_seconds": ("HISTOGRAM", "Histogram of end to end request latency in seconds.",
+                                         E2E_BUCKETS),
+    "vllm:request_prompt_tokens": ("HISTOGRAM", "Number of prefill tokens processed.", TOKEN_COUNT_BUCKETS),
+    "vllm:request_generation_tokens": ("HISTOGRAM", "Number of generation tokens processed.", TOKEN_COUNT_BUCKETS),
+    "vllm:request_params_n": ("HISTOGRAM", "Histogram of the n request parameter.", N_BUCKETS),
+    "vllm:request_queue_time_seconds": ("HISTOGRAM", "Histogram of time spent in WAITING phase for request.",
+                                        QUEUE_BUCKETS),
+    "vllm:request_success_total": ("COUNTER", "Count of finished requests, by finished_reason.", None),
+    "vllm:num_preemptions_total": ("COUNTER", "Cumulative number of preemption from the engine.", None),
+    "vllm:num_requests_running": ("GAUGE", "Number of requests in model execution batches.", None),
+    "vllm:num_requests_waiting": ("GAUGE", "Number of requests waiting to be processed.", None),
+    "vllm:kv_cache_usage_perc": ("GAUGE", "KV-cache usage. 1 means 100 percent usage.", None),
     "freetoken_kv_cache_pages_total": ("GAUGE", "KV-cache pages in the pool.", None),
     "freetoken_state_slots_used": ("GAUGE", "Recurrent-state (Gated DeltaNet) slots in use.", None),
     "freetoken_state_slots_total": ("GAUGE", "Recurrent-state slots in the pool.", None),
 }
 FINISH_REASONS = ("stop", "length", "abort", "error")
+SUCCESS = "vllm:request_success_total"
+BATCH_SECONDS = 0.01  # after a flush, events gather this long before the next one
 OWNER_LABEL = "stub_pid"  # the stub process that owns a series (see the module docstring)
 
 
 class Metrics:
     """Publishes the families above, or does nothing when the server runs with metrics off."""
 
-    def __init__(self, pb_utils: Any | None, labels: dict[str, str], stats: Callable[[], RuntimeStats], interval: float) -> None:
-        """``pb_utils`` None: metrics off (the ``report_metrics`` parameter)."""
+    def __init__(self, pb_utils: Any | None, labels: dict[str, str], stats: Callable[[], RuntimeStats], interval: float,
+                 max_model_len: int) -> None:
+        """``pb_utils`` None: metrics off (the ``report_metrics`` parameter); ``max_model_len`` bounds
+        the token-count buckets."""
         labels = {**labels, OWNER_LABEL: str(os.getpid())}
         self._stats = stats
         self._interval = interval
         self._events: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._metrics: dict[str, Any] = {}
         self._finished: dict[str, Any] = {}
         self._families: list[Any] = []  # kept alive as long as their metrics
@@ -75,14 +106,16 @@ class Metrics:
             for name, (kind, description, buckets) in families:
                 family = pb_utils.MetricFamily(name=name, description=description, kind=getattr(pb_utils.MetricFamily, kind))
                 self._families.append(family)
-                if name == "freetoken_requests_finished_total":
-                    self._finished = {r: family.Metric(labels={**labels, "finish_reason": r}) for r in FINISH_REASONS}
+                if buckets == TOKEN_COUNT_BUCKETS:
+                    buckets = one_two_five_buckets(max_model_len)
+                if name == SUCCESS:
+                    self._finished = {r: family.Metric(labels={**labels, "finished_reason": r}) for r in FINISH_REASONS}
                 elif buckets is not None:
                     self._metrics[name] = family.Metric(labels=labels, buckets=buckets)
                 else:
                     self._metrics[name] = family.Metric(labels=labels)
         except Exception as exc:  # pb_utils.TritonModelException("metrics not supported") when the server has them off
-            logger.warning("custom metrics unavailable, freetoken_* metrics are off: %s", exc)
+            logger.warning("custom metrics unavailable, the model's metrics are off: %s", exc)
             self._metrics, self._finished, self._families = {}, {}, []
         self.enabled = bool(self._metrics)
         self._thread = threading.Thread(target=self._loop, name="freetoken-metrics", daemon=True)
@@ -94,26 +127,47 @@ class Metrics:
     def record_first_token(self, num_prompt_tokens: int, ttft: float | None, queue_time: float | None) -> None:
         if self.enabled:
             self._events.put(("first", num_prompt_tokens, ttft, queue_time))
+            self._wake.set()
 
-    def record_tokens(self, count: int) -> None:
+    def record_tokens(self, count: int, gaps: list[float]) -> None:
+        """``count`` new output tokens; ``gaps``: the time since the sample's previous token, once
+        per engine output after its first (vLLM's time per output token)."""
         if self.enabled and count:
-            self._events.put(("tokens", count))
+            self._events.put(("tokens", count, gaps))
+            self._wake.set()
 
-    def record_finished(self, reason: str, e2e: float, inter_token: float | None) -> None:
+    def record_finished(self, reason: str, e2e: float, num_prompt_tokens: int, num_generation_tokens: int) -> None:
+        """One sample finished (``reason``: stop, length, abort, error)."""
         if self.enabled:
-            self._events.put(("finished", reason, e2e, inter_token))
+            self._events.put(("finished", reason, e2e, num_prompt_tokens, num_generation_tokens))
+            self._wake.set()
+
+    def record_request(self, n: int) -> None:
+        """A request of ``n`` samples closed."""
+        if self.enabled:
+            self._events.put(("request", n))
+            self._wake.set()
 
     # ----- the metrics thread -----
 
     def _loop(self) -> None:
-        while not self._stop.wait(self._interval):
+        next_gauges = 0.0
+        while not self._stop.is_set():
+            self._wake.wait(self._interval)
+            self._wake.clear()
+            now = time.monotonic()
             try:
-                self.flush()
+                self.flush(gauges=now >= next_gauges)
             except Exception:
                 logger.exception("updating metrics failed")
+            if now >= next_gauges:
+                next_gauges = now + self._interval
+            self._stop.wait(BATCH_SECONDS)
 
-    def flush(self) -> None:
+    def flush(self, gauges: bool = True) -> None:
+        """Apply the queued events; with ``gauges``, also sample the runtime's pools and queues."""
         counts: Counter[str] = Counter()
+        finished: Counter[str] = Counter()
         observations: list[tuple[str, float]] = []
         while True:
             try:
@@ -121,30 +175,36 @@ class Metrics:
             except queue.Empty:
                 break
             if event[0] == "tokens":
-                counts["freetoken_generation_tokens_total"] += event[1]
+                counts["vllm:generation_tokens_total"] += event[1]
+                observations += [("vllm:time_per_output_token_seconds", gap) for gap in event[2]]
             elif event[0] == "first":
                 _, prompt_tokens, ttft, queue_time = event
-                counts["freetoken_prompt_tokens_total"] += prompt_tokens
+                counts["vllm:prompt_tokens_total"] += prompt_tokens
                 if ttft is not None:
-                    observations.append(("freetoken_time_to_first_token_seconds", ttft))
+                    observations.append(("vllm:time_to_first_token_seconds", ttft))
                 if queue_time is not None:
-                    observations.append(("freetoken_request_queue_time_seconds", queue_time))
+                    observations.append(("vllm:request_queue_time_seconds", queue_time))
+            elif event[0] == "finished":
+                _, reason, e2e, prompt_tokens, generation_tokens = event
+                finished[reason] += 1
+                observations += [("vllm:e2e_request_latency_seconds", e2e),
+                                 ("vllm:request_prompt_tokens", prompt_tokens),
+                                 ("vllm:request_generation_tokens", generation_tokens)]
             else:
-                _, reason, e2e, inter_token = event
-                counts[reason] += 1
-                observations.append(("freetoken_e2e_request_latency_seconds", e2e))
-                if inter_token is not None:
-                    observations.append(("freetoken_inter_token_latency_seconds", inter_token))
+                observations.append(("vllm:request_params_n", event[1]))
         for name, count in counts.items():
-            metric = self._finished.get(name) or self._metrics[name]
-            metric.increment(count)
+            self._metrics[name].increment(count)
+        for reason, count in finished.items():
+            self._finished[reason].increment(count)
         for name, value in observations:
             self._metrics[name].observe(value)
+        if not gauges:
+            return
         stats = self._stats()
         gauges = {
-            "freetoken_num_requests_running": stats.num_running,
-            "freetoken_num_requests_waiting": stats.num_waiting,
-            "freetoken_kv_cache_pages_used": stats.pages_used,
+            "vllm:num_requests_running": stats.num_running,
+            "vllm:num_requests_waiting": stats.num_waiting,
+            "vllm:kv_cache_usage_perc": stats.pages_used / stats.pages_total if stats.pages_total else 0.0,
             "freetoken_kv_cache_pages_total": stats.pages_total,
             "freetoken_state_slots_used": stats.slots_used,
             "freetoken_state_slots_total": stats.slots_total,
@@ -152,11 +212,12 @@ class Metrics:
         for name, value in gauges.items():
             self._metrics[name].set(value)
         if stats.num_preemptions > self._last_preemptions:
-            self._metrics["freetoken_num_preemptions_total"].increment(stats.num_preemptions - self._last_preemptions)
+            self._metrics["vllm:num_preemptions_total"].increment(stats.num_preemptions - self._last_preemptions)
             self._last_preemptions = stats.num_preemptions
 
     def close(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         self._metrics, self._finished, self._families = {}, {}, []

@@ -2,7 +2,8 @@
 
 Every ``EngineConfig`` field is a parameter of the same name (``max_running_requests``); an empty
 string means the field's default. ``BackendOptions`` are the serving layer's own knobs. Parameters
-in capitals belong to Triton or its Python backend (``EXECUTION_ENV_PATH``) and are left alone;
+in capitals belong to Triton or its Python backend (``EXECUTION_ENV_PATH``) and are left alone,
+except the vLLM backend's ``REPORT_CUSTOM_METRICS``, which sets ``report_metrics``;
 any other unknown name fails the model load, so a typo cannot pass silently.
 """
 
@@ -20,8 +21,10 @@ from freetoken.fields import field_types, option, parse_text, to_text
 class BackendOptions:
     response_threads: int = option(2, "threads that send responses; each owns a share of the requests")
     cancel_poll_ms: float = option(100.0, "how often each response thread asks Triton whether its requests were cancelled")
-    report_metrics: bool = option(True, "publish the freetoken_* metric families on Triton's metrics port")
-    metrics_interval_ms: float = option(500.0, "how often gauges are sampled and batched metric updates flushed")
+    report_metrics: bool = option(True, "publish the vllm:* and freetoken_* metric families on Triton's metrics port "
+                                        "(the vLLM backend's REPORT_CUSTOM_METRICS parameter, when set, decides)")
+    metrics_interval_ms: float = option(500.0, "how often the gauges are sampled (counters and histograms follow each "
+                                              "request within ~10 ms)")
 
     def validate(self) -> None:
         if self.response_threads < 1:
@@ -53,6 +56,12 @@ def options_from_model_config(model_config: dict[str, Any]) -> tuple[EngineConfi
         raise ValueError(f"unknown parameter(s) in config.pbtxt: {', '.join(unknown)}; known: {', '.join(sorted(known))}")
     engine: EngineConfig = _fill(EngineConfig, values)
     backend: BackendOptions = _fill(BackendOptions, values)
+    custom_metrics = values.get("REPORT_CUSTOM_METRICS", "").strip()
+    if custom_metrics:  # a vLLM-backend config.pbtxt works unchanged
+        try:
+            backend.report_metrics = parse_text(custom_metrics, field_types(BackendOptions)["report_metrics"])
+        except ValueError as exc:
+            raise ValueError(f"parameter 'REPORT_CUSTOM_METRICS' {exc}") from None
     engine.validate()
     backend.validate()
     return engine, backend

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from freetoken.core import RequestOutput, SamplingParams
+from freetoken.core import RequestOutput, SamplingParams, TokenLogprobs
 from freetoken.fields import field_types
 
 TEXT_INPUT = "text_input"
@@ -52,6 +52,7 @@ class GenerateSpec:
     stream: bool
     prepend_input: bool  # non-streaming only: text_output starts with the prompt's text
     outputs: frozenset[str]  # the optional outputs asked for
+    report_logprobs: bool  # sampling_parameters asked for logprobs; else the logprobs output is null
 
 
 def _scalar(array: np.ndarray, name: str) -> Any:
@@ -131,6 +132,15 @@ def _coerce(name: str, value: Any) -> Any:
     raise ProtocolError(f"sampling parameter '{name}' has an unsupported value {value!r}")
 
 
+# Keys of the vLLM backend that FreeToken refuses, with what it answers (``lora_name``: the vLLM
+# backend's own text when LoRA is off).
+_REFUSED = {
+    "lora_name": "LoRA feature is not enabled.",
+    "structured_outputs": "sampling parameter 'structured_outputs' is not supported: FreeToken has no structured "
+                          "decoding (JSON schema, regex, choice, grammar) yet",
+}
+
+
 def parse_sampling_parameters(raw: str | dict[str, Any] | None, ignore: Sequence[str] = ()) -> SamplingParams:
     """``raw`` is the JSON object of vLLM SamplingParams fields (``null`` values mean unset).
     Keys in ``ignore`` are skipped (the generate endpoint puts its own keys among the parameters)."""
@@ -149,6 +159,8 @@ def parse_sampling_parameters(raw: str | dict[str, Any] | None, ignore: Sequence
     for name, value in values.items():
         if name in ignore or value is None:
             continue
+        if name in _REFUSED:
+            raise ProtocolError(_REFUSED[name])
         if name not in _FIELD_KINDS:
             raise ProtocolError(
                 f"unknown sampling parameter '{name}' (supported: {', '.join(sorted(_FIELD_KINDS))})"
@@ -192,8 +204,8 @@ def parse_request(get_input: InputGetter, request_parameters: str | None = None)
             flags[name] = _bool_input(array, name)
     stream = bool(flags[STREAM])
     exclude = flags[EXCLUDE_INPUT_IN_OUTPUT]
-    if stream and exclude is False:
-        raise ProtocolError(f"'{EXCLUDE_INPUT_IN_OUTPUT}' = false is not allowed when streaming")
+    if stream and exclude is False:  # the vLLM backend's text, which its clients match
+        raise ProtocolError("Error generating stream: When streaming, `exclude_input_in_output` = False is not allowed.")
     outputs = frozenset(name for name in OPTIONAL_OUTPUTS if flags[f"return_{name}"])
 
     raw_params = get_input(SAMPLING_PARAMETERS)
@@ -201,9 +213,11 @@ def parse_request(get_input: InputGetter, request_parameters: str | None = None)
         params = parse_sampling_parameters(_text(raw_params, SAMPLING_PARAMETERS))
     else:
         params = parse_sampling_parameters(_request_parameters(request_parameters), ignore=INPUT_NAMES)
-    if params.logprobs is None and outputs & {"cumulative_logprob", "logprobs"}:
-        params.logprobs = 0  # asking for them is enough
-    return GenerateSpec(prompt, params, stream, prepend_input=not stream and not exclude, outputs=outputs)
+    report_logprobs = params.logprobs is not None
+    if params.logprobs is None and "cumulative_logprob" in outputs:
+        params.logprobs = 0  # the chosen tokens' logprobs are summed; the logprobs output stays null
+    return GenerateSpec(prompt, params, stream, prepend_input=not stream and not exclude, outputs=outputs,
+                        report_logprobs=report_logprobs)
 
 
 def _request_parameters(raw: str | None) -> dict[str, Any]:
@@ -220,34 +234,56 @@ def _request_parameters(raw: str | None) -> dict[str, Any]:
 
 
 def build_outputs(
-    spec: GenerateSpec, outputs: Sequence[RequestOutput], prompt_text: Callable[[], str]
+    spec: GenerateSpec,
+    latest: Sequence[RequestOutput | None],
+    deltas: Sequence[Sequence[RequestOutput]],
+    prompt_text: Callable[[], str],
+    decode_token: Callable[[int], str],
 ) -> dict[str, np.ndarray]:
-    """Output arrays of one response. Streaming: ``outputs`` are the engine deltas since the last
-    response (merged); otherwise: the final output alone, the whole text. ``prompt_text()`` is
-    called only when the prompt is prepended."""
-    last = outputs[-1]
-    if spec.stream:
-        text = "".join(o.new_text for o in outputs)
-        token_ids = [t for o in outputs for t in o.new_token_ids]
-        logprobs = [lp for o in outputs for lp in (o.new_logprobs or [])]
-    else:
-        text = prompt_text() + last.text if spec.prepend_input else last.text
-        token_ids, logprobs = list(last.token_ids), list(last.logprobs or [])
-    arrays: dict[str, np.ndarray] = {"text_output": np.array([text.encode("utf-8")], dtype=np.object_)}
+    """Output arrays of one response, one element per sample (``n`` of them, as the vLLM backend
+    lays them out). ``latest[i]`` is sample i's newest engine output (None before its first);
+    streaming: ``deltas[i]`` are its outputs since the previous response (merged here); otherwise
+    every sample has finished and its whole text is sent. ``prompt_text()`` is called only when the
+    prompt is prepended; ``decode_token`` spells a token id for ``logprobs``."""
+    texts, token_ids, logprobs = [], [], []
+    for last, delta in zip(latest, deltas):
+        if spec.stream:
+            texts.append("".join(o.new_text for o in delta))
+            token_ids.append([t for o in delta for t in o.new_token_ids])
+            logprobs.append([lp for o in delta for lp in (o.new_logprobs or [])])
+        else:
+            texts.append(prompt_text() + last.text if spec.prepend_input else last.text)
+            token_ids.append(list(last.token_ids))
+            logprobs.append(list(last.logprobs or []))
+    arrays: dict[str, np.ndarray] = {"text_output": _strings(texts)}
     wanted = spec.outputs
-    if "finish_reason" in wanted:
-        reason = last.finish_reason.value if last.finish_reason is not None else ""
-        arrays["finish_reason"] = np.array([reason.encode()], dtype=np.object_)
+    if "finish_reason" in wanted:  # the vLLM backend sends str(None) until a sample finishes
+        arrays["finish_reason"] = _strings([str(o.finish_reason.value) if o is not None and o.finished else "None"
+                                            for o in latest])
     if "cumulative_logprob" in wanted:
-        arrays["cumulative_logprob"] = np.array([last.cumulative_logprob or 0.0], dtype=np.float32)
+        arrays["cumulative_logprob"] = np.array([(o.cumulative_logprob if o is not None else None) or 0.0
+                                                 for o in latest], dtype=np.float32)
     if "logprobs" in wanted:
-        entries = [{str(t): {"logprob": lp}} for t, lp in zip(token_ids, logprobs)]
-        arrays["logprobs"] = np.array([json.dumps(entries).encode()], dtype=np.object_)
+        arrays["logprobs"] = _strings([json.dumps([_logprob_entry(t, lp, decode_token) for t, lp in zip(ids, lps)])
+                                       if spec.report_logprobs else "null"
+                                       for ids, lps in zip(token_ids, logprobs)])
     if "num_input_tokens" in wanted:
-        arrays["num_input_tokens"] = np.array([len(last.prompt_token_ids)], dtype=np.uint32)
+        prompt_ids = next(o.prompt_token_ids for o in latest if o is not None)
+        arrays["num_input_tokens"] = np.array([len(prompt_ids)], dtype=np.uint32)
     if "num_output_tokens" in wanted:
-        arrays["num_output_tokens"] = np.array([len(token_ids)], dtype=np.uint32)
-    if "output_ids" in wanted:
-        arrays["output_ids"] = np.array(token_ids, dtype=np.int32)
+        arrays["num_output_tokens"] = np.array([len(ids) for ids in token_ids], dtype=np.uint32)
+    if "output_ids" in wanted:  # the samples' ids one after another (num_output_tokens splits them)
+        arrays["output_ids"] = np.array([t for ids in token_ids for t in ids], dtype=np.int32)
     return arrays
 
+
+def _strings(values: Sequence[str]) -> np.ndarray:
+    return np.array([v.encode("utf-8") for v in values], dtype=np.object_)
+
+
+def _logprob_entry(token_id: int, logprobs: TokenLogprobs, decode_token: Callable[[int], str]) -> dict[str, dict]:
+    """vLLM's layout of one position: the chosen token, then the top-k (ranks 1..k; a chosen token
+    among them takes its top-k rank)."""
+    ranked = [(token_id, logprobs.logprob, logprobs.rank)]
+    ranked += [(t, lp, rank) for rank, (t, lp) in enumerate(logprobs.top, start=1)]
+    return {str(t): {"logprob": lp, "rank": rank, "decoded_token": decode_token(t)} for t, lp, rank in ranked}

@@ -38,32 +38,52 @@ class State(enum.Enum):
 
 
 @dataclass(eq=False)
-class Stream:
-    """One accepted request, owned by one response thread."""
+class Sample:
+    """One of a request's ``n`` samples: an engine request of its own."""
 
     engine_id: str
+    latest: RequestOutput | None = None  # its newest engine output
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.latest is not None and self.latest.finished
+
+
+@dataclass(eq=False)
+class Stream:
+    """One accepted request (its ``n`` samples), owned by one response thread."""
+
+    request_id: str  # for the log
     spec: GenerateSpec
     sender: Any  # the request's response sender; None once closed
     prompt_text: Callable[[], str]
+    samples: list[Sample]
     arrival: float = field(default_factory=time.monotonic)
     state: State = State.OPEN
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    num_tokens: int = 0
+
+    def abort_unfinished(self, runtime: Runtime) -> None:
+        for sample in self.samples:
+            if not sample.finished:
+                runtime.abort(sample.engine_id)
 
 
 class ResponseWorker:
     """A response thread: the single owner of its streams' senders."""
 
     def __init__(self, name: str, pb_utils: Any, runtime: Runtime, metrics: Metrics, poll_interval: float,
-                 on_engine_death: Callable[[], None]) -> None:
+                 on_engine_death: Callable[[], None], decode_token: Callable[[int], str]) -> None:
         self._pb = pb_utils
         self._runtime = runtime
         self._metrics = metrics
         self._poll_interval = poll_interval
         self._on_engine_death = on_engine_death
+        self._decode_token = decode_token
         self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
-        self._streams: dict[str, Stream] = {}
+        self._streams: dict[str, tuple[Stream, int]] = {}  # engine id -> (stream, sample index)
+        self._requests: dict[str, Stream] = {}  # request id -> stream, while open
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -77,9 +97,9 @@ class ResponseWorker:
         """The engine's callback (engine thread): queue, nothing else."""
         self._inbox.put(("output", output, time.monotonic()))
 
-    def refuse(self, engine_id: str, message: str, code: str) -> None:
+    def refuse(self, request_id: str, message: str, code: str) -> None:
         """End an adopted stream that was never submitted (its prompt was refused after tokenizing)."""
-        self._inbox.put(("refuse", engine_id, message, code))
+        self._inbox.put(("refuse", request_id, message, code))
 
     def end_all(self, message: str, code: str) -> None:
         """Abort every open stream now, each with an error response carrying ``message`` (shutdown)."""
@@ -103,26 +123,29 @@ class ResponseWorker:
                     items.append(self._inbox.get_nowait())
                 except queue.Empty:
                     break
-            batches: dict[str, list[tuple[RequestOutput, float]]] = {}
+            batches: dict[Stream, list[tuple[int, RequestOutput, float]]] = {}
             stopping = False
             for item in items:
                 if item[0] == "adopt":
-                    self._streams[item[1].engine_id] = item[1]
+                    self._requests[item[1].request_id] = item[1]
+                    for index, sample in enumerate(item[1].samples):
+                        self._streams[sample.engine_id] = (item[1], index)
                 elif item[0] == "output":
-                    batches.setdefault(item[1].request_id, []).append((item[1], item[2]))
+                    owner = self._streams.get(item[1].request_id)
+                    if owner is not None:
+                        batches.setdefault(owner[0], []).append((owner[1], item[1], item[2]))
                 elif item[0] == "refuse":
-                    stream = self._streams.get(item[1])
+                    stream = self._requests.get(item[1])
                     if stream is not None:
                         self._guard(stream, self._end, stream, item[2], item[3], "error")
                 elif item[0] == "end_all":
-                    for stream in list(self._streams.values()):
-                        self._runtime.abort(stream.engine_id)
+                    for stream in self._open_streams():
+                        stream.abort_unfinished(self._runtime)
                         self._guard(stream, self._end, stream, item[1], item[2], "abort")
                 else:
                     stopping = True
-            for engine_id, batch in batches.items():
-                stream = self._streams.get(engine_id)
-                if stream is not None:
+            for stream, batch in batches.items():
+                if stream.state is not State.CLOSED:
                     self._guard(stream, self._handle, stream, batch)
             if stopping:
                 self._fail_open("the model is being unloaded")
@@ -136,59 +159,71 @@ class ResponseWorker:
         try:
             fn(*args)
         except Exception:
-            logger.exception("responding to request %s failed", stream.engine_id)
+            logger.exception("responding to request %s failed", stream.request_id)
             if stream.state is State.CLOSED:
                 return  # the final flag's own send failed: never touch that sender again
             sender = stream.sender
-            self._runtime.abort(stream.engine_id)
+            stream.abort_unfinished(self._runtime)
             self._forget(stream, "error")
             try:
                 sender.send(flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             except Exception:
-                logger.exception("closing request %s failed", stream.engine_id)
+                logger.exception("closing request %s failed", stream.request_id)
 
-    def _handle(self, stream: Stream, batch: list[tuple[RequestOutput, float]]) -> None:
-        outputs = [o for o, _ in batch]
-        self._account(stream, batch)
-        last = outputs[-1]
+    def _handle(self, stream: Stream, batch: list[tuple[int, RequestOutput, float]]) -> None:
+        deltas: list[list[RequestOutput]] = [[] for _ in stream.samples]
+        for index, output, when in batch:
+            self._account(stream.samples[index], output, when)
+            deltas[index].append(output)
+        done = all(sample.finished for sample in stream.samples)
         if stream.state is State.CANCELLED:
-            if last.finished:
+            if done:
                 self._close(stream, None, "abort")
+                logger.info("[vllm] Successfully cancelled the request %s", stream.request_id)
             else:  # cancelled while its prompt was being tokenized: the first abort found nothing
-                self._runtime.abort(stream.engine_id)
+                stream.abort_unfinished(self._runtime)
             return
-        if last.finish_reason is FinishReason.ERROR:
-            message = last.error or "the engine failed this request"
+        failed = next((o for _, o, _ in batch if o.finish_reason is FinishReason.ERROR), None)
+        if failed is not None:
+            stream.abort_unfinished(self._runtime)
+            message = failed.error or "the engine failed this request"
             self._close(stream, error_response(self._pb, message, "INTERNAL"), "error")
         elif stream.spec.stream:
-            response = self._response(stream, outputs)
-            if last.finished:
-                self._close(stream, response, last.finish_reason.value)
+            response = self._response(stream, deltas)
+            if done:
+                self._close(stream, response)
             else:
                 stream.sender.send(response)
-        elif last.finished:
-            self._close(stream, self._response(stream, [last]), last.finish_reason.value)
+        elif done:
+            self._close(stream, self._response(stream, deltas))
 
-    def _account(self, stream: Stream, batch: list[tuple[RequestOutput, float]]) -> None:
-        new_tokens = 0
-        for output, when in batch:
-            if output.new_token_ids:
-                if stream.first_token_time is None:
-                    stream.first_token_time = when
-                    m = output.metrics
-                    self._metrics.record_first_token(m.get("num_prompt_tokens", 0), m.get("time_to_first_token"),
-                                                     m.get("queue_time"))
-                stream.last_token_time = when
-                new_tokens += len(output.new_token_ids)
-        stream.num_tokens += new_tokens
-        self._metrics.record_tokens(new_tokens)
+    def _account(self, sample: Sample, output: RequestOutput, when: float) -> None:
+        """Per-sample timings for the metrics: TTFT at the first token, then one time-per-output-token
+        observation per engine output with new tokens (one token per step), as vLLM counts them."""
+        sample.latest = output
+        if output.finished:
+            sample.finish_time = when
+        if not output.new_token_ids:
+            return
+        gaps: list[float] = []
+        if sample.first_token_time is None:
+            sample.first_token_time = when
+            m = output.metrics
+            self._metrics.record_first_token(m.get("num_prompt_tokens", 0), m.get("time_to_first_token"),
+                                             m.get("queue_time"))
+        else:
+            gaps.append(when - sample.last_token_time)
+        sample.last_token_time = when
+        self._metrics.record_tokens(len(output.new_token_ids), gaps)
 
-    def _response(self, stream: Stream, outputs: list[RequestOutput]) -> Any:
-        arrays = build_outputs(stream.spec, outputs, stream.prompt_text)
+    def _response(self, stream: Stream, deltas: list[list[RequestOutput]]) -> Any:
+        latest = [sample.latest for sample in stream.samples]
+        arrays = build_outputs(stream.spec, latest, deltas, stream.prompt_text, self._decode_token)
         return self._pb.InferenceResponse(output_tensors=[self._pb.Tensor(n, a) for n, a in arrays.items()])
 
-    def _close(self, stream: Stream, response: Any, reason: str) -> None:
-        """Send the last response (or just the final flag) and let go of the sender, exactly once."""
+    def _close(self, stream: Stream, response: Any, reason: str | None = None) -> None:
+        """Send the last response (or just the final flag) and let go of the sender, exactly once.
+        ``reason`` overrides the samples' own finish reasons in the metrics (abort, error)."""
         sender = stream.sender
         self._forget(stream, reason)
         final = self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -202,31 +237,40 @@ class ResponseWorker:
         response = error_response(self._pb, message, code) if stream.state is State.OPEN else None
         self._close(stream, response, reason)
 
-    def _forget(self, stream: Stream, reason: str) -> None:
+    def _forget(self, stream: Stream, reason: str | None) -> None:
         stream.state, stream.sender = State.CLOSED, None
-        self._streams.pop(stream.engine_id, None)
-        inter_token = None
-        if stream.num_tokens > 1 and stream.first_token_time is not None and stream.last_token_time is not None:
-            inter_token = (stream.last_token_time - stream.first_token_time) / (stream.num_tokens - 1)
-        self._metrics.record_finished(reason, time.monotonic() - stream.arrival, inter_token)
+        self._requests.pop(stream.request_id, None)
+        now = time.monotonic()
+        for sample in stream.samples:
+            self._streams.pop(sample.engine_id, None)
+            last = sample.latest
+            sample_reason = reason or (last.finish_reason.value if last is not None and last.finished else "abort")
+            self._metrics.record_finished(sample_reason, (sample.finish_time or now) - stream.arrival,
+                                          len(last.prompt_token_ids) if last is not None else 0,
+                                          len(last.token_ids) if last is not None else 0)
+        self._metrics.record_request(len(stream.samples))
 
     def _poll(self) -> None:
         if self._runtime.fatal_error is not None:  # died (a stopped engine, at finalize, is no failure)
             self._on_engine_death()
             self._fail_open("the engine thread died; the model is unavailable", "UNAVAILABLE")
             return
-        for stream in list(self._streams.values()):
+        for stream in self._open_streams():
             if stream.state is State.OPEN:
                 self._guard(stream, self._check_cancelled, stream)
 
+    def _open_streams(self) -> list[Stream]:
+        return list(self._requests.values())
+
     def _check_cancelled(self, stream: Stream) -> None:
         if stream.sender.is_cancelled():
-            logger.info("request %s cancelled by the client", stream.engine_id)
+            # the vLLM backend's log lines, which its CI (request_cancellation_test.py) looks for
+            logger.info("[vllm] Cancelling the request %s (cancelled by the client)", stream.request_id)
             stream.state = State.CANCELLED
-            self._runtime.abort(stream.engine_id)
+            stream.abort_unfinished(self._runtime)
 
     def _fail_open(self, message: str, code: str = "UNAVAILABLE") -> None:
-        for stream in list(self._streams.values()):
+        for stream in self._open_streams():
             if stream.state is State.CANCELLED:
                 self._guard(stream, self._close, stream, None, "abort")
             else:
