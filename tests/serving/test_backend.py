@@ -312,13 +312,13 @@ def test_stop_deadline_refuses_new_requests_then_aborts_open_ones(demo_model, tm
 
 
 def test_request_cancelled_while_tokenizing_is_aborted(backend):
-    make_request = backend.runtime.make_request
+    make_requests = backend.runtime.make_requests
 
-    def slow_make_request(*args):  # a long tokenization: the cancel poll (20 ms) sees it first
+    def slow_make_requests(*args):  # a long tokenization: the cancel poll (20 ms) sees it first
         time.sleep(0.3)
-        return make_request(*args)
+        return make_requests(*args)
 
-    backend.runtime.make_request = slow_make_request
+    backend.runtime.make_requests = slow_make_requests
     request = FakeRequest(text_input="hi", stream=True,
                           sampling_parameters=json.dumps({"max_tokens": 2000, "ignore_eos": True}))
     request.sender.cancelled = True

@@ -125,7 +125,7 @@ def test_reload_unload_load_under_traffic_with_metrics_on(demo_model, tmp_path):
         assert wait_for(lambda: pools_idle(server), timeout=15)
         pages = series(server, "freetoken_kv_cache_pages_total")  # one live instance: one owner's series
         assert len(pages) == 1 and f'stub_pid="{stub_pids(server)[0]}"' in pages[0], pages
-        assert server.metric("freetoken_requests_finished_total") > 0
+        assert server.metric("vllm:request_success_total") > 0
     finally:
         code = stop_server(server)
     log = server.log()
@@ -170,7 +170,7 @@ def test_sigterm_ends_long_generations_with_a_final_error_and_exits_0(demo_model
     try:
         for t in threads:
             t.start()
-        assert wait_for(lambda: server.metric("freetoken_num_requests_running") == 6, timeout=30)
+        assert wait_for(lambda: server.metric("vllm:num_requests_running") == 6, timeout=30)
         time.sleep(1)
         stopped = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)

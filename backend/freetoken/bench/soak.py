@@ -209,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
             t.join(180)
         hung_threads = sum(t.is_alive() for t in threads)
         time.sleep(2)
-        idle = {name: soak.metric(name) for name in ("freetoken_kv_cache_pages_used", "freetoken_state_slots_used",
-                                                     "freetoken_num_requests_running", "freetoken_num_requests_waiting")}
+        idle = {name: soak.metric(name) for name in ("vllm:kv_cache_usage_perc", "freetoken_state_slots_used",
+                                                     "vllm:num_requests_running", "vllm:num_requests_waiting")}
         total = sum(v for k, v in soak.outcomes.items() if k != "reloads")
         print(f"{total} requests in {args.duration:.0f} s: {dict(sorted(soak.outcomes.items()))}")
         print(f"after: {idle}; server alive: {serve.poll() is None}; hung clients: {hung_threads}")
