@@ -30,7 +30,7 @@ from pathlib import Path
 MALFORMED = [
     ({"text_input": "hi", "sampling_parameters": "{not json"}, "sampling_parameters"),
     ({"text_input": "hi", "sampling_parameters": json.dumps({"top_p": 7})}, "top_p"),
-    ({"text_input": "hi", "sampling_parameters": json.dumps({"lora_name": "x"})}, "lora_name"),
+    ({"text_input": "hi", "sampling_parameters": json.dumps({"no_such_key": 1})}, "no_such_key"),
     ({"text_input": "hi", "input_ids": [1, 2]}, "exactly one"),
     ({"input_ids": [10**6]}, "input_ids"),
     ({"text_input": ""}, "text_input"),
