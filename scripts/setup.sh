@@ -34,6 +34,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   # torch first, alone with its index, so that nothing else is resolved from that index
   .venv/bin/python -m pip install -q ${index:+--extra-index-url "$index"} "$FREETOKEN_TORCH"
-  .venv/bin/python -m pip install -q "$FREETOKEN_TORCH" -e ".[serve,test]"
+  .venv/bin/python -m pip install -q "$FREETOKEN_TORCH" -e ".[serve,test,bench]"
   echo "$want" > "$stamp"
 fi
