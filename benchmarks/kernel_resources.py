@@ -6,8 +6,9 @@ cubin without a GPU run.
     PYTHONPATH=.venv/triton-3.6.0 .venv/bin/python benchmarks/kernel_resources.py [--only gdn attention moe]
 
 Prints one line per compiled variant: ``cuobjdump --dump-resource-usage`` (REG, STACK: the spill
-and local frame, SHARED) and the count of SASS spill stores (STL) and tensor-core instructions
-(HGMMA: warpgroup, HMMA: warp-level).
+and local frame, SHARED), the dynamic shared memory (the pipeline buffers; at most 232,448 bytes
+on the H200, which only a launch checks), and the count of SASS spill stores (STL) and
+tensor-core instructions (HGMMA: warpgroup, HMMA: warp-level).
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def report() -> None:
         sass = subprocess.run([CUOBJDUMP, "--dump-sass", f.name], capture_output=True, text=True).stdout
         os.unlink(f.name)
         ops = " ".join(f"{op}={sass.count(op)}" for op in ("STL", "HGMMA", "HMMA"))
-        print(f"{name:22s} {line} {ops} {config}")
+        print(f"{name:22s} {line} dynamic shared {kernel.metadata.shared} {ops} {config}")
     compiled.clear()
 
 
