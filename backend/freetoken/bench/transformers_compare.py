@@ -47,6 +47,9 @@ def transformers_model_of(model: CausalLM, config: PretrainedConfig, dtype: torc
     return hf_model.eval()
 
 
+REPEATS = 3
+
+
 @dataclass(frozen=True)
 class TransformersTiming:
     prefill_seconds: float  # generate() of one new token: the prompt's forward and one sample
@@ -76,10 +79,11 @@ def _generate_seconds(model: PreTrainedModel, input_ids: torch.Tensor, new_token
 @torch.inference_mode()
 def time_transformers(model: PreTrainedModel, prompts: list[list[int]], output_len: int) -> TransformersTiming:
     """Greedy ``generate()`` of equal-length prompts as one batch (no padding): a warm-up, then a
-    one-token run (prefill) and an ``output_len`` run; decode per step is their difference."""
+    one-token run (prefill) and an ``output_len`` run, each the fastest of ``REPEATS`` (so host noise
+    cannot make their difference, decode per step, come out negative)."""
     device = next(model.parameters()).device
     input_ids = torch.tensor(prompts, dtype=torch.int64, device=device)
     _generate_seconds(model, input_ids, min(2, output_len))
-    prefill = _generate_seconds(model, input_ids, 1)
-    total = _generate_seconds(model, input_ids, output_len)
+    prefill = min(_generate_seconds(model, input_ids, 1) for _ in range(REPEATS))
+    total = min(_generate_seconds(model, input_ids, output_len) for _ in range(REPEATS))
     return TransformersTiming(prefill, total)
