@@ -29,7 +29,7 @@ if [ -n "$index" ] && ! .venv/bin/python -c "import socket, sys, urllib.parse; s
   index=""
 fi
 stamp=.venv/.freetoken-setup
-want="$FREETOKEN_TORCH $index $(sha1sum pyproject.toml | cut -c1-12)"
+want="$FREETOKEN_TORCH $index $(cat pyproject.toml scripts/setup.sh | sha1sum | cut -c1-12)"  # a changed extra reinstalls
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   # torch first, alone with its index, so that nothing else is resolved from that index

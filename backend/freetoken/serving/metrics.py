@@ -97,6 +97,7 @@ class Metrics:
         self._events: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._wake = threading.Event()
+        self._urgent = threading.Event()  # a sync waits: no batching delay
         self._metrics: dict[str, Any] = {}
         self._finished: dict[str, Any] = {}
         self._families: list[Any] = []  # kept alive as long as their metrics
@@ -148,6 +149,15 @@ class Metrics:
             self._events.put(("request", n))
             self._wake.set()
 
+    def sync(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` s) until the events recorded so far are on the metrics port."""
+        if self.enabled:
+            done = threading.Event()
+            self._events.put(("sync", done))
+            self._urgent.set()
+            self._wake.set()
+            done.wait(timeout)
+
     # ----- the metrics thread -----
 
     def _loop(self) -> None:
@@ -162,13 +172,15 @@ class Metrics:
                 logger.exception("updating metrics failed")
             if now >= next_gauges:
                 next_gauges = now + self._interval
-            self._stop.wait(BATCH_SECONDS)
+            self._urgent.wait(BATCH_SECONDS)
+            self._urgent.clear()
 
     def flush(self, gauges: bool = True) -> None:
         """Apply the queued events; with ``gauges``, also sample the runtime's pools and queues."""
         counts: Counter[str] = Counter()
         finished: Counter[str] = Counter()
         observations: list[tuple[str, float]] = []
+        synced: list[threading.Event] = []
         while True:
             try:
                 event = self._events.get_nowait()
@@ -190,14 +202,18 @@ class Metrics:
                 observations += [("vllm:e2e_request_latency_seconds", e2e),
                                  ("vllm:request_prompt_tokens", prompt_tokens),
                                  ("vllm:request_generation_tokens", generation_tokens)]
-            else:
+            elif event[0] == "request":
                 observations.append(("vllm:request_params_n", event[1]))
+            else:
+                synced.append(event[1])
         for name, count in counts.items():
             self._metrics[name].increment(count)
         for reason, count in finished.items():
             self._finished[reason].increment(count)
         for name, value in observations:
             self._metrics[name].observe(value)
+        for done in synced:
+            done.set()
         if not gauges:
             return
         stats = self._stats()
@@ -218,6 +234,7 @@ class Metrics:
     def close(self) -> None:
         self._stop.set()
         self._wake.set()
+        self._urgent.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         self._metrics, self._finished, self._families = {}, {}, []

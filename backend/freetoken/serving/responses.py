@@ -25,6 +25,8 @@ from freetoken.serving.protocol import GenerateSpec, build_outputs
 
 logger = logging.getLogger(__name__)
 
+METRICS_SYNC_SECONDS = 0.05  # the most a request's last response waits for its metrics
+
 
 def error_response(pb_utils: Any, message: str, code: str) -> Any:
     """An ``InferenceResponse`` carrying a ``TritonError`` of ``code`` ("INVALID_ARG", "UNAVAILABLE", ...)."""
@@ -45,7 +47,8 @@ class Sample:
     latest: RequestOutput | None = None  # its newest engine output
     first_token_time: float | None = None
     last_token_time: float | None = None
-    finish_time: float | None = None
+    num_tokens: int = 0
+    recorded: bool = False  # its end is in the metrics
 
     @property
     def finished(self) -> bool:
@@ -63,6 +66,7 @@ class Stream:
     samples: list[Sample]
     arrival: float = field(default_factory=time.monotonic)
     state: State = State.OPEN
+    recorded: bool = False  # vllm:request_params_n has it
 
     def abort_unfinished(self, runtime: Runtime) -> None:
         for sample in self.samples:
@@ -144,6 +148,10 @@ class ResponseWorker:
                         self._guard(stream, self._end, stream, item[1], item[2], "abort")
                 else:
                     stopping = True
+            for stream, batch in batches.items():  # the metrics first: see _sync_metrics
+                for index, output, when in batch:
+                    self._account(stream, stream.samples[index], output, when)
+            self._sync_metrics(batches)
             for stream, batch in batches.items():
                 if stream.state is not State.CLOSED:
                     self._guard(stream, self._handle, stream, batch)
@@ -172,8 +180,7 @@ class ResponseWorker:
 
     def _handle(self, stream: Stream, batch: list[tuple[int, RequestOutput, float]]) -> None:
         deltas: list[list[RequestOutput]] = [[] for _ in stream.samples]
-        for index, output, when in batch:
-            self._account(stream.samples[index], output, when)
+        for index, output, _ in batch:
             deltas[index].append(output)
         done = all(sample.finished for sample in stream.samples)
         if stream.state is State.CANCELLED:
@@ -197,24 +204,40 @@ class ResponseWorker:
         elif done:
             self._close(stream, self._response(stream, deltas))
 
-    def _account(self, sample: Sample, output: RequestOutput, when: float) -> None:
+    def _account(self, stream: Stream, sample: Sample, output: RequestOutput, when: float) -> None:
         """Per-sample timings for the metrics: TTFT at the first token, then one time-per-output-token
-        observation per engine output with new tokens (one token per step), as vLLM counts them."""
+        observation per engine output with new tokens (one token per step), as vLLM counts them; the
+        sample's end when it finishes, the request's when all its samples have."""
         sample.latest = output
+        if output.new_token_ids:
+            gaps: list[float] = []
+            if sample.first_token_time is None:
+                sample.first_token_time = when
+                m = output.metrics
+                self._metrics.record_first_token(m.get("num_prompt_tokens", 0), m.get("time_to_first_token"),
+                                                 m.get("queue_time"))
+            else:
+                gaps.append(when - sample.last_token_time)
+            sample.last_token_time = when
+            sample.num_tokens += len(output.new_token_ids)
+            self._metrics.record_tokens(len(output.new_token_ids), gaps)
         if output.finished:
-            sample.finish_time = when
-        if not output.new_token_ids:
-            return
-        gaps: list[float] = []
-        if sample.first_token_time is None:
-            sample.first_token_time = when
-            m = output.metrics
-            self._metrics.record_first_token(m.get("num_prompt_tokens", 0), m.get("time_to_first_token"),
-                                             m.get("queue_time"))
-        else:
-            gaps.append(when - sample.last_token_time)
-        sample.last_token_time = when
-        self._metrics.record_tokens(len(output.new_token_ids), gaps)
+            self._record_end(stream, sample, output.finish_reason.value, when)
+
+    def _record_end(self, stream: Stream, sample: Sample, reason: str, when: float) -> None:
+        if not sample.recorded:
+            sample.recorded = True
+            prompt_tokens = len(sample.latest.prompt_token_ids) if sample.latest is not None else 0
+            self._metrics.record_finished(reason, when - stream.arrival, prompt_tokens, sample.num_tokens)
+        if not stream.recorded and all(s.recorded for s in stream.samples):
+            stream.recorded = True
+            self._metrics.record_request(len(stream.samples))
+
+    def _sync_metrics(self, batches: dict[Stream, list[tuple[int, RequestOutput, float]]]) -> None:
+        """Before a request's last response goes out, let the metrics thread apply its events, so a
+        client that reads /metrics right after (as vllm_metrics_test.py does) sees its request."""
+        if any(output.finished for batch in batches.values() for _, output, _ in batch):
+            self._metrics.sync(METRICS_SYNC_SECONDS)
 
     def _response(self, stream: Stream, deltas: list[list[RequestOutput]]) -> Any:
         latest = [sample.latest for sample in stream.samples]
@@ -223,7 +246,7 @@ class ResponseWorker:
 
     def _close(self, stream: Stream, response: Any, reason: str | None = None) -> None:
         """Send the last response (or just the final flag) and let go of the sender, exactly once.
-        ``reason`` overrides the samples' own finish reasons in the metrics (abort, error)."""
+        ``reason``: how samples that did not finish count in the metrics (abort, error)."""
         sender = stream.sender
         self._forget(stream, reason)
         final = self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -238,17 +261,13 @@ class ResponseWorker:
         self._close(stream, response, reason)
 
     def _forget(self, stream: Stream, reason: str | None) -> None:
+        """Let go of a closed stream; samples that never finished count as ``reason`` (abort, error)."""
         stream.state, stream.sender = State.CLOSED, None
         self._requests.pop(stream.request_id, None)
         now = time.monotonic()
         for sample in stream.samples:
             self._streams.pop(sample.engine_id, None)
-            last = sample.latest
-            sample_reason = reason or (last.finish_reason.value if last is not None and last.finished else "abort")
-            self._metrics.record_finished(sample_reason, (sample.finish_time or now) - stream.arrival,
-                                          len(last.prompt_token_ids) if last is not None else 0,
-                                          len(last.token_ids) if last is not None else 0)
-        self._metrics.record_request(len(stream.samples))
+            self._record_end(stream, sample, reason or "abort", now)
 
     def _poll(self) -> None:
         if self._runtime.fatal_error is not None:  # died (a stopped engine, at finalize, is no failure)
