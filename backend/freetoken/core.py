@@ -162,6 +162,7 @@ class RequestOutput:
     new_text: str = ""
     new_logprobs: list[TokenLogprobs] | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
+    num_cached_tokens: int = 0  # prompt tokens whose prefill a prefix-cache hit skipped (vLLM's name)
 
     @property
     def finished(self) -> bool:

@@ -35,6 +35,25 @@ Prompt = str | list[int]
 
 
 @dataclass
+class PrefixCacheStats:
+    queried_tokens: int  # prompt tokens looked up in the prefix index, since start
+    hit_tokens: int  # of those, found cached (their prefill skipped)
+    cached_pages: int  # KV pages the index holds now (shared with requests or not)
+    snapshot_slots_used: int  # state snapshots held now
+    snapshot_slots_total: int
+
+
+@dataclass
+class ExpertCacheStats:
+    hits: int  # routed (token-batch, expert) uses found in the device cache, since start
+    misses: int  # uses whose expert had to be copied in
+    bytes_copied: int  # host -> device expert bytes
+    prefetched: int  # experts copied ahead of their layer's routing
+    prefetch_hits: int  # of those, used by that layer
+    slots: int  # device slots of the cache
+
+
+@dataclass
 class RuntimeStats:
     num_running: int
     num_waiting: int
@@ -43,6 +62,8 @@ class RuntimeStats:
     slots_used: int
     slots_total: int
     num_preemptions: int
+    prefix_cache: PrefixCacheStats | None = None  # None: prefix caching off
+    expert_cache: ExpertCacheStats | None = None  # None: experts resident
 
 
 @dataclass(eq=False)
