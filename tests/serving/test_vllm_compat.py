@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import re
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 from tritonclient.utils import InferenceServerException
 
@@ -87,8 +89,37 @@ def test_unrequested_outputs_are_absent(server):
                                      sampling_parameters=sampling(max_tokens=3), return_finish_reason=False)
     assert error is None
     for response in responses:
-        for name in ("finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens", "num_output_tokens"):
+        for name in ("finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens", "num_output_tokens",
+                     "num_cached_tokens", "output_ids"):
             assert response.as_numpy(name) is None
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_num_cached_tokens_when_asked(server, stream):
+    """FreeToken's num_cached_tokens (vLLM's RequestOutput field): one UINT32 per sample in every
+    response. A prompt whose first page no earlier prompt had hits nothing; the same prompt again
+    hits its cached pages if the server caches prefixes (it then publishes the vllm:prefix_cache_*
+    counters, whose hits grow by exactly what the responses report), else nothing."""
+    prompt = f"{uuid.uuid4().hex} " + " ".join(PROMPTS)  # a first page of its own, several pages long
+    caching = "vllm:prefix_cache_hits_total" in server.metrics_text()
+    hits_before = server.metric("vllm:prefix_cache_hits_total") if caching else 0.0
+    reported = []
+    for _ in range(2):
+        responses, error = grpc_generate(server, text_input=prompt, stream=stream, return_num_cached_tokens=True,
+                                         return_num_input_tokens=True, sampling_parameters=sampling(max_tokens=3))
+        assert error is None
+        responses = [r for r in responses if r.as_numpy("text_output") is not None]
+        values = {tuple(r.as_numpy("num_cached_tokens").tolist()) for r in responses}
+        assert all(r.as_numpy("num_cached_tokens").dtype == np.uint32 for r in responses)
+        (cached,) = values  # the same in every response of the request, one element (n = 1)
+        assert 0 <= cached[0] < int(responses[0].as_numpy("num_input_tokens")[0])
+        reported.append(cached[0])
+    assert reported[0] == 0
+    if caching:
+        assert reported[1] > 0
+        assert wait_for(lambda: server.metric("vllm:prefix_cache_hits_total") - hits_before == sum(reported))
+    else:
+        assert reported[1] == 0
 
 
 # ----- n > 1 -----
