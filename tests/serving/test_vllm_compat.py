@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from tritonclient.utils import InferenceServerException
 
-from freetoken.serving.metrics import E2E_BUCKETS, FAMILIES, N_BUCKETS, OWNER_LABEL, TPOT_BUCKETS, TTFT_BUCKETS
+from freetoken.serving.metrics import (E2E_BUCKETS, FAMILIES, N_BUCKETS, OWNER_LABEL, PREFIX_CACHE_FAMILIES, TPOT_BUCKETS,
+                                      TTFT_BUCKETS)
 
 from .conftest import PROMPTS, Server, sampling
 from .test_server import grpc_generate, wait_for
@@ -246,6 +247,8 @@ def test_vllm_metrics_count_as_the_vllm_backend_does(server, demo_model):
 def test_every_family_once_under_one_name(server):
     text = server.metrics_text()
     exposed = set(re.findall(r"^# TYPE ((?:vllm:|freetoken_)\S+) (\w+)$", text, re.MULTILINE))
-    assert exposed == {(name, kind.lower()) for name, (kind, _, _) in FAMILIES.items()}
-    own = {name for name, _ in exposed if name.startswith("freetoken_")}
+    prefix_cache = {(name, kind.lower()) for name, (kind, _, _) in PREFIX_CACHE_FAMILIES.items()}
+    assert exposed & prefix_cache in (set(), prefix_cache)  # all of them while prefix caching is on, else none
+    assert exposed - prefix_cache == {(name, kind.lower()) for name, (kind, _, _) in FAMILIES.items()}
+    own = {name for name, _ in exposed - prefix_cache if name.startswith("freetoken_")}
     assert own == {"freetoken_kv_cache_pages_total", "freetoken_state_slots_used", "freetoken_state_slots_total"}
