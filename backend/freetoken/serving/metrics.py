@@ -252,13 +252,10 @@ class Metrics:
         """The prefix-cache families, created the first time there is a cache: with prefix caching
         off none of them appears. The counters grow by the runtime's cumulative counts' deltas."""
         if self._prefix_metrics is None:
-            self._prefix_metrics = {}
-            for name, (kind, description, _) in PREFIX_CACHE_FAMILIES.items():
-                family = self._pb.MetricFamily(name=name, description=description,
-                                               kind=getattr(self._pb.MetricFamily, kind))
-                self._families.append(family)
-                self._prefix_metrics[name] = family.Metric(labels=self._labels)
+            self._prefix_metrics = self._create_prefix_families()
         metrics = self._prefix_metrics
+        if not metrics:
+            return
         queried, hit = self._last_prefix
         if cache.queried_tokens > queried:
             metrics["vllm:prefix_cache_queries_total"].increment(cache.queried_tokens - queried)
@@ -268,6 +265,20 @@ class Metrics:
         metrics["freetoken_prefix_cache_pages"].set(cache.cached_pages)
         metrics["freetoken_snapshot_slots_used"].set(cache.snapshot_slots_used)
         metrics["freetoken_snapshot_slots_total"].set(cache.snapshot_slots_total)
+
+    def _create_prefix_families(self) -> dict[str, Any]:
+        """The prefix-cache series, or none (logged once) if the server refuses them."""
+        metrics: dict[str, Any] = {}
+        try:
+            for name, (kind, description, _) in PREFIX_CACHE_FAMILIES.items():
+                family = self._pb.MetricFamily(name=name, description=description,
+                                               kind=getattr(self._pb.MetricFamily, kind))
+                self._families.append(family)
+                metrics[name] = family.Metric(labels=self._labels)
+        except Exception as exc:
+            logger.warning("prefix-cache metrics unavailable: %s", exc)
+            return {}
+        return metrics
 
     def close(self) -> None:
         self._stop.set()
