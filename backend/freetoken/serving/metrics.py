@@ -30,7 +30,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from freetoken.runtime import RuntimeStats
+from freetoken.runtime import PrefixCacheStats, RuntimeStats
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +78,17 @@ FAMILIES: dict[str, tuple[str, str, list[float] | str | None]] = {
     "freetoken_state_slots_used": ("GAUGE", "Recurrent-state (Gated DeltaNet) slots in use.", None),
     "freetoken_state_slots_total": ("GAUGE", "Recurrent-state slots in the pool.", None),
 }
+# Published only when the engine caches prefixes (``RuntimeStats.prefix_cache`` not None): vLLM V1's
+# counters (vllm/v1/metrics/loggers.py; hit rate = hits / queries, in tokens), then FreeToken's.
+PREFIX_CACHE_FAMILIES: dict[str, tuple[str, str, None]] = {
+    "vllm:prefix_cache_queries_total": ("COUNTER", "Prefix cache queries, in terms of number of queried tokens.",
+                                        None),
+    "vllm:prefix_cache_hits_total": ("COUNTER", "Prefix cache hits, in terms of number of cached tokens.", None),
+    "freetoken_prefix_cache_pages": ("GAUGE", "KV-cache pages the prefix cache holds (shared with requests or not).",
+                                     None),
+    "freetoken_snapshot_slots_used": ("GAUGE", "Prefix-cache state snapshots (Gated DeltaNet, PLE) held.", None),
+    "freetoken_snapshot_slots_total": ("GAUGE", "Prefix-cache state snapshot slots.", None),
+}
 FINISH_REASONS = ("stop", "length", "abort", "error")
 SUCCESS = "vllm:request_success_total"
 BATCH_SECONDS = 0.01  # after a flush, events gather this long before the next one
@@ -92,6 +103,8 @@ class Metrics:
         """``pb_utils`` None: metrics off (the ``report_metrics`` parameter); ``max_model_len`` bounds
         the token-count buckets."""
         labels = {**labels, OWNER_LABEL: str(os.getpid())}
+        self._pb = pb_utils
+        self._labels = labels
         self._stats = stats
         self._interval = interval
         self._events: queue.SimpleQueue[tuple] = queue.SimpleQueue()
@@ -102,6 +115,8 @@ class Metrics:
         self._finished: dict[str, Any] = {}
         self._families: list[Any] = []  # kept alive as long as their metrics
         self._last_preemptions = 0
+        self._prefix_metrics: dict[str, Any] | None = None  # created at the first stats with a prefix cache
+        self._last_prefix = (0, 0)  # queried, hit tokens already counted
         families = FAMILIES.items() if pb_utils is not None else ()
         try:
             for name, (kind, description, buckets) in families:
@@ -230,6 +245,40 @@ class Metrics:
         if stats.num_preemptions > self._last_preemptions:
             self._metrics["vllm:num_preemptions_total"].increment(stats.num_preemptions - self._last_preemptions)
             self._last_preemptions = stats.num_preemptions
+        if stats.prefix_cache is not None:
+            self._publish_prefix_cache(stats.prefix_cache)
+
+    def _publish_prefix_cache(self, cache: PrefixCacheStats) -> None:
+        """The prefix-cache families, created the first time there is a cache: with prefix caching
+        off none of them appears. The counters grow by the runtime's cumulative counts' deltas."""
+        if self._prefix_metrics is None:
+            self._prefix_metrics = self._create_prefix_families()
+        metrics = self._prefix_metrics
+        if not metrics:
+            return
+        queried, hit = self._last_prefix
+        if cache.queried_tokens > queried:
+            metrics["vllm:prefix_cache_queries_total"].increment(cache.queried_tokens - queried)
+        if cache.hit_tokens > hit:
+            metrics["vllm:prefix_cache_hits_total"].increment(cache.hit_tokens - hit)
+        self._last_prefix = (max(queried, cache.queried_tokens), max(hit, cache.hit_tokens))
+        metrics["freetoken_prefix_cache_pages"].set(cache.cached_pages)
+        metrics["freetoken_snapshot_slots_used"].set(cache.snapshot_slots_used)
+        metrics["freetoken_snapshot_slots_total"].set(cache.snapshot_slots_total)
+
+    def _create_prefix_families(self) -> dict[str, Any]:
+        """The prefix-cache series, or none (logged once) if the server refuses them."""
+        metrics: dict[str, Any] = {}
+        try:
+            for name, (kind, description, _) in PREFIX_CACHE_FAMILIES.items():
+                family = self._pb.MetricFamily(name=name, description=description,
+                                               kind=getattr(self._pb.MetricFamily, kind))
+                self._families.append(family)
+                metrics[name] = family.Metric(labels=self._labels)
+        except Exception as exc:
+            logger.warning("prefix-cache metrics unavailable: %s", exc)
+            return {}
+        return metrics
 
     def close(self) -> None:
         self._stop.set()
@@ -237,5 +286,5 @@ class Metrics:
         self._urgent.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
-        self._metrics, self._finished, self._families = {}, {}, []
+        self._metrics, self._finished, self._prefix_metrics, self._families = {}, {}, None, []
         self.enabled = False
