@@ -78,10 +78,12 @@ class LRFUPolicy:
     Time is counted in forward passes: a pass starts when ``access`` sees a layer index not above
     the previous call's (the cache walks the layers in order each step). Scores are kept as
     ``log(sum_i 2**(t_i / half_life))`` over the accesses ``t_i``: decaying every score by the same
-    factor does not change their order, so a score changes only when its expert is accessed, and a
-    min-heap with lazy deletion gives O(log n) per access, insert and eviction. Scores are kept for
-    evicted experts too (at most layers x experts of them), so an expert that comes back resumes its
-    history instead of starting cold.
+    factor does not change their order, so a score changes only when its expert is accessed, and
+    only grows. The heap holds one entry per resident expert with its score when pushed, a lower
+    bound of its score now; ``evict`` re-pushes stale entries it pops until the top is current,
+    which is then the true minimum. So ``access`` is O(1) per key and ``insert`` / ``evict`` are
+    amortised O(log n). Scores are kept for evicted experts too (at most layers x experts of them),
+    so an expert that comes back resumes its history instead of starting cold.
     """
 
     def __init__(self, half_life: float = 12.0) -> None:
@@ -90,7 +92,8 @@ class LRFUPolicy:
         self._rate = math.log(2.0) / half_life
         self._score: dict[ExpertKey, float] = {}
         self._resident: set[ExpertKey] = set()
-        self._heap: list[tuple[float, int, ExpertKey]] = []  # (score, tie-break, key), stale entries allowed
+        self._heap: list[tuple[float, int, ExpertKey]] = []  # (score when pushed, tie-break, key)
+        self._held: list[tuple[float, int, ExpertKey]] = []  # resident, protected at the last evict
         self._tie = itertools.count()
         self._step = 0
         self._last_layer: int | None = None
@@ -103,40 +106,40 @@ class LRFUPolicy:
             self._step += 1
         self._last_layer = layer
         now = self._rate * self._step
+        score = self._score
         for key in keys:
-            old = self._score.get(key)
-            new = now if old is None else max(old, now) + math.log1p(math.exp(-abs(old - now)))
-            self._score[key] = new
-            if key in self._resident:
-                heapq.heappush(self._heap, (new, next(self._tie), key))
-        if len(self._heap) > 4 * len(self._resident) + 64:
-            self._heap = [(self._score[k], next(self._tie), k) for k in self._resident]
-            heapq.heapify(self._heap)
+            old = score.get(key)
+            score[key] = now if old is None else max(old, now) + math.log1p(math.exp(-abs(old - now)))
 
     def insert(self, key: ExpertKey) -> None:
-        score = self._score.setdefault(key, self._rate * self._step)
+        if key in self._resident:
+            return
         self._resident.add(key)
+        score = self._score.setdefault(key, self._rate * self._step)
         heapq.heappush(self._heap, (score, next(self._tie), key))
 
     def evict(self, protected: Container[ExpertKey]) -> ExpertKey:
-        skipped: list[tuple[float, int, ExpertKey]] = []
-        victim = None
+        # Protected experts popped off the heap wait in ``_held`` instead of going back at once: the
+        # cache evicts many times for one layer with the same ``protected``, and the layer's own
+        # newly inserted experts have the smallest scores, so re-pushing them every call would cost
+        # O(layer's experts x log n) per eviction.
+        held = [entry for entry in self._held if entry[2] in protected]
+        for entry in self._held:
+            if entry[2] not in protected:
+                heapq.heappush(self._heap, (self._score[entry[2]], next(self._tie), entry[2]))
+        self._held = held
         while self._heap:
             entry = heapq.heappop(self._heap)
-            score, _, key = entry
-            if key not in self._resident or score != self._score[key]:
-                continue  # stale: evicted, or accessed since this entry was pushed
-            if key in protected:
-                skipped.append(entry)
-                continue
-            victim = key
-            break
-        for entry in skipped:
-            heapq.heappush(self._heap, entry)
-        if victim is None:
-            raise MemoryError(_ALL_PROTECTED)
-        self._resident.discard(victim)
-        return victim
+            key = entry[2]
+            current = self._score[key]
+            if entry[0] != current:
+                heapq.heappush(self._heap, (current, next(self._tie), key))
+            elif key in protected:
+                self._held.append(entry)
+            else:
+                self._resident.remove(key)
+                return key
+        raise MemoryError(_ALL_PROTECTED)
 
 
 class ARCPolicy:
