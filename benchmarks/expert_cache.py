@@ -2,6 +2,7 @@
 
     python benchmarks/expert_cache.py [--shapes qwen3.6 qwen4-exp] [--batches 1 16] [--json FILE]
     python benchmarks/expert_cache.py --calibrate    # the trace's statistics against the published ones
+    python benchmarks/expert_cache.py --predictors   # next-step prefetch predictors, batch 1
 
 The trace is ``freetoken.bench.routing_trace.generate_trace`` (router-logit model fitted to Qwen3
 MoE routing measurements; its docstring cites them). A cache of S slots shared by all layers starts
@@ -19,9 +20,11 @@ import argparse
 import json
 import time
 
+import numpy as np
+
 from freetoken.bench.expert_cache_sim import BeladyPolicy, simulate_cache
 from freetoken.bench.routing_trace import QWEN3_ROUTING, generate_trace, trace_statistics
-from freetoken.experts.eviction import POLICIES, make_policy
+from freetoken.experts.eviction import DEFAULT_POLICY, POLICIES, make_policy
 
 SHAPES = {"qwen3.6": (40, 256, 8), "qwen4-exp": (40, 512, 10)}  # layers, experts, top-k
 EXPERT_MB = {"bf16": 6.3, "nvfp4": 1.8}
@@ -85,6 +88,46 @@ def bench(shapes: list[str], batches: list[int], seed: int) -> list[dict]:
     return rows
 
 
+def predictors(seed: int) -> None:
+    """How well cheap predictors name a layer's experts of the next step, and how many of the cache's
+    misses they would have prefetched: the previous token's experts of the layer, and the layer's
+    top-k / top-2k by access count decayed with the default policy's half-life (12 steps)."""
+    layers, experts, top_k = SHAPES["qwen3.6"]
+    steps = STEPS[1]
+    warmup = steps // 4
+    trace = generate_trace(layers, experts, top_k, steps, seed=seed)[:, 0]  # [steps, layers, top_k]
+    decay = 0.5 ** (1 / 12)
+    freq = np.zeros((layers, experts))
+    predicted: dict[str, list[list[set[int]]]] = {"previous token": [], "decayed top-k": [], "decayed top-2k": []}
+    for t in range(steps):
+        order = np.argsort(-freq, axis=-1, kind="stable")
+        predicted["previous token"].append([set(trace[t - 1, l].tolist()) if t else set() for l in range(layers)])
+        predicted["decayed top-k"].append([set(order[l, :top_k].tolist()) for l in range(layers)])
+        predicted["decayed top-2k"].append([set(order[l, : 2 * top_k].tolist()) for l in range(layers)])
+        freq *= decay
+        np.add.at(freq, (np.arange(layers)[:, None], trace[t]), 1.0)
+    missed_at = {}
+    for residency in RESIDENCIES:
+        missed: list = []
+        simulate_cache(trace[:, None], round(residency * layers * experts), make_policy(DEFAULT_POLICY), missed=missed)
+        missed_at[residency] = missed
+    print(f"qwen3.6 shape, batch 1, {steps} steps (first {warmup} not counted); misses of the {DEFAULT_POLICY!r} cache")
+    print("| predictor | recall of the routed experts | share of the misses it names at 25% / 50% / 75% resident |")
+    print("|---|---:|---:|")
+    for name, sets in predicted.items():
+        routed = sum(len(sets[t][l] & set(trace[t, l].tolist())) for t in range(warmup, steps) for l in range(layers))
+        covered = []
+        for residency, missed in missed_at.items():
+            hit = total = 0
+            for i in range(warmup * layers, steps * layers):
+                t, l = divmod(i, layers)
+                ids = {e for _, e in missed[i]}
+                hit += len(ids & sets[t][l])
+                total += len(ids)
+            covered.append(f"{hit / max(total, 1):.1%}")
+        print(f"| {name} | {routed / ((steps - warmup) * layers * top_k):.1%} | {' / '.join(covered)} |")
+
+
 def print_row(row: dict) -> None:
     print(f"| {row['shape']} | {row['batch']} | {row['residency']:.0%} ({row['slots']}) | {row['policy']} "
           f"| {row['hit_rate']:.2%} | {row['misses_per_step']:.1f} | {row['mb_per_token_bf16']:.0f} / "
@@ -98,10 +141,14 @@ def main() -> None:
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 16])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--calibrate", action="store_true", help="print the trace's statistics against the published ones")
+    parser.add_argument("--predictors", action="store_true", help="evaluate next-step prefetch predictors")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
     if args.calibrate:
         calibrate(args.seed)
+        return
+    if args.predictors:
+        predictors(args.seed)
         return
     print("| shape | batch | resident (slots) | policy | hit rate | misses / step | MB / token bf16 / NVFP4 "
           "| PCIe ms / step bf16 / NVFP4 |\n|---|---:|---:|---|---:|---:|---:|---:|")

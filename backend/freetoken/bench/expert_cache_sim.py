@@ -45,10 +45,17 @@ class CacheRun:
         return self.misses / max(self.steps, 1)
 
 
-def simulate_cache(trace: np.ndarray, slots: int, policy: EvictionPolicy, warmup: int = 0) -> CacheRun:
+def simulate_cache(
+    trace: np.ndarray,
+    slots: int,
+    policy: EvictionPolicy,
+    warmup: int = 0,
+    missed: list[list[ExpertKey]] | None = None,
+) -> CacheRun:
     """Hits and misses of ``policy`` over ``trace`` with ``slots`` slots, starting empty.
 
-    Steps before ``warmup`` run but are not counted (the cache fills during them).
+    Steps before ``warmup`` run but are not counted (the cache fills during them). ``missed``, when
+    given, receives each (step, layer)'s missing experts, step-major, warm-up included.
     """
     steps, batch, layers, _ = trace.shape
     if slots < 1:
@@ -61,6 +68,8 @@ def simulate_cache(trace: np.ndarray, slots: int, policy: EvictionPolicy, warmup
         counted = i // layers >= warmup
         policy.access(keys)
         protected = set(keys)
+        if missed is not None:
+            missed.append([key for key in keys if key not in resident])
         for key in keys:
             if key in resident:
                 hits += counted
