@@ -80,9 +80,10 @@ def test_frequency_aware_keeps_the_hot_expert_lru_evicts(name):
     assert victim(make_policy(name)) == once[0]
 
 
-def test_lrfu_victim_has_the_smallest_decayed_score():
+@pytest.mark.parametrize("half_life", [4.0, 0.6])  # 0.6: the scores are rebased at step 300
+def test_lrfu_victim_has_the_smallest_decayed_score(half_life):
     rng = random.Random(0)
-    policy = LRFUPolicy(half_life=4.0)
+    policy = LRFUPolicy(half_life=half_life)
     history: dict[tuple[int, int], list[int]] = {}
     resident: set[tuple[int, int]] = set()
     for step in range(400):
@@ -95,7 +96,7 @@ def test_lrfu_victim_has_the_smallest_decayed_score():
                 continue
             if len(resident) >= 10:
                 victim = policy.evict(set(keys))
-                score = {k: sum(2.0 ** ((t - step) / 4.0) for t in history[k]) for k in resident - set(keys)}
+                score = {k: sum(2.0 ** ((t - step) / half_life) for t in history[k]) for k in resident - set(keys)}
                 assert score[victim] == pytest.approx(min(score.values()), rel=1e-9)
                 resident.remove(victim)
             policy.insert(key)

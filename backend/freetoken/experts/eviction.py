@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 from collections import OrderedDict
 from collections.abc import Container, Sequence
 from typing import Protocol
 
 ExpertKey = tuple[int, int]  # (layer index, expert id)
 
+_REBASE_WEIGHT = 2.0**500
 _ALL_PROTECTED = "every cached expert is needed by the layer being computed: the cache is too small"
 
 
@@ -77,9 +77,10 @@ class LRFUPolicy:
 
     Time is counted in forward passes: a pass starts when ``access`` sees a layer index not above
     the previous call's (the cache walks the layers in order each step). Scores are kept as
-    ``log(sum_i 2**(t_i / half_life))`` over the accesses ``t_i``: decaying every score by the same
-    factor does not change their order, so a score changes only when its expert is accessed, and
-    only grows. The heap holds one entry per resident expert with its score when pushed, a lower
+    ``sum_i 2**((t_i - base) / half_life)`` over the accesses ``t_i``: decaying every score by the
+    same factor does not change their order, so a score changes only when its expert is accessed
+    (one addition), and only grows; ``base`` moves up every few hundred half-lives, rescaling all
+    scores, before the weights overflow. The heap holds one entry per resident expert with its score when pushed, a lower
     bound of its score now; ``evict`` re-pushes stale entries it pops until the top is current,
     which is then the true minimum. So ``access`` is O(1) per key and ``insert`` / ``evict`` are
     amortised O(log n). Scores are kept for evicted experts too (at most layers x experts of them),
@@ -89,7 +90,9 @@ class LRFUPolicy:
     def __init__(self, half_life: float = 12.0) -> None:
         if not half_life > 0:
             raise ValueError(f"LRFUPolicy half_life must be > 0 forward passes, got {half_life}")
-        self._rate = math.log(2.0) / half_life
+        self._half_life = half_life
+        self._weight = 1.0  # 2 ** ((step - base) / half_life): what an access adds now
+        self._base = 0
         self._score: dict[ExpertKey, float] = {}
         self._resident: set[ExpertKey] = set()
         self._heap: list[tuple[float, int, ExpertKey]] = []  # (score when pushed, tie-break, key)
@@ -104,18 +107,28 @@ class LRFUPolicy:
         layer = keys[0][0]
         if self._last_layer is not None and layer <= self._last_layer:
             self._step += 1
+            self._weight = 2.0 ** ((self._step - self._base) / self._half_life)
+            if self._weight > _REBASE_WEIGHT:
+                self._rebase()
         self._last_layer = layer
-        now = self._rate * self._step
-        score = self._score
+        weight, score = self._weight, self._score
         for key in keys:
-            old = score.get(key)
-            score[key] = now if old is None else max(old, now) + math.log1p(math.exp(-abs(old - now)))
+            score[key] = score.get(key, 0.0) + weight
+
+    def _rebase(self) -> None:
+        """Divide every score by the current weight (amortised O(1): once per ~500 half-lives)."""
+        scale = 1.0 / self._weight
+        self._score = {key: value * scale for key, value in self._score.items()}
+        self._base, self._weight = self._step, 1.0
+        self._heap = [(self._score[key], next(self._tie), key) for key in self._resident]
+        heapq.heapify(self._heap)
+        self._held = []
 
     def insert(self, key: ExpertKey) -> None:
         if key in self._resident:
             return
         self._resident.add(key)
-        score = self._score.setdefault(key, self._rate * self._step)
+        score = self._score.setdefault(key, self._weight)
         heapq.heappush(self._heap, (score, next(self._tie), key))
 
     def evict(self, protected: Container[ExpertKey]) -> ExpertKey:
