@@ -18,12 +18,15 @@ The model. For layer ``l``, batch slot ``b``, decode step ``t`` and expert ``e``
 * ``S`` (``request_skew``) is a bias drawn afresh for each request ``r``: which experts run hot
   depends on the prompt. A request occupies its batch slot for ``request_tokens`` decode steps; slots
   are staggered so that requests of a batch start at different steps.
-* ``X`` is per-token noise of unit variance, an AR(1) process over the steps of one request with
-  coefficient ``persistence``: consecutive tokens have similar hidden states, so similar logits.
+* ``X`` is per-token noise of unit variance over the steps of one request: consecutive tokens have
+  similar hidden states, so similar logits. It is the sum of a fast AR(1) process (coefficient
+  ``persistence``) and a slow drift (coefficient ``drift_persistence``, ``drift_share`` of the
+  variance): one time scale cannot give both the measured next-token reuse and the reuse within
+  eight tokens.
 
 The ``top_k`` largest logits are the routed experts, in descending order like a router's top-k.
 
-Fitted (``fit_report`` / ``benchmarks/expert_cache.py --calibrate``) at the Qwen3-30B-A3B shape
+Fitted (``trace_statistics``; ``benchmarks/expert_cache.py --calibrate``) at the Qwen3-30B-A3B shape
 (48 layers, 128 experts, top-8) to these published decode measurements:
 
 * Temporal locality: 45% of a token's experts were routed for the previous token as well, 80% within
