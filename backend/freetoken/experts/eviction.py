@@ -9,10 +9,11 @@ docs/benchmarks.md, "Expert cache policies (issue 11)"):
 
 * ``lru``: least recently used, the baseline.
 * ``lrfu``: least recently/frequently used (Lee et al., IEEE Trans. Computers 2001): each access
-  adds 1 to an expert's score, and scores halve every ``half_life`` forward passes. An expert hot in
-  the current request outranks one that was merely routed last, which is what decode routing
-  looks like: a request keeps a skewed set of experts per layer hot for hundreds of tokens, and
-  around it a long tail of experts each routed once. This is the default (``DEFAULT_POLICY``).
+  adds 1 to an expert's score, and scores halve every ``half_life`` forward passes. At batch 1 it
+  ranks about as LRU does; where LRU (and ARC) thrash, when one step's experts (the union over a
+  batch) approach the cache size and LRU evicts exactly what the next step needs, it keeps the
+  experts routed step after step and gives up those routed once: 0% -> 52% hits at batch 16 with a
+  quarter of Qwen3.6's experts resident, 23% fewer misses with half. The default (``DEFAULT_POLICY``).
 * ``arc``: adaptive replacement cache (Megiddo & Modha, FAST 2003), as Fate uses
   (https://arxiv.org/abs/2502.12224): recency and frequency lists balanced by ghost hits.
 """
@@ -80,8 +81,8 @@ class LRFUPolicy:
     ``sum_i 2**((t_i - base) / half_life)`` over the accesses ``t_i``: decaying every score by the
     same factor does not change their order, so a score changes only when its expert is accessed
     (one addition), and only grows; ``base`` moves up every few hundred half-lives, rescaling all
-    scores, before the weights overflow. The heap holds one entry per resident expert with its score when pushed, a lower
-    bound of its score now; ``evict`` re-pushes stale entries it pops until the top is current,
+    scores, before the weights overflow. The heap holds one entry per resident expert with its
+    score when pushed, a lower bound of its score now; ``evict`` re-pushes stale entries it pops until the top is current,
     which is then the true minimum. So ``access`` is O(1) per key and ``insert`` / ``evict`` are
     amortised O(log n). Scores are kept for evicted experts too (at most layers x experts of them),
     so an expert that comes back resumes its history instead of starting cold.
