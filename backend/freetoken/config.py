@@ -42,6 +42,9 @@ class EngineConfig:
     overlap_schedule: bool = option(
         True, "schedule and stage the next step, and resolve the previous one, while the device runs a step"
     )
+    enable_prefix_caching: bool = option(
+        True, "reuse the KV pages and Gated DeltaNet / PLE state snapshots of prompts' shared prefixes (vLLM's flag)"
+    )
     enforce_eager: bool = option(False, "run every step eagerly: no CUDA graphs for decode steps")
     cuda_graph_max_bs: int | None = option(
         None, "largest decode batch replayed from a CUDA graph (default: max_running_requests); larger ones run eagerly"
