@@ -42,6 +42,12 @@ class Request:
     stop_reason: str | int | None = None
     error: str | None = None
     num_preemptions: int = 0
+    # Prefix caching. What besides the tokens changes the KV (seeds the page hashes).
+    prefix_namespace: bytes = b""
+    page_hashes: list[bytes] | None = None  # of the prompt's full pages, computed at first lookup
+    num_cached_tokens: int = 0  # prompt tokens the first admission found cached (vLLM's name)
+    num_indexed_pages: int = 0  # of its pages, those the prefix index names already
+    snapshot_at: list[int] = field(default_factory=list)  # boundaries still to snapshot, ascending
     times: RequestTimes = field(default_factory=RequestTimes)
 
     def __post_init__(self) -> None:
