@@ -58,8 +58,9 @@ class PrefixHit:
 
 @dataclass
 class PrefixCacheCounters:
-    queried_tokens: int = 0
-    hit_tokens: int = 0
+    queried_tokens: int = 0  # prompt tokens looked up at first admission
+    hit_tokens: int = 0  # of those, found cached
+    evicted_pages: int = 0
 
 
 class PrefixCache:
@@ -126,6 +127,7 @@ class PrefixCache:
 
     def _evict_page(self) -> None:
         page, _ = self._evictable.popitem(last=False)
+        self.counters.evicted_pages += 1
         page_hash = self._hash_of.pop(page)
         del self._pages[page_hash]
         slot = self._snapshots.pop(page_hash, None)

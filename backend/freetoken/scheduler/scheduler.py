@@ -136,6 +136,11 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
 
     def _release(self, req: Request) -> None:
+        if self.prefix_cache is not None and req.page_hashes is not None:
+            # Its computed prompt pages the index lost meanwhile (evicted while this request held
+            # an equal page of its own) are named again, so the chain stays whole.
+            for index in range(req.num_indexed_pages):
+                self.prefix_cache.insert_page(req.page_hashes[index], req.pages[index])
         self.release_pages(req.pages)
         req.pages = []
         req.num_indexed_pages = 0
