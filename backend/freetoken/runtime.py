@@ -135,7 +135,9 @@ class Runtime:
     def make_requests(self, request_id: str, prompt: Prompt, params: SamplingParams) -> list[Request]:
         """``params.n`` sibling requests of one prompt (tokenized once), as vLLM's parallel sampling
         lays them out: sample ``i`` is ``request_id#i`` (``request_id`` alone when n is 1) and, for a
-        seeded request, draws from ``seed + i``. Each prefills the prompt on its own."""
+        seeded request, draws from ``seed + i``. With prefix caching, samples after the first are
+        admitted once the first computed the prompt, and hit its pages and snapshot: the prompt is
+        prefilled once (bar its last page); without, each prefills it on its own."""
         token_ids = self.tokenize(prompt)
         if params.n == 1:
             return [self._make_request(request_id, token_ids, params)]
@@ -143,6 +145,9 @@ class Runtime:
         for i, sample_id in enumerate(self.sample_ids(request_id, params.n)):
             seed = None if params.seed is None else params.seed + i
             requests.append(self._make_request(sample_id, token_ids, dataclasses.replace(params, n=1, seed=seed)))
+        if self.config.enable_prefix_caching:
+            for sibling in requests[1:]:
+                sibling.prefill_after = requests[0]
         return requests
 
     @staticmethod

@@ -48,6 +48,9 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens the first admission found cached (vLLM's name)
     num_indexed_pages: int = 0  # of its pages, those the prefix index names already
     snapshot_at: list[int] = field(default_factory=list)  # boundaries still to snapshot, ascending
+    # A sibling of parallel sampling (n > 1) is admitted once this one computed the shared prompt,
+    # so it hits that prompt's pages and snapshot instead of prefilling it again.
+    prefill_after: Request | None = None
     times: RequestTimes = field(default_factory=RequestTimes)
 
     def __post_init__(self) -> None:

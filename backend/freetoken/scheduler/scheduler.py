@@ -65,6 +65,11 @@ def slot_sampling(req: Request) -> SlotSampling:
     )
 
 
+def _prefilled(req: Request) -> bool:
+    """Its prompt is computed (so its snapshot is hittable), or it never will be."""
+    return req.finished or req.num_computed >= req.num_prompt_tokens
+
+
 class Scheduler:
     def __init__(
         self,
@@ -187,13 +192,14 @@ class Scheduler:
         restored: set[int] = set()
         while self.waiting and budget > 0 and len(self.running) < self.max_running and self.slots.num_free:
             req = self.waiting[0]
-            if req.num_in_flight:
+            if req.num_in_flight or (req.prefill_after is not None and not _prefilled(req.prefill_after)):
                 break
             hit = self._lookup(req)
             available = self.pages.num_free if self.prefix_cache is None else self.prefix_cache.num_available(hit.pages)
             if self.pages.pages_for(len(req.token_ids)) - hit.num_pages > available - self._pages_promised():
                 break
             self.waiting.popleft()
+            req.prefill_after = None
             req.slot = self.slots.allocate()
             req.num_admitted_tokens = len(req.token_ids)
             if self.prefix_cache is not None:
