@@ -15,7 +15,7 @@ prompt with it snapshots there, the third and later hit it), and at the prompt's
 before its last token (an exact repeat, or a follow-up turn extending the prompt, hits there). A
 prefill chunk is cut at such a boundary, and the snapshot copy (request slot -> snapshot slot)
 goes into the next step's plan, before its forward. Both boundaries are multiples of the model's
-``prefix_alignment``.
+``prefix_alignment``, each at least ``MIN_SNAPSHOT_GAIN_PAGES`` past the hit or the boundary before.
 """
 
 from __future__ import annotations
@@ -63,6 +63,11 @@ def slot_sampling(req: Request) -> SlotSampling:
         output_token_ids=tuple(req.output_token_ids),
         logprobs=req.params.logprobs,
     )
+
+
+# A boundary is snapshotted only this many pages past the request's hit (or its previous
+# boundary): cutting a chunk there costs a forward now, which a later hit must make up for.
+MIN_SNAPSHOT_GAIN_PAGES = 4
 
 
 def _prefilled(req: Request) -> bool:
@@ -257,7 +262,11 @@ class Scheduler:
         leaves = hit.num_matched_pages * page_size // align * align  # where the prompt leaves the cached pages
         last = (req.num_prompt_tokens - 1) // page_size * page_size // align * align
         if cache.num_snapshot_slots:
-            req.snapshot_at = sorted({b for b in (leaves, last) if b > req.num_computed})
+            req.snapshot_at = []
+            for boundary in sorted({leaves, last}):
+                since = req.snapshot_at[-1] if req.snapshot_at else req.num_computed
+                if boundary - since >= MIN_SNAPSHOT_GAIN_PAGES * page_size:
+                    req.snapshot_at.append(boundary)
 
     def _cut(self, req: Request, num_tokens: int) -> int:
         """A prefill chunk ends at the request's next snapshot boundary, if it would pass it."""
