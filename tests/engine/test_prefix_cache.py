@@ -217,3 +217,29 @@ def test_parallel_samples_prefill_the_prompt_once(case):
     for i in range(3):
         _assert_equal_transformers(case, prompt, finished[f"r#{i}"])
     _assert_pools_full(llm)
+
+
+def test_plans_snapshot_after_the_boundary_and_restore_before_the_first_step(demo_checkpoint):
+    """The plans themselves: a chunk ends at the snapshot boundary, the next plan copies the slot
+    into a snapshot slot; a hit's first plan restores it (no reset) and maps the shared pages."""
+    llm = LLM(model=str(demo_checkpoint), dtype="float32", device="cpu", max_prefill_length=16,
+              page_size=PAGE_SIZE, overlap_schedule=False)
+    runtime = llm.runtime
+    plans = []
+    launch = runtime.engine.launch
+    runtime.engine.launch = lambda plan: plans.append(plan) or launch(plan)
+    prompt = _prompts()["A"]  # 35 tokens: its last full page before the last token ends at 32
+    _generate(llm, [prompt])
+    assert [(p.rows[0].num_computed, p.rows[0].num_new) for p in plans[:3]] == [(0, 16), (16, 16), (32, 3)]
+    slot = plans[0].rows[0].slot
+    (snapshot_copy,) = plans[2].copy_slots
+    assert snapshot_copy[0] == slot and snapshot_copy[1] >= runtime.engine.pool_sizes.num_slots
+    assert not any(p.copy_slots for p in plans[3:]) and not any(p.copy_slots for p in plans[:2])
+    pages = [page for p in plans[:2] for page in p.page_updates[0].pages]
+    plans.clear()
+    (output,) = _generate(llm, [prompt])
+    first = plans[0]
+    assert first.copy_slots == [(snapshot_copy[1], first.rows[0].slot)] and first.reset_slots == []
+    assert (first.rows[0].num_computed, first.rows[0].num_new) == (32, 3) and output.num_cached_tokens == 32
+    (update,) = first.page_updates
+    assert update.start == 0 and list(update.pages[:8]) == pages and len(update.pages) == 9
