@@ -136,6 +136,7 @@ def bench_batch(llm, batch_size: int, args: argparse.Namespace, traffic, progres
     requests = [{"prompt_token_ids": p} for p in prompts]
     warmup = SamplingParams(temperature=0.0, max_tokens=min(WARMUP_TOKENS, args.output_len), ignore_eos=True)
     llm.generate(requests, warmup)
+    llm.reset_prefix_cache()  # the timed run computes its prompts: the warm-up cached them
     progress.update(batch_size * warmup.max_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     on_cuda = llm.runtime.engine.device.type == "cuda"
