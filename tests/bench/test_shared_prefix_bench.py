@@ -13,7 +13,9 @@ from freetoken.bench.offline import _check
 from freetoken.bench.shared_prefix import pages_needed
 from freetoken.cli import build_parser, main
 
-PROMPT_LEN, PREFIX_LEN, REPEATS = 64, 40, 2
+# The prefix spans MIN_SNAPSHOT_GAIN_PAGES (4) demo pages of 16 tokens and part of a fifth: the
+# priming request snapshots at token 64, the shortest prefix the scheduler snapshots.
+PROMPT_LEN, PREFIX_LEN, REPEATS = 96, 72, 2
 
 
 def test_shared_prefix_bench_reports_both_ttfts(demo_checkpoint, tmp_path, capsys):
@@ -30,7 +32,7 @@ def test_shared_prefix_bench_reports_both_ttfts(demo_checkpoint, tmp_path, capsy
     assert (r["prompt_len"], r["shared_prefix_len"], r["prime_tail_len"], r["repeats"]) == (
         PROMPT_LEN, PREFIX_LEN, 0, REPEATS)
     assert len(r["rounds"]) == REPEATS
-    assert r["cacheable_tokens"] == PREFIX_LEN // page_size * page_size == 32
+    assert r["cacheable_tokens"] == PREFIX_LEN // page_size * page_size == 64
     for kind in ("uncached", "cached"):
         assert r[f"ttft_ms_{kind}"] == pytest.approx(statistics.median(x[f"ttft_ms_{kind}"] for x in r["rounds"]))
         assert r[f"ttft_ms_{kind}"] > 0
