@@ -51,6 +51,13 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--profile-steps", type=int, default=5, help="steady steps profiled for the GPU idle share (5; 0: off)"
     )
+    group.add_argument(
+        "--quantization",
+        choices=["none", "nvfp4"],
+        default="none",
+        help="with random weights: nvfp4 makes the linears an NVFP4 checkpoint quantizes (routed and shared "
+        "experts, attention projections) random packed NVFP4 weights (none)",
+    )
     group.add_argument("--compare-transformers", action="store_true", help="also time transformers' generate()")
     group.add_argument("--json", dest="json_path", default=None, metavar="FILE", help="write the results as JSON")
 
@@ -70,6 +77,14 @@ def _check(args: argparse.Namespace) -> None:
         raise SystemExit("freetoken bench: give exactly one of --model DIR and --preset NAME")
     if args.num_layers is not None and args.preset is None:
         raise SystemExit("freetoken bench: --num-layers needs --preset")
+    if args.quantization != "none":
+        if args.preset is None and args.load_format != "dummy":
+            raise SystemExit(
+                "freetoken bench: --quantization makes random quantized weights: it needs --preset or "
+                "--load-format dummy (a checkpoint's own config says how it is quantized)"
+            )
+        if args.compare_transformers:
+            raise SystemExit("freetoken bench: --compare-transformers runs dense weights: not with --quantization")
     if args.input_len < 1 or args.output_len < 2:
         raise SystemExit("freetoken bench: --input-len must be >= 1 and --output-len >= 2")
 
@@ -213,6 +228,12 @@ def run_bench(args: argparse.Namespace) -> int:
             from freetoken.bench.presets import write_preset_dir
 
             model_dir = str(write_preset_dir(args.preset, scratch, args.num_layers))
+        if args.quantization == "nvfp4":
+            from freetoken.bench.presets import copy_config_dir, write_nvfp4_config
+
+            if args.preset is None:
+                model_dir = str(copy_config_dir(model_dir, Path(scratch) / "model"))
+            write_nvfp4_config(model_dir)
         report = _run(args, engine_config_for(args, model_dir), json_path)
     from freetoken.bench.report import print_report
 
@@ -228,7 +249,7 @@ def _run(args: argparse.Namespace, config, json_path: Path | None) -> dict[str, 
     import transformers
     from tqdm.auto import tqdm
 
-    from freetoken.bench.floor import decode_traffic_of
+    from freetoken.bench.floor import decode_traffic_of, parameter_count
     from freetoken.llm import LLM
 
     llm = LLM(**dataclasses.asdict(config))
@@ -245,7 +266,9 @@ def _run(args: argparse.Namespace, config, json_path: Path | None) -> dict[str, 
         "preset": args.preset,
         "model": args.model,
         "num_layers": len(model.layers),
-        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "num_parameters": parameter_count(model),
+        "weight_bytes": sum(p.nbytes for p in model.parameters()),
+        "quantization": args.quantization,
         "dtype": str(engine.loaded.dtype).removeprefix("torch."),
         "device": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu",
         "torch": torch.__version__,
