@@ -1,7 +1,7 @@
 """W4A16 (NVFP4 weights, bf16 activations) kernel timings against the hardware floor and against
 the bf16 kernels, at Qwen3.6-35B-A3B's sizes, on one GPU:
 
-    python benchmarks/nvfp4.py [--json FILE]
+    python benchmarks/nvfp4.py [--only "routed experts" ...] [--json FILE]
 
 Random packed weights and scales are made on the device (no checkpoint needed). The floor of a
 kernel is max(bytes it must move / copy bandwidth, FLOPs / bf16 matrix rate) with the ceilings of
@@ -81,11 +81,14 @@ def cases():
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", default=None)
+    parser.add_argument("--only", nargs="+", default=None, help="time only the cases whose name contains one of these")
     args = parser.parse_args()
     bandwidth, rate = ceilings()
     print(f"measured ceilings: copy {bandwidth / 1e12:.2f} TB/s, bf16 GEMM {rate / 1e12:.0f} TFLOP/s")
     rows = []
     for name, make in cases():
+        if args.only and not any(part in name for part in args.only):
+            continue
         fn, bytes_, flops = make()
         ms = median_ms(fn)
         floor_ms = max(bytes_ / bandwidth, flops / rate) * 1e3

@@ -55,7 +55,7 @@ def test_fused_experts_nvfp4(rng, dtype, tokens):
 
 
 def test_dequantization_decodes_every_code_and_scale():
-    """The kernel's in-register decode (integer arithmetic) against torch's e2m1 table and e4m3 cast:
+    """The kernel's in-register decode (nibbles as e4m3 codes, the hardware fp8 conversion) against torch's e2m1 table and e4m3 cast:
     a 1-row GEMM with one-hot inputs reads the weights back."""
     codes = torch.arange(256, dtype=torch.uint8).repeat(2, 1)  # [2, 256]: every byte in every row
     scale_bytes = torch.arange(0, 128, 4, dtype=torch.uint8).repeat(2, 1)[:, :32]  # [2, 32]
