@@ -18,7 +18,7 @@ import json
 import torch
 
 from kernels import BF16, CUDA, EXPERTS, HIDDEN, INTER, TOP_K, ceilings, median_ms
-from freetoken.kernels.triton import moe, nvfp4
+from freetoken.kernels.triton import moe, moe_decode, nvfp4, nvfp4_decode
 
 # Dense projections of one Qwen3.6-35B-A3B layer: attention q(+gate)/k/v and o, GDN in_proj (q, k, v, z) and out.
 DENSE = {"attention qkv": (9216, HIDDEN), "attention o": (HIDDEN, 4096), "GDN in_proj": (12288, HIDDEN), "GDN out": (HIDDEN, 4096)}
@@ -67,7 +67,31 @@ def routed_experts(tokens: int, quantized: bool):
     return fn, touched * expert_bytes + 2 * tokens * HIDDEN * 2, 2 * tokens * TOP_K * 3 * INTER * HIDDEN
 
 
+def moe_block_decode(tokens: int, quantized: bool):
+    """The whole MoE block after the router GEMM for a few tokens (routed experts + the shared one,
+    of intermediate ``INTER``): the engine's decode path (``layers.moe.DECODE_MAX_TOKENS``)."""
+    x = torch.randn(tokens, HIDDEN, dtype=BF16, device=CUDA)
+    logits = torch.randn(tokens, EXPERTS + 1, dtype=BF16, device=CUDA)
+    touched = int(torch.unique(logits[:, :EXPERTS].topk(TOP_K, dim=1).indices).numel())
+    if quantized:
+        weights = (*random_nvfp4(EXPERTS, 2 * INTER, HIDDEN), *random_nvfp4(EXPERTS, HIDDEN, INTER),
+                   *random_nvfp4(2 * INTER, HIDDEN), *random_nvfp4(HIDDEN, INTER))
+        fn = lambda: nvfp4_decode.sparse_moe_decode_nvfp4(x, logits, *weights, TOP_K, True)  # noqa: E731
+        expert_bytes = nvfp4_bytes(2 * INTER, HIDDEN) + nvfp4_bytes(HIDDEN, INTER)
+    else:
+        w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, dtype=BF16, device=CUDA) * HIDDEN**-0.5
+        w2 = torch.randn(EXPERTS, HIDDEN, INTER, dtype=BF16, device=CUDA) * INTER**-0.5
+        sgu, sd = w13[0].clone(), w2[0].clone()
+        fn = lambda: moe_decode.sparse_moe_decode(x, logits, w13, w2, sgu, sd, TOP_K, True)  # noqa: E731
+        expert_bytes = 3 * INTER * HIDDEN * 2
+    return fn, (touched + 1) * expert_bytes + 2 * tokens * HIDDEN * 2, 2 * tokens * (TOP_K + 1) * 3 * INTER * HIDDEN
+
+
 def cases():
+    for tokens in (1, 8):
+        for quantized in (True, False):
+            kind = "NVFP4" if quantized else "bf16"
+            yield f"MoE block decode B={tokens} {kind}", lambda t=tokens, q=quantized: moe_block_decode(t, q)
     for tokens, label in ((1, "decode B=1"), (64, "decode B=64"), (8192, "prefill 8k")):
         for quantized in (True, False):
             kind = "NVFP4" if quantized else "bf16"

@@ -34,7 +34,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from freetoken.kernels.triton import nvfp4  # noqa: E402
+from freetoken.kernels.triton import nvfp4, nvfp4_decode  # noqa: E402
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 BF16 = torch.bfloat16
@@ -72,6 +72,13 @@ def random_nvfp4(*shape: int):
 
 def cases():
     """(label, launch) at the sizes of benchmarks/nvfp4.py: decode B=1 / 64 and prefill 8k."""
+    def block(t=1):
+        weights = (*random_nvfp4(EXPERTS, 2 * INTER, HIDDEN), *random_nvfp4(EXPERTS, HIDDEN, INTER),
+                   *random_nvfp4(2 * INTER, HIDDEN), *random_nvfp4(HIDDEN, INTER))
+        nvfp4_decode.sparse_moe_decode_nvfp4(torch.zeros(t, HIDDEN, dtype=BF16), torch.zeros(t, EXPERTS + 1, dtype=BF16),
+                                             *weights, TOP_K, True)
+
+    yield "MoE block decode B=1 (sparse_moe_decode_nvfp4)", block
     for tokens, label in ((1, "decode B=1"), (64, "decode B=64"), (8192, "prefill 8k")):
         def experts(t=tokens):
             x = torch.zeros(t, HIDDEN, dtype=BF16)
@@ -103,7 +110,7 @@ def loop_body(sass: str) -> list[str]:
 
 def weights_per_thread(name: str, config: dict) -> float:
     """Weights one thread decodes per iteration of the K loop (gate/up decode two tiles)."""
-    tiles = 2 if name == "_gate_up_kernel" else 1
+    tiles = 2 if name == "_gate_up_kernel" and "BLOCK_M" in config else 1  # the grouped gate/up: two a loop
     return tiles * config["BLOCK_N"] * config["BLOCK_K"] / (32 * config["num_warps"])
 
 
@@ -125,7 +132,7 @@ def report(label: str, dump: str | None) -> None:
         counts = {cls: sum(body[op] for op in ops) for cls, ops in CLASSES.items()}
         total = sum(body.values())
         per_weight = total / weights_per_thread(name, config)
-        tiles = {k: config[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")}
+        tiles = {k: config[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages") if k in config}
         mix = " ".join(f"{cls}={n}" for cls, n in counts.items())
         print(f"| {label} | {name} | {tiles} | {resources} | {kernel.metadata.shared} | {total} | {mix} | {per_weight:.2f} |")
     compiled.clear()

@@ -65,3 +65,21 @@ def test_dequantization_decodes_every_code_and_scale():
     eye = torch.eye(512, device=DEVICE)
     got = _triton().nvfp4_linear(eye, packed, scales, row_scales).T
     assert torch.equal(got, ref.dequantize_nvfp4(packed, scales, row_scales, torch.float32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_sparse_moe_decode_nvfp4(rng, dtype, tokens):
+    """The few-token MoE block over NVFP4 routed and shared experts (shared intermediate wider than
+    the routed one, so the h rows are padded) against the general ops it replaces."""
+    e, k, hidden, inter, shared_inter = 7, 3, 80, 32, 48
+    x = torch.randn(tokens, hidden, generator=rng).to(dtype).to(DEVICE)
+    logits = torch.randn(tokens, e + 1, generator=rng).to(dtype).to(DEVICE)
+    weights = (
+        *random_nvfp4(rng, e, 2 * inter, hidden), *random_nvfp4(rng, e, hidden, inter),
+        *random_nvfp4(rng, 2 * shared_inter, hidden), *random_nvfp4(rng, hidden, shared_inter),
+    )
+    from freetoken.kernels.triton import nvfp4_decode
+
+    got = nvfp4_decode.sparse_moe_decode_nvfp4(x, logits, *weights, k, True)
+    assert_close(got, ref.sparse_moe_decode_nvfp4_reference(x, logits, *weights, k, True))
