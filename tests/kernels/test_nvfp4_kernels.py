@@ -54,17 +54,20 @@ def test_fused_experts_nvfp4(rng, dtype, tokens):
     assert_close(got, ref.fused_experts_nvfp4_reference(x, *w13, *w2, weights, ids))
 
 
-def test_dequantization_decodes_every_code_and_scale():
-    """The kernel's in-register decode (nibbles as e4m3 codes, the hardware fp8 conversion) against torch's e2m1 table and e4m3 cast:
-    a 1-row GEMM with one-hot inputs reads the weights back."""
-    codes = torch.arange(256, dtype=torch.uint8).repeat(2, 1)  # [2, 256]: every byte in every row
-    scale_bytes = torch.arange(0, 128, 4, dtype=torch.uint8).repeat(2, 1)[:, :32]  # [2, 32]
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantization_decodes_every_code_and_scale(dtype):
+    """The kernel's in-register decode (nibbles as e4m3 codes, the hardware fp8 conversion, the
+    scale product in ``dtype``) against torch's e2m1 table and e4m3 cast: a GEMM with one-hot
+    inputs reads the weights back, bit-exact (in bf16 too: ``e2m1 · e4m3`` is exact there)."""
+    codes = torch.arange(256, dtype=torch.uint8).repeat(4, 1)  # [4, 256]: every byte in every row
+    scale_bytes = torch.arange(128, dtype=torch.uint8).view(4, 32)  # every e4m3 code but NaN (127)
+    scale_bytes[3, 31] = 0x7E
     scales = scale_bytes.view(torch.float8_e4m3fn)
-    row_scales = torch.tensor([1.0, 0.5])
+    row_scales = torch.tensor([1.0, 0.5, 2.0, 0.25])
     packed, scales, row_scales = codes.to(DEVICE), scales.to(DEVICE), row_scales.to(DEVICE)
-    eye = torch.eye(512, device=DEVICE)
+    eye = torch.eye(512, device=DEVICE, dtype=dtype)
     got = _triton().nvfp4_linear(eye, packed, scales, row_scales).T
-    assert torch.equal(got, ref.dequantize_nvfp4(packed, scales, row_scales, torch.float32))
+    assert torch.equal(got, ref.dequantize_nvfp4(packed, scales, row_scales, dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
