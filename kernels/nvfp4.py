@@ -20,7 +20,12 @@ import torch
 import torch.nn.functional as F
 
 from freetoken.kernels.dispatch import op
-from freetoken.kernels.moe import moe_sort_tokens_reference, silu_and_mul_reference
+from freetoken.kernels.moe import (
+    moe_sort_tokens_reference,
+    moe_topk_softmax_reference,
+    shared_expert_combine_reference,
+    silu_and_mul_reference,
+)
 
 GROUP_SIZE = 16
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -83,5 +88,39 @@ def fused_experts_nvfp4_reference(
     return out
 
 
+def sparse_moe_decode_nvfp4_reference(
+    x: torch.Tensor,
+    gate_logits: torch.Tensor,
+    w13_packed: torch.Tensor,
+    w13_scales: torch.Tensor,
+    w13_row_scales: torch.Tensor,
+    w2_packed: torch.Tensor,
+    w2_scales: torch.Tensor,
+    w2_row_scales: torch.Tensor,
+    shared_gate_up_packed: torch.Tensor,
+    shared_gate_up_scales: torch.Tensor,
+    shared_gate_up_row_scales: torch.Tensor,
+    shared_down_packed: torch.Tensor,
+    shared_down_scales: torch.Tensor,
+    shared_down_row_scales: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+) -> torch.Tensor:
+    """``sparse_moe_decode`` (``kernels/moe_decode.py``: the MoE block after its router GEMM, for a
+    few tokens) over NVFP4 routed and shared experts, composed from the general ops exactly as the
+    layer composes them."""
+    num_experts = w13_packed.shape[0]
+    weights, ids = moe_topk_softmax_reference(gate_logits[:, :num_experts], top_k, renormalize)
+    routed = fused_experts_nvfp4_reference(
+        x, w13_packed, w13_scales, w13_row_scales, w2_packed, w2_scales, w2_row_scales, weights, ids
+    )
+    hidden = silu_and_mul_reference(
+        nvfp4_linear_reference(x, shared_gate_up_packed, shared_gate_up_scales, shared_gate_up_row_scales)
+    )
+    shared = nvfp4_linear_reference(hidden, shared_down_packed, shared_down_scales, shared_down_row_scales)
+    return shared_expert_combine_reference(routed, shared, gate_logits[:, num_experts:])
+
+
 nvfp4_linear = op("nvfp4")(nvfp4_linear_reference)
 fused_experts_nvfp4 = op("nvfp4")(fused_experts_nvfp4_reference)
+sparse_moe_decode_nvfp4 = op("nvfp4_decode")(sparse_moe_decode_nvfp4_reference)

@@ -5,22 +5,24 @@
 #   2. tests/kernels compiled on the GPU (the CI kernel suite at small odd sizes, CPU e2e test too);
 #   3. kernel timings against the measured hardware floor (benchmarks/kernels.py).
 # Logs go under $OUT (default /tmp/freetoken-gpu); a summary table is printed last.
-# GPU_TESTS (default: tests/gpu) and KERNEL_TESTS (default: tests/kernels; "none" skips the stage)
-# narrow a re-run to what changed; BENCH=none skips the timings.
-# FreeToken is used from this checkout (copied into a site folder, no build). A newer transformers
-# can travel as a wheel in .whl/ (git-ignored): it is installed first when present.
+# GPU_TESTS (default: tests/gpu; e.g. "-n 6 tests/gpu" with pytest-xdist) and KERNEL_TESTS
+# (default: tests/kernels; "none" skips the stage) narrow a re-run to what changed; BENCH=none
+# skips the timings. Each stage is cut after its limit in seconds: GPU_TESTS_TIMEOUT (900: the
+# whole of tests/gpu, compiles included, under -n 6 or serially), KERNEL_TESTS_TIMEOUT (600),
+# BENCH_TIMEOUT (300). At its limit a stage gets SIGINT, so pytest still writes its report and
+# junit XML (which tests failed, which were not reached), and SIGKILL 30 s later. A caller with a
+# shorter wall-clock limit should lower them so the summary still prints.
+# FreeToken is used from this checkout (scripts/gpu_site.sh: copied into a site folder, no build).
+# A newer transformers can travel as a wheel in .whl/ (git-ignored): it is installed first when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/freetoken-gpu}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
-SITE=$(mktemp -d)
-cp -r backend/freetoken "$SITE/freetoken" && rm -rf "$SITE/freetoken/kernels" && cp -r kernels "$SITE/freetoken/kernels"
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
-        || echo "wheel install failed" | tee -a "$OUT/setup.log"
-fi
-export PYTHONPATH="$SITE"
+GPU_TESTS_TIMEOUT=${GPU_TESTS_TIMEOUT:-900}
+KERNEL_TESTS_TIMEOUT=${KERNEL_TESTS_TIMEOUT:-600}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-300}
+GPU_SITE_LOG="$OUT/setup.log"
+source scripts/gpu_site.sh
 python3 - <<'PY' 2>&1 | tee "$OUT/versions.log"
 import torch, triton, transformers, freetoken
 print(f"python torch {torch.__version__} triton {triton.__version__} transformers {transformers.__version__}")
@@ -29,15 +31,23 @@ print(f"freetoken from {freetoken.__file__}")
 PY
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv | tee -a "$OUT/versions.log"
 
-rm -f "$OUT/errors.jsonl"
-FREETOKEN_GPU_REPORT="$OUT/errors.jsonl" timeout 300 python3 -m pytest ${GPU_TESTS:-tests/gpu} -m gpu -q -rfE \
-    -p no:cacheprovider --junitxml="$OUT/gpu-junit.xml" 2>&1 | tee "$OUT/pytest-gpu.log"
+# stage LIMIT LOG COMMAND...: COMMAND's output to LOG, cut (SIGINT, then SIGKILL) after LIMIT seconds.
+stage() {
+    local limit=$1 log=$2
+    shift 2
+    timeout -s INT -k 30 "$limit" "$@" 2>&1 | tee "$log"
+    if [ "${PIPESTATUS[0]}" = 124 ]; then echo "stage cut at its limit of ${limit}s: $*" | tee -a "$log"; fi
+}
+
+rm -f "$OUT/errors.jsonl" "$OUT/gpu-junit.xml" "$OUT/kernels-junit.xml"
+FREETOKEN_GPU_REPORT="$OUT/errors.jsonl" stage "$GPU_TESTS_TIMEOUT" "$OUT/pytest-gpu.log" python3 -m pytest ${GPU_TESTS:-tests/gpu} -m gpu -q -rfE \
+    -p no:cacheprovider --junitxml="$OUT/gpu-junit.xml"
 if [ "${KERNEL_TESTS:-tests/kernels}" != none ]; then
-    timeout 120 python3 -m pytest ${KERNEL_TESTS:-tests/kernels} -q -rfE -p no:cacheprovider \
-        --junitxml="$OUT/kernels-junit.xml" 2>&1 | tee "$OUT/pytest-kernels.log"
+    stage "$KERNEL_TESTS_TIMEOUT" "$OUT/pytest-kernels.log" python3 -m pytest ${KERNEL_TESTS:-tests/kernels} -q -rfE \
+        -p no:cacheprovider --junitxml="$OUT/kernels-junit.xml"
 fi
 if [ "${BENCH:-yes}" != none ]; then
-    timeout 120 python3 benchmarks/kernels.py --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+    stage "$BENCH_TIMEOUT" "$OUT/bench.log" python3 benchmarks/kernels.py --json "$OUT/bench.json"
 fi
 
 python3 - "$OUT" <<'PY'
@@ -47,7 +57,7 @@ print("\n==== SUMMARY ====")
 for name in ("gpu-junit.xml", "kernels-junit.xml"):
     path = os.path.join(out, name)
     if not os.path.exists(path):
-        print(f"{name}: missing (stage crashed or timed out)")
+        print(f"{name}: missing (stage skipped, crashed or cut by its *_TIMEOUT)")
         continue
     root = ET.parse(path).getroot()
     suite = root if root.tag == "testsuite" else root.find("testsuite")

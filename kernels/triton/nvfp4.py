@@ -1,7 +1,8 @@
 """Triton W4A16 GEMMs over NVFP4 weights (Hopper has no FP4 tensor cores).
 
 Each program loads its weight tile packed (half a byte a weight, plus one e4m3 byte per 16), decodes
-it in registers to ``e2m1 · e4m3`` (exact in bf16, see ``kernels/nvfp4.py``) and multiplies it with
+it in registers to ``e2m1 · e4m3`` (exact in bf16, see ``kernels/nvfp4.py``; the codes through the
+hardware fp8 conversion, ``_decode_tile``) and multiplies it with
 the activations on the tensor cores (``tl.dot``, float32 accumulation); the per-row scale is applied
 to the accumulator. Decode-sized batches (a few rows) read each packed byte once and are bound by
 those bytes; prefill-sized ones run large bf16 tiles.
@@ -16,42 +17,46 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels.triton._common import INTERPRETED, cast, device_function, dot, dot_precision, new_empty, pow2, rows_per_program, round_as
+from freetoken.kernels.triton._common import _INTERPRETED, INTERPRETED, cast, device_function, dot, dot_precision, new_empty, pow2, rows_per_program, round_as
 from freetoken.kernels.triton.moe import _sum_choices_kernel, _tile_of, moe_sort_tokens
 
 GROUP = 16
 
 
 @device_function
-def _decode_tile(packed, scale_bytes, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """uint8 ``[BLOCK_N, BLOCK_K / 2]`` codes and ``[BLOCK_N, BLOCK_K / 16]`` e4m3 bytes -> float32
-    ``[BLOCK_N, BLOCK_K]`` weights ``e2m1 · e4m3`` (the row scale is applied by the caller)."""
-    p = packed.to(tl.int32)
-    codes = tl.reshape(tl.join(p & 0xF, p >> 4), (BLOCK_N, BLOCK_K))  # low nibble: the even column
-    exponent = (codes >> 1) & 3
-    mantissa = codes & 1
-    quarters = tl.where(exponent == 0, 2 * mantissa, (2 + mantissa) << exponent)  # 4 · |e2m1|
-    values = tl.where((codes & 8) != 0, -quarters, quarters).to(tl.float32) * 0.25
-    s = scale_bytes.to(tl.int32)
-    s_exp = (s >> 3) & 15
-    s_man = s & 7
-    s_512 = tl.where(s_exp == 0, s_man, (8 + s_man) << tl.maximum(s_exp - 1, 0))  # 512 · |e4m3|
-    scale = tl.where((s & 0x80) != 0, -s_512, s_512).to(tl.float32) * (1.0 / 512.0)
+def _decode_tile(packed, scale_bytes, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """uint8 ``[BLOCK_N, BLOCK_K / 2]`` codes and ``[BLOCK_N, BLOCK_K / 16]`` e4m3 bytes -> ``dtype``
+    ``[BLOCK_N, BLOCK_K]`` weights ``e2m1 · e4m3`` (the row scale is applied by the caller).
+
+    Each nibble's bits are moved into an e4m3 code (sign to bit 7, exponent and mantissa to bits
+    4-2), which is ``e2m1 · 2^-6`` for all 16 codes (the subnormal 0.5 lands on e4m3's subnormal
+    2^-7), so the hardware fp8 conversion decodes it; ``2^6`` goes into the block scale. Three
+    integer ops a weight instead of an exponent / mantissa decode. ``e2m1 · e4m3`` has at most 6
+    significant bits and lies in [2^-10, 2688]: exact in bf16 and fp16, so the scale multiplies in
+    ``dtype``, with no float32 round trip."""
+    lo = ((packed & 0x08) << 4) | ((packed & 0x07) << 2)  # the even column
+    hi = (packed & 0x80) | ((packed & 0x70) >> 2)
+    codes = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K)).to(tl.float8e4nv, bitcast=True)
+    scales = scale_bytes.to(tl.float8e4nv, bitcast=True)
+    if _INTERPRETED:  # no bf16 arithmetic there: the same exact product, formed in float32
+        values, scale = codes.to(tl.float32), scales.to(tl.float32) * 64.0
+    else:
+        values, scale = codes.to(dtype), scales.to(dtype) * 64.0
     groups = tl.reshape(values, (BLOCK_N, BLOCK_K // 16, 16)) * scale[:, :, None]
-    return tl.reshape(groups, (BLOCK_N, BLOCK_K))
+    return tl.reshape(groups, (BLOCK_N, BLOCK_K)).to(dtype)
 
 
 @device_function
-def _load_tile(w_ptr, s_ptr, rows, rows_ok, k0, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _load_tile(w_ptr, s_ptr, rows, rows_ok, k0, K, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The decoded ``[BLOCK_N, BLOCK_K]`` tile of input columns ``k0 ...`` of weight rows ``rows``
-    (``w_ptr``: packed ``[*, K / 2]`` rows, ``s_ptr``: scale ``[*, K / 16]`` rows)."""
+    (``w_ptr``: packed ``[*, K / 2]`` rows, ``s_ptr``: scale ``[*, K / 16]`` rows) in ``dtype``."""
     half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
     packed = tl.load(w_ptr + rows[:, None].to(tl.int64) * (K // 2) + half[None, :],
                      mask=rows_ok[:, None] & (half < K // 2)[None, :], other=0)
     group = k0 // 16 + tl.arange(0, BLOCK_K // 16)
     scales = tl.load(s_ptr + rows[:, None].to(tl.int64) * (K // 16) + group[None, :],
                      mask=rows_ok[:, None] & (group < K // 16)[None, :], other=0)
-    return _decode_tile(packed, scales, BLOCK_N, BLOCK_K)
+    return _decode_tile(packed, scales, dtype, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -68,7 +73,7 @@ def _linear_kernel(
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(x_ptr + m[:, None].to(tl.int64) * x_st + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
-        w = _load_tile(w_ptr, s_ptr, n, n_ok, k0, K, BLOCK_N, BLOCK_K).to(dtype)
+        w = _load_tile(w_ptr, s_ptr, n, n_ok, k0, K, dtype, BLOCK_N, BLOCK_K)
         acc += dot(a, tl.trans(w), PRECISION)
     row_scale = tl.load(r_ptr + n, mask=n_ok, other=0.0)
     out = acc * row_scale[None, :]
@@ -136,8 +141,8 @@ def _gate_up_kernel(
             k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(x_ptr + token[:, None].to(tl.int64) * x_st + k[None, :],
                         mask=row_ok[:, None] & (k < hidden)[None, :], other=0.0)
-            w_gate = _load_tile(w_ptr, s_ptr, gate_rows, n_ok, k0, hidden, BLOCK_N, BLOCK_K).to(dtype)
-            w_up = _load_tile(w_ptr, s_ptr, up_rows, n_ok, k0, hidden, BLOCK_N, BLOCK_K).to(dtype)
+            w_gate = _load_tile(w_ptr, s_ptr, gate_rows, n_ok, k0, hidden, dtype, BLOCK_N, BLOCK_K)
+            w_up = _load_tile(w_ptr, s_ptr, up_rows, n_ok, k0, hidden, dtype, BLOCK_N, BLOCK_K)
             acc_gate += dot(a, tl.trans(w_gate), PRECISION)
             acc_up += dot(a, tl.trans(w_up), PRECISION)
         gate = round_as(acc_gate * tl.load(r_ptr + gate_rows, mask=n_ok, other=0.0)[None, :], dtype)
@@ -167,7 +172,7 @@ def _down_kernel(
             k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(h_ptr + rows[:, None].to(tl.int64) * inter + k[None, :],
                         mask=row_ok[:, None] & (k < inter)[None, :], other=0.0)
-            w = _load_tile(w_ptr, s_ptr, w_rows, n_ok, k0, inter, BLOCK_N, BLOCK_K).to(dtype)
+            w = _load_tile(w_ptr, s_ptr, w_rows, n_ok, k0, inter, dtype, BLOCK_N, BLOCK_K)
             acc += dot(a, tl.trans(w), PRECISION)
         weight = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
         y = round_as(acc * tl.load(r_ptr + w_rows, mask=n_ok, other=0.0)[None, :], dtype) * weight[:, None]

@@ -76,3 +76,19 @@ def test_fused_experts_nvfp4_replays_from_a_cuda_graph(rng):
     x.copy_(torch.randn_like(x))
     graph.replay()
     assert_close(out, ref.fused_experts_nvfp4_reference(x, *w13, *w2, weights, ids))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_sparse_moe_decode_nvfp4_real_sizes(rng, dtype, tokens):
+    """The few-token MoE block (routed + shared NVFP4 experts) against the general ops it replaces."""
+    from freetoken.kernels.triton import nvfp4_decode
+
+    weights = (
+        *random_nvfp4(rng, EXPERTS, 2 * INTER, HIDDEN), *random_nvfp4(rng, EXPERTS, HIDDEN, INTER),
+        *random_nvfp4(rng, 2 * INTER, HIDDEN), *random_nvfp4(rng, HIDDEN, INTER),
+    )
+    x = torch.randn(tokens, HIDDEN, generator=rng).to(dtype).to(CUDA)
+    logits = torch.randn(tokens, EXPERTS + 1, generator=rng).to(dtype).to(CUDA)
+    got = nvfp4_decode.sparse_moe_decode_nvfp4(x, logits, *weights, TOP_K, True)
+    assert_close(got, ref.sparse_moe_decode_nvfp4_reference(x, logits, *weights, TOP_K, True))

@@ -11,6 +11,8 @@ A decode step at batch ``B`` and context ``L`` must at least read
 - the recurrent state of every sequence, read and written (Gated DeltaNet's float32 state and conv
   window, Qwen4-Exp's PLE windows): ``2 · state_bytes_per_slot``.
 
+Weights count as stored: an NVFP4 linear reads its packed codes (half a byte a weight), its e4m3
+block scales (one byte per 16 weights: 4.5 bits a weight in all) and one float32 scale per row.
 Host-resident tables (Qwen4-Exp's n-gram embeddings, read over PCIe) are not HBM traffic and are
 left out. Activations stay in L2 at decode sizes and are left out too.
 """
@@ -95,6 +97,22 @@ def decode_floor(
     )
 
 
+def _stored(weight) -> list:
+    """The tensors a weight is stored as: itself, or an NVFP4 / split weight's parameters."""
+    from torch import nn
+
+    return list(weight.parameters()) if isinstance(weight, nn.Module) else [weight]
+
+
+def parameter_count(model) -> int:
+    """The model's weights in parameters (an NVFP4 weight counts its logical ``out x in``, not its bytes)."""
+    from freetoken.layers.linear import NVFP4Weight
+
+    packed = [m for m in model.modules() if isinstance(m, NVFP4Weight)]
+    in_packed = {id(p) for m in packed for p in m.parameters()}
+    return sum(m.shape.numel() for m in packed) + sum(p.numel() for p in model.parameters() if id(p) not in in_packed)
+
+
 def decode_traffic_of(model) -> DecodeTraffic:
     """The ``DecodeTraffic`` of a FreeToken ``CausalLM`` (its pools need not be allocated)."""
     from freetoken.layers.attention import GatedAttention
@@ -105,7 +123,7 @@ def decode_traffic_of(model) -> DecodeTraffic:
     dtype = model.embed_tokens.dtype
     moe = [m for m in model.modules() if isinstance(m, SparseMoE)]
     excluded = {id(model.embed_tokens)}
-    excluded |= {id(p) for m in moe for p in (m.w13, m.w2)}
+    excluded |= {id(p) for m in moe for w in (m.w13, m.w2) for p in _stored(w)}
     excluded |= {id(m.table) for m in model.modules() if isinstance(m, NGramEmbedding)}
     dense = sum(p.nbytes for p in model.parameters() if id(p) not in excluded)
     kv_layers = []
@@ -126,7 +144,7 @@ def decode_traffic_of(model) -> DecodeTraffic:
     return DecodeTraffic(
         dense_weight_bytes=dense,
         embedding_row_bytes=model.embed_tokens.shape[1] * dtype.itemsize,
-        expert_bytes=(first.w13[0].nbytes + first.w2[0].nbytes) if first else 0,
+        expert_bytes=sum(p[0].nbytes for w in (first.w13, first.w2) for p in _stored(w)) if first else 0,
         num_experts=first.num_experts if first else 0,
         top_k=first.top_k if first else 0,
         num_moe_layers=len(moe),

@@ -59,6 +59,13 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--profile-steps", type=int, default=5, help="steady steps profiled for the GPU idle share (5; 0: off)"
     )
+    group.add_argument(
+        "--quantization",
+        choices=["none", "nvfp4"],
+        default="none",
+        help="with random weights: nvfp4 makes the linears an NVFP4 checkpoint quantizes (routed and shared "
+        "experts, attention projections) random packed NVFP4 weights (none)",
+    )
     group.add_argument("--compare-transformers", action="store_true", help="also time transformers' generate()")
     group.add_argument("--shared-prefix-len", type=int, default=DEFAULT_SHARED_PREFIX_LEN,
                        help=f"shared-prefix: prompt tokens a priming request caches first ({DEFAULT_SHARED_PREFIX_LEN})")
@@ -86,6 +93,14 @@ def _check(args: argparse.Namespace) -> None:
     shared = args.workload == "shared-prefix"
     if args.input_len is None:
         args.input_len = DEFAULT_PROMPT_LEN if shared else DECODE_INPUT_LEN
+    if args.quantization != "none":
+        if args.preset is None and args.load_format != "dummy":
+            raise SystemExit(
+                "freetoken bench: --quantization makes random quantized weights: it needs --preset or "
+                "--load-format dummy (a checkpoint's own config says how it is quantized)"
+            )
+        if args.compare_transformers:
+            raise SystemExit("freetoken bench: --compare-transformers runs dense weights: not with --quantization")
     if args.input_len < 1 or args.output_len < 2:
         raise SystemExit("freetoken bench: --input-len must be >= 1 and --output-len >= 2")
     if shared:
@@ -243,6 +258,12 @@ def run_bench(args: argparse.Namespace) -> int:
             from freetoken.bench.presets import write_preset_dir
 
             model_dir = str(write_preset_dir(args.preset, scratch, args.num_layers))
+        if args.quantization == "nvfp4":
+            from freetoken.bench.presets import copy_config_dir, write_nvfp4_config
+
+            if args.preset is None:
+                model_dir = str(copy_config_dir(model_dir, Path(scratch) / "model"))
+            write_nvfp4_config(model_dir)
         run = _run_shared_prefix if args.workload == "shared-prefix" else _run
         report = run(args, engine_config_for(args, model_dir), json_path)
     from freetoken.bench.report import print_report, print_shared_prefix
@@ -258,6 +279,8 @@ def _report_header(args: argparse.Namespace, llm, config) -> dict[str, Any]:
     import torch
     import transformers
 
+    from freetoken.bench.floor import parameter_count
+
     engine = llm.runtime.engine
     return {
         "args": {name: value for name, value in vars(args).items() if name != "run"},
@@ -265,7 +288,9 @@ def _report_header(args: argparse.Namespace, llm, config) -> dict[str, Any]:
         "preset": args.preset,
         "model": args.model,
         "num_layers": len(engine.model.layers),
-        "num_parameters": sum(p.numel() for p in engine.model.parameters()),
+        "num_parameters": parameter_count(engine.model),
+        "weight_bytes": sum(p.nbytes for p in engine.model.parameters()),
+        "quantization": args.quantization,
         "dtype": str(engine.loaded.dtype).removeprefix("torch."),
         "device": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu",
         "torch": torch.__version__,

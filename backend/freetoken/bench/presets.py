@@ -4,6 +4,8 @@ weights for it on the device (``load_format="dummy"``)."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +69,12 @@ QWEN4_EXP: dict[str, Any] = dict(
     split_ngram_parts=1,
 )
 
+# What NVIDIA's ModelOpt NVFP4 checkpoint of Qwen3.6-35B-A3B leaves dense (``exclude_modules`` of its
+# hf_quant_config.json): the Gated DeltaNet layers, the router and shared-expert gate, lm_head, and
+# the vision tower and MTP head (not part of the text model). Quantized: the routed and shared
+# experts and the full-attention projections. The same exclusions serve the Qwen4-Exp preset.
+NVFP4_EXCLUDE_MODULES = ["lm_head", "*linear_attn*", "*mlp.gate", "*mlp.shared_expert_gate", "*visual*", "*mtp*"]
+
 # name -> (transformers text config class, architecture, fields)
 PRESETS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "qwen3.6-35b-a3b": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", QWEN3_6_35B_A3B),
@@ -101,4 +109,27 @@ def write_preset_dir(name: str, out_dir: str | Path, num_layers: int | None = No
     out.mkdir(parents=True, exist_ok=True)
     preset_config(name, num_layers).save_pretrained(str(out))
     build_tokenizer(out)
+    return out
+
+
+def write_nvfp4_config(model_dir: str | Path, exclude_modules: list[str] | None = None) -> Path:
+    """A ModelOpt ``hf_quant_config.json`` (NVFP4, groups of 16) in ``model_dir``: a dummy load of
+    that directory makes the linears it selects random packed weights."""
+    path = Path(model_dir) / "hf_quant_config.json"
+    quantization = {
+        "quant_algo": "NVFP4",
+        "group_size": 16,
+        "exclude_modules": list(NVFP4_EXCLUDE_MODULES if exclude_modules is None else exclude_modules),
+    }
+    path.write_text(json.dumps({"producer": {"name": "modelopt"}, "quantization": quantization}, indent=2) + "\n")
+    return path
+
+
+def copy_config_dir(model_dir: str | Path, out_dir: str | Path) -> Path:
+    """``model_dir`` without its weights (config, tokenizer, ...) in ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for path in Path(model_dir).iterdir():
+        if path.is_file() and not path.name.endswith((".safetensors", ".safetensors.index.json", ".bin", ".pt")):
+            shutil.copy(path, out / path.name)
     return out

@@ -84,9 +84,11 @@ def print_report(report: dict[str, Any]) -> None:
     rows = [header] + [format_row(r) for r in results]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     name = report["preset"] or report["model"]
+    quantized = "" if report.get("quantization", "none") == "none" else f" ({report['quantization']} linears)"
+    weights = f", {report['weight_bytes'] / GB:.2f} GB of weights" if "weight_bytes" in report else ""
     print(
-        f"{name}: {report['num_layers']} layers, {report['num_parameters'] / 1e9:.2f}B parameters, "
-        f"{report['dtype']} on {report['device']}; floor at {report['hbm_bandwidth'] / 1e12:.2f} TB/s"
+        f"{name}: {report['num_layers']} layers, {report['num_parameters'] / 1e9:.2f}B parameters{weights}, "
+        f"{report['dtype']}{quantized} on {report['device']}; floor at {report['hbm_bandwidth'] / 1e12:.2f} TB/s"
     )
     for row in rows:
         print("  ".join(cell.rjust(width) for cell, width in zip(row, widths)))

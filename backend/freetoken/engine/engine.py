@@ -14,7 +14,7 @@ from freetoken.engine.memory import PoolSizes, size_pools
 from freetoken.engine.outputs import OutputRing, StepOutput
 from freetoken.engine.sample import SlotSampler
 from freetoken.kernels import KernelBackend, get_kernel_backend, set_kernel_backend
-from freetoken.models.loader import LoadedModel, load_model, load_random_model, read_config
+from freetoken.models.loader import LoadedModel, load_model, load_random_model
 from freetoken.models.registry import text_config_of
 from freetoken.plan import PageUpdate, PlanRow, StepPlan
 
@@ -49,7 +49,7 @@ class Engine:
         self.device = resolve_device(config.device)
         set_kernel_backend(None if config.kernel_backend == "auto" else config.kernel_backend)
         if config.load_format == "dummy":
-            self.loaded: LoadedModel = load_random_model(read_config(model_dir), config.dtype, self.device, config.seed)
+            self.loaded: LoadedModel = load_random_model(model_dir, config.dtype, self.device, config.seed)
         else:
             self.loaded = load_model(model_dir, config.dtype, self.device)
         self.model = self.loaded.model

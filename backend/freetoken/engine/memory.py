@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from freetoken.config import EngineConfig
+from freetoken.engine.sample import SlotSampler
 from freetoken.models.base import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -64,7 +65,9 @@ def size_pools(
     if config.num_pages is not None:
         num_pages = config.num_pages + 1  # usable pages, as stated; page 0 is the reserved null page
     else:
-        budget = pool_budget_bytes(config, device, hidden_size) - (num_slots + num_snapshots) * slot_bytes
+        # The sampler's per-slot tables ([slots, vocab] counts and masks) come out of the same memory.
+        sampler_bytes = SlotSampler.device_bytes(num_slots, model.vocab_size)
+        budget = pool_budget_bytes(config, device, hidden_size) - (num_slots + num_snapshots) * slot_bytes - sampler_bytes
         affordable = budget // page_bytes if page_bytes else useful_pages
         num_pages = int(min(affordable, useful_pages))
         if num_pages < 2:

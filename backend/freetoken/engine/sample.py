@@ -90,6 +90,14 @@ class SlotSampler:
         self._host = [_HostSlot() for _ in range(num_slots)]
         self.device = device
 
+    @staticmethod
+    def device_bytes(num_slots: int, vocab_size: int) -> int:
+        """The bytes of the per-slot tables ``SlotSampler(num_slots, vocab_size, ...)`` allocates
+        (``[slots, vocab]`` token counts and masks: ~100 MB at 65 slots of a 248k vocabulary),
+        which the pool sizing sets aside. Measured on ``meta``: the constructor is the one spec."""
+        tables = vars(SlotSampler(num_slots, vocab_size, torch.device("meta"))).values()
+        return sum(t.nbytes for t in tables if isinstance(t, torch.Tensor))
+
     def admit(self, admissions: list[SlotSampling]) -> None:
         """Stage each admitted request's parameters and token history in its slot."""
         if not admissions:

@@ -79,3 +79,25 @@ def experts(x: torch.Tensor, w13: Weight, w2: Weight, topk_weights: torch.Tensor
     dense13 = w13.dequantize(x.dtype) if isinstance(w13, NVFP4Weight) else w13
     dense2 = w2.dequantize(x.dtype) if isinstance(w2, NVFP4Weight) else w2
     return kernels.fused_experts(x, dense13, dense2, topk_weights, topk_ids)
+
+
+def sparse_moe_decode(
+    x: torch.Tensor,
+    gate_logits: torch.Tensor,
+    w13: Weight,
+    w2: Weight,
+    shared_gate_up: Weight,
+    shared_down: Weight,
+    top_k: int,
+    renormalize: bool,
+) -> torch.Tensor | None:
+    """The MoE block after its router GEMM as one fused few-token op: ``kernels.sparse_moe_decode``
+    when the four weights are dense, ``kernels.sparse_moe_decode_nvfp4`` when all four are NVFP4;
+    ``None`` for a mix (the caller runs the general ops)."""
+    weights = (w13, w2, shared_gate_up, shared_down)
+    if all(isinstance(w, torch.Tensor) for w in weights):
+        return kernels.sparse_moe_decode(x, gate_logits, *weights, top_k, renormalize)
+    if all(isinstance(w, NVFP4Weight) for w in weights):
+        packed = [t for w in weights for t in (w.packed, w.scales, w.row_scales)]
+        return kernels.sparse_moe_decode_nvfp4(x, gate_logits, *packed, top_k, renormalize)
+    return None

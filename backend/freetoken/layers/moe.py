@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from freetoken import kernels
-from freetoken.layers.linear import experts, linear
+from freetoken.layers.linear import experts, linear, sparse_moe_decode
 from freetoken.layers.weights import WeightTarget, new_param, packed_targets
 
 # Up to this many tokens the block after the router GEMM runs as one fused op (``kernels.sparse_moe_decode``):
@@ -67,11 +67,12 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_logits = linear(x, self.gate_weight)
-        dense = all(isinstance(w, torch.Tensor) for w in (self.w13, self.w2, self.shared_gate_up, self.shared_down))
-        if dense and x.shape[0] <= DECODE_MAX_TOKENS:
-            return kernels.sparse_moe_decode(
+        if x.shape[0] <= DECODE_MAX_TOKENS:
+            fused = sparse_moe_decode(
                 x, gate_logits, self.w13, self.w2, self.shared_gate_up, self.shared_down, self.top_k, self.renormalize
             )
+            if fused is not None:
+                return fused
         router_logits, shared_gate = gate_logits[:, : self.num_experts], gate_logits[:, self.num_experts :]
         weights, ids = kernels.moe_topk_softmax(router_logits, self.top_k, self.renormalize)
         routed = experts(x, self.w13, self.w2, weights, ids)

@@ -3,7 +3,9 @@ one ``WeightTarget`` per tensor, naming the part of the parameter it fills."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -29,9 +31,25 @@ class WeightTarget:
         return dst
 
 
+_PARAMETER_DEVICE: ContextVar[torch.device | None] = ContextVar("parameter_device", default=None)
+
+
+@contextmanager
+def parameters_on(device: torch.device | None) -> Iterator[None]:
+    """Make ``new_param`` put parameters on ``device`` (``meta``: shapes only) while buffers computed
+    at build time still go to the default device: an NVFP4 model is built with its parameters on
+    ``meta``, so the linears it quantizes never exist in the activation dtype on the device."""
+    token = _PARAMETER_DEVICE.set(device)
+    try:
+        yield
+    finally:
+        _PARAMETER_DEVICE.reset(token)
+
+
 def new_param(*shape: int) -> nn.Parameter:
-    """An uninitialised parameter in the current default dtype and device (set while the model is built)."""
-    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+    """An uninitialised parameter in the current default dtype and device (set while the model is
+    built), or on the device of an enclosing ``parameters_on``."""
+    return nn.Parameter(torch.empty(*shape, device=_PARAMETER_DEVICE.get()), requires_grad=False)
 
 
 def packed_targets(param: nn.Parameter, prefix: str, parts: list[tuple[str, int]]) -> dict[str, WeightTarget]:

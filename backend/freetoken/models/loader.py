@@ -10,9 +10,10 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
+from freetoken.layers.weights import parameters_on
 from freetoken.models.base import CausalLM
 from freetoken.models.checkpoint import CheckpointError, canonical_name, count_tensors, iterate_tensors, shard_files
-from freetoken.models.nvfp4_loading import plan_nvfp4
+from freetoken.models.nvfp4_loading import plan_dummy_nvfp4, plan_nvfp4
 from freetoken.models.quantization import NVFP4Config, read_quantization
 from freetoken.models.registry import family_of, text_config_of
 
@@ -60,15 +61,19 @@ def _eos_ids(*values) -> set[int]:
     return ids
 
 
-def build_model(config: PretrainedConfig, torch_dtype: torch.dtype, device: torch.device) -> CausalLM:
-    """The model of ``config``'s architecture with uninitialised weights on ``device``."""
+def build_model(
+    config: PretrainedConfig, torch_dtype: torch.dtype, device: torch.device, meta_parameters: bool = False
+) -> CausalLM:
+    """The model of ``config``'s architecture with uninitialised weights on ``device``; with
+    ``meta_parameters``, its parameters on ``meta`` (buffers on ``device``), for an NVFP4 plan to
+    replace and allocate (``plan_nvfp4``)."""
     family = family_of(getattr(config, "architectures", None))
     text_config = text_config_of(config)
     tie = bool(getattr(config, "tie_word_embeddings", False) or getattr(text_config, "tie_word_embeddings", False))
     previous_dtype = torch.get_default_dtype()
     try:
         torch.set_default_dtype(torch_dtype)
-        with torch.device(device):
+        with torch.device(device), parameters_on(torch.device("meta") if meta_parameters else None):
             model = family.build(text_config, tie)
     finally:
         torch.set_default_dtype(previous_dtype)
@@ -80,8 +85,8 @@ def load_model(model_dir: str, dtype: str, device: torch.device) -> LoadedModel:
     text_config = text_config_of(config)
     torch_dtype = resolve_dtype(dtype, config)
     quantization = read_quantization(model_dir, config)
-    model = build_model(config, torch_dtype, device)
-    load_weights(model, model_dir, quantization)
+    model = build_model(config, torch_dtype, device, meta_parameters=quantization is not None)
+    load_weights(model, model_dir, quantization, device)
     generation_config = None
     if (Path(model_dir) / "generation_config.json").exists():
         generation_config = GenerationConfig.from_pretrained(model_dir)
@@ -92,28 +97,38 @@ def load_model(model_dir: str, dtype: str, device: torch.device) -> LoadedModel:
     return LoadedModel(model, config, generation_config, torch_dtype, eos)
 
 
-def load_random_model(config: PretrainedConfig, dtype: str, device: torch.device, seed: int) -> LoadedModel:
-    """The model of ``config`` with random weights made where they live (``load_format="dummy"``):
-    for benchmarks of real shapes without a checkpoint. See ``models.random_weights``."""
+def load_random_model(model_dir: str, dtype: str, device: torch.device, seed: int) -> LoadedModel:
+    """The model of ``model_dir``'s config with random weights made where they live
+    (``load_format="dummy"``): for benchmarks of real shapes without a checkpoint. With an NVFP4
+    quantization config, the linears it selects are random packed weights (``plan_dummy_nvfp4``).
+    See ``models.random_weights``."""
     from freetoken.models.random_weights import randomize_weights
 
+    config = read_config(model_dir)
+    quantization = read_quantization(model_dir, config)
     torch_dtype = resolve_dtype(dtype, config)
-    model = build_model(config, torch_dtype, device)
-    randomize_weights(model, seed)
+    model = build_model(config, torch_dtype, device, meta_parameters=quantization is not None)
+    targets = model.weight_targets()
+    if quantization is not None:
+        targets = plan_dummy_nvfp4(model, targets, quantization, device).targets
+    randomize_weights(model, seed, targets)
     eos = _eos_ids(getattr(text_config_of(config), "eos_token_id", None))
     return LoadedModel(model, config, None, torch_dtype, eos)
 
 
 @torch.no_grad()
-def load_weights(model: CausalLM, model_dir: str, quantization: NVFP4Config | None = None) -> None:
+def load_weights(
+    model: CausalLM, model_dir: str, quantization: NVFP4Config | None = None, device: torch.device | None = None
+) -> None:
     """Copy every checkpoint tensor into its target; error on wrong shapes and on parameters left unfilled.
 
     With an NVFP4 ``quantization``, the linears the checkpoint quantized are replaced by packed
-    weights first (``plan_nvfp4``) and filled from their packed tensors.
+    weights first (``plan_nvfp4``; on ``device``, which also receives the parameters a
+    ``meta_parameters`` build left on ``meta``) and filled from their packed tensors.
     """
     targets = model.weight_targets()
     files = shard_files(model_dir)
-    plan = plan_nvfp4(model, targets, files, quantization) if quantization else None
+    plan = plan_nvfp4(model, targets, files, quantization, device) if quantization else None
     if plan:
         targets = plan.targets
     total = sum(count_tensors(f) for f in files)

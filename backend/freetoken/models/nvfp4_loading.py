@@ -5,10 +5,17 @@ the config must agree. A model parameter whose checkpoint parts are all quantize
 the gate/up rows of every expert) becomes an :class:`NVFP4Weight`; a fused 2-D one that mixes
 quantized and dense parts (ModelOpt leaves the GDN ``in_proj_a/b`` dense beside a quantized
 ``in_proj_qkv/z``) becomes a :class:`SplitWeight` of packed and dense row runs.
+
+A model built with its parameters on ``meta`` (``layers.weights.parameters_on``) never holds the
+quantized linears in the activation dtype: the plan creates the packed weights on the device and
+then allocates the dense parameters left (``device`` given). Without a checkpoint
+(``load_format="dummy"``), ``plan_dummy_nvfp4`` quantizes the linears the config selects, as a
+checkpoint of that config would store them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -127,7 +134,11 @@ def _packed_targets(
 
 
 def _split(
-    param: nn.Parameter, parts: list[tuple[str, WeightTarget]], quantized: set[str], config: NVFP4Config
+    param: nn.Parameter,
+    parts: list[tuple[str, WeightTarget]],
+    quantized: set[str],
+    config: NVFP4Config,
+    device: torch.device,
 ) -> tuple[SplitWeight, dict[str, WeightTarget]]:
     """A fused 2-D weight whose parts are partly quantized, as runs of packed and dense rows (a part
     missing from the checkpoint is a dense run, which loading then reports unfilled)."""
@@ -144,22 +155,86 @@ def _split(
     for run in runs:
         first, last = run[0][1].rows.start, run[-1][1].rows.stop
         if run[0][0].removesuffix(".weight") in quantized:
-            piece = NVFP4Weight((last - first, param.shape[1]), param.device)
+            piece = NVFP4Weight((last - first, param.shape[1]), device)
             targets.update(_packed_targets(piece, run, config, first))
         else:
-            piece = nn.Parameter(param.data.new_empty(last - first, param.shape[1]), requires_grad=False)
+            piece = nn.Parameter(torch.empty(last - first, param.shape[1], dtype=param.dtype, device=device), requires_grad=False)
             targets.update({n: WeightTarget(piece, slice(t.rows.start - first, t.rows.stop - first)) for n, t in run})
         pieces.append(piece)
     return SplitWeight(pieces), targets
 
 
-def plan_nvfp4(model: nn.Module, targets: dict[str, WeightTarget], files: list[Path], config: NVFP4Config) -> NVFP4Load:
+def plan_nvfp4(
+    model: nn.Module,
+    targets: dict[str, WeightTarget],
+    files: list[Path],
+    config: NVFP4Config,
+    device: torch.device | None = None,
+) -> NVFP4Load:
     """Replace the parameters the checkpoint quantized with :class:`NVFP4Weight` s (or, for fused
     weights with dense parts, :class:`SplitWeight` s) and return the targets of the tensors they hold
-    (every other target unchanged)."""
+    (every other target unchanged). With ``device``, parameters left on ``meta`` are allocated there."""
     headers = _headers(files)
     quantized = quantized_modules(headers, config)
     present = {canonical_name(f"{module}.{suffix}") for module, tensors in headers.items() for suffix in tensors}
+    return _plan(model, targets, quantized, present, config, device)
+
+
+# 2-D parameters that are not linears: no producer quantizes them.
+_NOT_LINEAR = frozenset({"embed_tokens", "conv1d", "ngram_embedding"})
+
+
+def checkpoint_module(canonical: str) -> str:
+    """The module name a text-only checkpoint stores ``canonical`` under (``model.layers.0.x``,
+    ``lm_head``): what a quantization config's patterns are written against."""
+    return canonical if canonical.split(".")[0] == "lm_head" else f"model.{canonical}"
+
+
+def dummy_quantized_modules(targets: dict[str, WeightTarget], config: NVFP4Config) -> set[str]:
+    """The canonical names of the linears a checkpoint of ``config`` would store as NVFP4: every
+    linear weight (per expert for the routed experts) the config selects; a ``QuantizationError``
+    for a selected one whose input dim is not a multiple of the group size."""
+    quantized = set()
+    for name, target in targets.items():
+        module = name.removesuffix(".weight")
+        if module == name or _NOT_LINEAR.intersection(module.split(".")) or target.param.dim() not in (2, 3):
+            continue
+        if target.destination().dim() != 2 or not config.quantizes(checkpoint_module(module)):
+            continue
+        cols = target.destination().shape[1]
+        if cols % GROUP_SIZE:
+            raise QuantizationError(
+                f"{checkpoint_module(module)} has {cols} input columns, not a multiple of the group size {GROUP_SIZE}: "
+                f"add it to {config.exclusion_field}"
+            )
+        quantized.add(module)
+    return quantized
+
+
+def plan_dummy_nvfp4(
+    model: nn.Module, targets: dict[str, WeightTarget], config: NVFP4Config, device: torch.device
+) -> NVFP4Load:
+    """``plan_nvfp4`` without a checkpoint: the linears ``config`` selects become packed weights on
+    ``device`` (to be filled with random codes and scales), the rest dense parameters there."""
+    # The names such a checkpoint stores: a parameter's parts where it has any (the per-expert
+    # linears of released checkpoints, not the fused ``experts.gate_up_proj`` alias).
+    parted = {id(t.param) for t in targets.values() if _is_part(t)}
+    present = {name for name, t in targets.items() if _is_part(t) or id(t.param) not in parted}
+    return _plan(model, targets, dummy_quantized_modules(targets, config), present, config, device)
+
+
+def _is_part(target: WeightTarget) -> bool:
+    return target.index is not None or target.rows is not None
+
+
+def _plan(
+    model: nn.Module,
+    targets: dict[str, WeightTarget],
+    quantized: set[str],
+    present: set[str],
+    config: NVFP4Config,
+    device: torch.device | None,
+) -> NVFP4Load:
     by_param: dict[int, list[tuple[str, WeightTarget]]] = defaultdict(list)
     for name, target in targets.items():
         by_param[id(target.param)].append((name, target))
@@ -172,11 +247,12 @@ def plan_nvfp4(model: nn.Module, targets: dict[str, WeightTarget], files: list[P
         if not packed:
             continue
         param = parts[0][1].param
+        where = device or param.device
         if len(packed) == len(stored) and param.dim() in (2, 3):
-            weight: nn.Module = NVFP4Weight(param.shape, param.device)
+            weight: nn.Module = NVFP4Weight(param.shape, where)
             new_targets = _packed_targets(weight, packed, config)
         elif param.dim() == 2 and all(t.rows is not None for _, t in parts):
-            weight, new_targets = _split(param, parts, quantized, config)
+            weight, new_targets = _split(param, parts, quantized, config, where)
         else:
             dense = [name for name, _ in stored if name.removesuffix(".weight") not in quantized]
             raise QuantizationError(
@@ -187,4 +263,21 @@ def plan_nvfp4(model: nn.Module, targets: dict[str, WeightTarget], files: list[P
         for name, _ in parts:
             del load.targets[name]
         load.targets.update(new_targets)
+    if device is not None and device.type != "meta":
+        moved = materialize(model, device)
+        load.targets = {n: dataclasses.replace(t, param=moved.get(id(t.param), t.param)) for n, t in load.targets.items()}
     return load
+
+
+def materialize(model: nn.Module, device: torch.device) -> dict[int, nn.Parameter]:
+    """Allocate (uninitialised) on ``device`` every parameter still on ``meta``; returns
+    ``{id(old parameter): new parameter}`` (a parameter shared by two modules stays shared)."""
+    moved: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if not param.is_meta:
+                continue
+            if id(param) not in moved:
+                moved[id(param)] = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device), requires_grad=False)
+            setattr(module, name, moved[id(param)])
+    return moved

@@ -10,7 +10,10 @@ checkpoint name (``CausalLM.weight_targets``) so that
   token and spread over all experts (near-uniform routing, as the HBM floor assumes), neither
   collapsed on a few experts nor tied;
 - norm multipliers are near 1 (zero-centred norms store ``w`` around 0, the gated GDN norm around
-  1), GDN decays ``A = exp(A_log)`` in [1, 16] and ``dt_bias = 1`` as transformers initialises them.
+  1), GDN decays ``A = exp(A_log)`` in [1, 16] and ``dt_bias = 1`` as transformers initialises them;
+- an NVFP4 weight (an NVFP4 config's dummy load) gets uniform random bytes (every e2m1 code, both
+  signs), e4m3 block scales in [1, 1.875] and a per-row scale that gives the dequantized weight the
+  same ``1 / sqrt(fan_in)`` standard deviation; made in place on the device, never in bf16.
 """
 
 from __future__ import annotations
@@ -19,10 +22,32 @@ import math
 
 import torch
 
+from freetoken.layers.linear import NVFP4Weight
 from freetoken.layers.weights import WeightTarget
 from freetoken.models.base import CausalLM
 
 NORM_NOISE = 0.1
+# e4m3 codes of the random block scales: 0x38..0x3f are 1, 1.125, ..., 1.875.
+SCALE_CODES = range(0x38, 0x40)
+
+
+def _mean_square(values: torch.Tensor) -> float:
+    return values.float().square().mean().item()
+
+
+# A uniform random byte holds two uniform e2m1 codes: magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+E2M1_MEAN_SQUARE = _mean_square(torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]))
+SCALE_MEAN_SQUARE = _mean_square(
+    torch.tensor(list(SCALE_CODES), dtype=torch.uint8).view(torch.float8_e4m3fn)
+)
+
+
+def fill_nvfp4(weight: NVFP4Weight, generator: torch.Generator) -> None:
+    """Random codes and block scales, and the row scale that makes ``std(w) = 1 / sqrt(fan_in)``."""
+    fan_in = weight.shape[-1]
+    weight.packed.random_(0, 256, generator=generator)
+    weight.scales.view(torch.uint8).random_(SCALE_CODES.start, SCALE_CODES.stop, generator=generator)
+    weight.row_scales.fill_(1.0 / math.sqrt(fan_in * E2M1_MEAN_SQUARE * SCALE_MEAN_SQUARE))
 
 
 def _fill(name: str, dst: torch.Tensor, generator: torch.Generator) -> None:
@@ -43,24 +68,33 @@ def _fill(name: str, dst: torch.Tensor, generator: torch.Generator) -> None:
 
 
 @torch.no_grad()
-def randomize_weights(model: CausalLM, seed: int) -> None:
-    """Fill every parameter of ``model`` in place (buffers computed from the config stay)."""
+def randomize_weights(model: CausalLM, seed: int, targets: dict[str, WeightTarget] | None = None) -> None:
+    """Fill every parameter of ``model`` in place (buffers computed from the config stay).
+    ``targets``: the model's weight targets (default ``model.weight_targets()``; after an NVFP4 plan,
+    the plan's)."""
+    named_targets = model.weight_targets() if targets is None else targets
     parameters = {id(p): (name, p) for name, p in model.named_parameters()}
     generators: dict[torch.device, torch.Generator] = {}
+
+    def generator(device: torch.device) -> torch.Generator:
+        if device not in generators:
+            generators[device] = torch.Generator(device).manual_seed(seed)
+        return generators[device]
+
     filled: dict[int, int] = {}
+    for module in model.modules():
+        if isinstance(module, NVFP4Weight):
+            fill_nvfp4(module, generator(module.packed.device))
+            filled.update({id(p): p.numel() for p in module.parameters()})
     # Whole-parameter targets first: fused expert tensors fill all experts at once, and the
     # per-expert names that alias them are then skipped.
-    targets = sorted(model.weight_targets().items(), key=lambda item: _is_part(item[1]))
-    for name, target in targets:
+    for name, target in sorted(named_targets.items(), key=lambda item: _is_part(item[1])):
         key = id(target.param)
         if key not in parameters or filled.get(key, 0) >= target.param.numel():
             continue
         dst = target.destination()
-        if dst.device not in generators:
-            generators[dst.device] = torch.Generator(dst.device).manual_seed(seed)
-        _fill(name, dst, generators[dst.device])
+        _fill(name, dst, generator(dst.device))
         filled[key] = filled.get(key, 0) + dst.numel()
-    named_targets = model.weight_targets()
     for missing, source in model.tied_weights().items():
         named_targets[missing].destination().copy_(named_targets[source].destination())
     unfilled = [name for key, (name, p) in parameters.items() if filled.get(key, 0) < p.numel()]

@@ -1,0 +1,153 @@
+"""What the W4A16 kernels compile to for the H200 (sm_90, Triton 3.6), without a GPU: registers,
+spills, shared memory, and the SASS instruction mix per weight decoded, at the decode and prefill
+tiles of Qwen3.6-35B-A3B's sizes. The stand-in driver of tests/kernels/compile_only.py compiles
+every launch and runs none.
+
+    PYTHONPATH=.venv/triton-3.6.0 .venv/bin/python benchmarks/nvfp4_sass.py [--dump DIR]
+
+Per compiled kernel: ``cuobjdump --dump-resource-usage`` (REG, STACK, SHARED), the dynamic shared
+memory, and counts of SASS instructions in the K loop (the body between the loop's label and its
+backward branch, the part that runs once per weight tile) by class: tensor-core MMAs (HGMMA /
+HMMA), shared-memory stores and loads (STS / LDS: layout conversions and operand staging), global
+loads (LDG), integer ALU (IMAD, IADD3, LOP3, SHF, ISETP, SEL, PRMT...), conversions (F2F, I2F,
+F2FP), float32 math (FMUL / FADD / FFMA / FSEL / FSETP), and that count over the weights the loop
+body decodes per thread: the dequantization's cost in issue slots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests", "kernels"))
+import compile_only  # noqa: E402
+
+compile_only.install(90)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from freetoken.kernels.triton import nvfp4, nvfp4_decode  # noqa: E402
+
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+BF16 = torch.bfloat16
+HIDDEN, EXPERTS, TOP_K, INTER = 2048, 256, 8, 512
+CLASSES = {
+    "mma": ("HGMMA", "HMMA"),
+    "sts": ("STS",),
+    "lds": ("LDS", "LDSM"),
+    "ldg": ("LDG", "LDGSTS", "UTMALDG"),
+    "int": ("IMAD", "IADD3", "LOP3", "SHF", "ISETP", "SEL", "PRMT", "LEA", "IABS", "IMNMX", "I2I", "BMSK", "LOP"),
+    "cvt": ("F2F", "I2F", "F2FP", "F2I", "I2FP"),
+    "fp32": ("FMUL", "FADD", "FFMA", "FSEL", "FSETP", "FMNMX"),
+    "bar": ("BAR", "WARPGROUP", "DEPBAR", "SYNCS"),
+}
+compiled: list[tuple[str, dict, object]] = []
+_run = JITFunction.run
+
+
+def _recording_run(self, *args, **kwargs):
+    kernel = _run(self, *args, **kwargs)
+    config = {n: v for n, v in kwargs.items() if n.isupper() or n.startswith("num_")}
+    compiled.append((self.fn.__name__, config, kernel))
+    return kernel
+
+
+JITFunction.run = _recording_run
+
+
+def random_nvfp4(*shape: int):
+    *lead, rows, cols = shape
+    return (torch.zeros(*lead, rows, cols // 2, dtype=torch.uint8),
+            torch.zeros(*lead, rows, cols // 16, dtype=torch.uint8).view(torch.float8_e4m3fn),
+            torch.ones(*lead, rows))
+
+
+def cases():
+    """(label, launch) at the sizes of benchmarks/nvfp4.py: decode B=1 / 64 and prefill 8k."""
+    def block(t=1):
+        weights = (*random_nvfp4(EXPERTS, 2 * INTER, HIDDEN), *random_nvfp4(EXPERTS, HIDDEN, INTER),
+                   *random_nvfp4(2 * INTER, HIDDEN), *random_nvfp4(HIDDEN, INTER))
+        nvfp4_decode.sparse_moe_decode_nvfp4(torch.zeros(t, HIDDEN, dtype=BF16), torch.zeros(t, EXPERTS + 1, dtype=BF16),
+                                             *weights, TOP_K, True)
+
+    yield "MoE block decode B=1 (sparse_moe_decode_nvfp4)", block
+    for tokens, label in ((1, "decode B=1"), (64, "decode B=64"), (8192, "prefill 8k")):
+        def experts(t=tokens):
+            x = torch.zeros(t, HIDDEN, dtype=BF16)
+            ids = torch.arange(t * TOP_K, dtype=torch.int32).remainder(EXPERTS).view(t, TOP_K)
+            nvfp4.fused_experts_nvfp4(x, *random_nvfp4(EXPERTS, 2 * INTER, HIDDEN), *random_nvfp4(EXPERTS, HIDDEN, INTER),
+                                      torch.full((t, TOP_K), 0.125, dtype=BF16), ids)
+
+        def qkv(t=tokens):
+            nvfp4.nvfp4_linear(torch.zeros(t, HIDDEN, dtype=BF16), *random_nvfp4(9216, HIDDEN))
+
+        yield f"routed experts {label}", experts
+        yield f"attention qkv {label}", qkv
+
+
+_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)([^;]*);")
+
+
+def loop_body(sass: str) -> list[str]:
+    """The opcodes of the longest loop: from a backward branch's target to the branch."""
+    code = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in _INSTRUCTION.finditer(sass)]
+    best: list[str] = []
+    for i, (address, op, operands) in enumerate(code):
+        target = re.match(r"\s*(0x[0-9a-f]+)", operands) if op == "BRA" else None
+        if target and int(target.group(1), 16) < address:
+            body = [o for a, o, _ in code[: i + 1] if a >= int(target.group(1), 16)]
+            best = max(best, body, key=len)
+    return best
+
+
+def weights_per_thread(name: str, config: dict) -> float:
+    """Weights one thread decodes per iteration of the K loop (gate/up decode two tiles)."""
+    tiles = 2 if name == "_gate_up_kernel" and "BLOCK_M" in config else 1  # the grouped gate/up: two a loop
+    return tiles * config["BLOCK_N"] * config["BLOCK_K"] / (32 * config["num_warps"])
+
+
+def report(label: str, dump: str | None) -> None:
+    for name, config, kernel in compiled:
+        if name not in ("_linear_kernel", "_gate_up_kernel", "_down_kernel"):
+            continue
+        with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+            f.write(kernel.asm["cubin"])
+        usage = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        resources = next((l.strip().split("CONSTANT")[0] for l in usage.splitlines() if "REG:" in l), usage[:120])
+        sass = subprocess.run([CUOBJDUMP, "--dump-sass", f.name], capture_output=True, text=True).stdout
+        os.unlink(f.name)
+        if dump:
+            os.makedirs(dump, exist_ok=True)
+            with open(os.path.join(dump, f"{label.replace(' ', '_').replace('=', '')}_{name}.sass"), "w") as out:
+                out.write(sass)
+        body = Counter(loop_body(sass))
+        counts = {cls: sum(body[op] for op in ops) for cls, ops in CLASSES.items()}
+        total = sum(body.values())
+        per_weight = total / weights_per_thread(name, config)
+        tiles = {k: config[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages") if k in config}
+        mix = " ".join(f"{cls}={n}" for cls, n in counts.items())
+        print(f"| {label} | {name} | {tiles} | {resources} | {kernel.metadata.shared} | {total} | {mix} | {per_weight:.2f} |")
+    compiled.clear()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dump", default=None, help="write each kernel's SASS to this folder")
+    args = parser.parse_args()
+    print("| case | kernel | tiles | resources | dynamic shared | loop instructions | by class | per weight per thread |")
+    print("|---|---|---|---|---:|---:|---|---:|")
+    for label, launch in cases():
+        launch()
+        report(label, args.dump)
+
+
+if __name__ == "__main__":
+    main()
