@@ -26,10 +26,11 @@ def test_size_pools_leaves_room_for_the_sampler():
     page_bytes, slot_bytes, vocab = 1 << 20, 3 << 20, 248320
     model = SimpleNamespace(vocab_size=vocab, kv_bytes_per_page=lambda page_size: page_bytes,
                             state_bytes_per_slot=lambda: slot_bytes)
-    config = EngineConfig(max_running_requests=64, cpu_kv_cache_gib=1.0, page_size=16)
+    config = EngineConfig(max_running_requests=64, cpu_kv_cache_gib=1.0, page_size=16, max_snapshot_slots=8)
     sizes = size_pools(model, config, torch.device("cpu"), max_model_len=1 << 20, hidden_size=2048)
-    assert sizes.num_slots == 65
-    sampler = SlotSampler.device_bytes(65, vocab)
-    assert sizes.num_pages == (GiB - 65 * slot_bytes - sampler) // page_bytes
+    assert sizes.num_slots == 65 and sizes.num_snapshot_slots == 8
+    sampler = SlotSampler.device_bytes(65, vocab)  # snapshots sample nothing: no tables of their own
+    state = (65 + 8) * slot_bytes
+    assert sizes.num_pages == (GiB - state - sampler) // page_bytes
     # Without the sampler's 97 MB the pool would have had 93 more pages than the memory holds.
-    assert (GiB - 65 * slot_bytes) // page_bytes - sizes.num_pages == 93
+    assert (GiB - state) // page_bytes - sizes.num_pages == 93
