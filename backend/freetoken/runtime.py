@@ -353,4 +353,13 @@ class Runtime:
             slots_used=slots.capacity - slots.num_free,
             slots_total=slots.capacity,
             num_preemptions=self.scheduler.num_preemptions,
+            expert_cache=self._expert_cache_stats(),
         )
+
+    def _expert_cache_stats(self) -> ExpertCacheStats | None:
+        cache = self.engine.expert_cache_counters()
+        if cache is None:
+            return None
+        counters, num_slots = cache
+        return ExpertCacheStats(counters.hits, counters.misses, counters.bytes_copied, counters.prefetched,
+                                counters.prefetch_hits, num_slots)

@@ -10,6 +10,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
+from freetoken.experts.offload import ExpertOffload, building
 from freetoken.models.base import CausalLM
 from freetoken.models.checkpoint import CheckpointError, canonical_name, count_tensors, iterate_tensors, shard_files
 from freetoken.models.nvfp4_loading import plan_nvfp4
@@ -60,27 +61,30 @@ def _eos_ids(*values) -> set[int]:
     return ids
 
 
-def build_model(config: PretrainedConfig, torch_dtype: torch.dtype, device: torch.device) -> CausalLM:
-    """The model of ``config``'s architecture with uninitialised weights on ``device``."""
+def build_model(
+    config: PretrainedConfig, torch_dtype: torch.dtype, device: torch.device, offload: ExpertOffload | None = None
+) -> CausalLM:
+    """The model of ``config``'s architecture with uninitialised weights on ``device``; with
+    ``offload``, the routed experts' weights are made in host memory instead (never on the device)."""
     family = family_of(getattr(config, "architectures", None))
     text_config = text_config_of(config)
     tie = bool(getattr(config, "tie_word_embeddings", False) or getattr(text_config, "tie_word_embeddings", False))
     previous_dtype = torch.get_default_dtype()
     try:
         torch.set_default_dtype(torch_dtype)
-        with torch.device(device):
+        with torch.device(device), building(offload):
             model = family.build(text_config, tie)
     finally:
         torch.set_default_dtype(previous_dtype)
     return model.eval()
 
 
-def load_model(model_dir: str, dtype: str, device: torch.device) -> LoadedModel:
+def load_model(model_dir: str, dtype: str, device: torch.device, offload: ExpertOffload | None = None) -> LoadedModel:
     config = read_config(model_dir)
     text_config = text_config_of(config)
     torch_dtype = resolve_dtype(dtype, config)
     quantization = read_quantization(model_dir, config)
-    model = build_model(config, torch_dtype, device)
+    model = build_model(config, torch_dtype, device, offload)
     load_weights(model, model_dir, quantization)
     generation_config = None
     if (Path(model_dir) / "generation_config.json").exists():
@@ -92,14 +96,16 @@ def load_model(model_dir: str, dtype: str, device: torch.device) -> LoadedModel:
     return LoadedModel(model, config, generation_config, torch_dtype, eos)
 
 
-def load_random_model(config: PretrainedConfig, dtype: str, device: torch.device, seed: int) -> LoadedModel:
-    """The model of ``config`` with random weights made where they live (``load_format="dummy"``):
+def load_random_model(
+    config: PretrainedConfig, dtype: str, device: torch.device, seed: int, offload: ExpertOffload | None = None
+) -> LoadedModel:
+    """The model of ``config`` with random weights drawn on ``device`` (``load_format="dummy"``):
     for benchmarks of real shapes without a checkpoint. See ``models.random_weights``."""
     from freetoken.models.random_weights import randomize_weights
 
     torch_dtype = resolve_dtype(dtype, config)
-    model = build_model(config, torch_dtype, device)
-    randomize_weights(model, seed)
+    model = build_model(config, torch_dtype, device, offload)
+    randomize_weights(model, seed, device)
     eos = _eos_ids(getattr(text_config_of(config), "eos_token_id", None))
     return LoadedModel(model, config, None, torch_dtype, eos)
 

@@ -43,8 +43,11 @@ def _fill(name: str, dst: torch.Tensor, generator: torch.Generator) -> None:
 
 
 @torch.no_grad()
-def randomize_weights(model: CausalLM, seed: int) -> None:
-    """Fill every parameter of ``model`` in place (buffers computed from the config stay)."""
+def randomize_weights(model: CausalLM, seed: int, device: torch.device | None = None) -> None:
+    """Fill every parameter of ``model`` in place (buffers computed from the config stay). Values are
+    drawn on ``device`` (default: where each parameter lives) and copied to parameters that live
+    elsewhere: offloaded experts in host memory are drawn on the GPU, which is fast, and get the
+    values the resident model of the same seed has."""
     parameters = {id(p): (name, p) for name, p in model.named_parameters()}
     generators: dict[torch.device, torch.Generator] = {}
     filled: dict[int, int] = {}
@@ -56,9 +59,15 @@ def randomize_weights(model: CausalLM, seed: int) -> None:
         if key not in parameters or filled.get(key, 0) >= target.param.numel():
             continue
         dst = target.destination()
-        if dst.device not in generators:
-            generators[dst.device] = torch.Generator(dst.device).manual_seed(seed)
-        _fill(name, dst, generators[dst.device])
+        draw_on = _indexed(device) if device is not None else dst.device
+        if draw_on not in generators:
+            generators[draw_on] = torch.Generator(draw_on).manual_seed(seed)
+        if dst.device == draw_on:
+            _fill(name, dst, generators[draw_on])
+        else:
+            drawn = torch.empty(dst.shape, dtype=dst.dtype, device=draw_on)
+            _fill(name, drawn, generators[draw_on])
+            dst.copy_(drawn)
         filled[key] = filled.get(key, 0) + dst.numel()
     named_targets = model.weight_targets()
     for missing, source in model.tied_weights().items():
@@ -66,6 +75,14 @@ def randomize_weights(model: CausalLM, seed: int) -> None:
     unfilled = [name for key, (name, p) in parameters.items() if filled.get(key, 0) < p.numel()]
     if unfilled:
         raise ValueError(f"no weight target covers the parameters {unfilled[:5]}: cannot randomize them")
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """``cuda`` as the ``cuda:N`` that tensors made on it report."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _is_part(target: WeightTarget) -> bool:

@@ -1,0 +1,62 @@
+"""The expert cache on the device: one ``[S, ...]`` tensor per weight part (``w13 [S, 2I, H]`` and
+``w2 [S, H, I]``, or NVFP4's packed codes and scales of each), the map ``(layer, expert) -> slot``,
+and the copies that fill slots from host memory.
+
+On CUDA the copies run on a stream of their own: it first waits for the compute stream (a slot
+given up may still be read by a kernel queued there), and the compute stream waits for the copies'
+event before the experts run, so whatever the compute stream queued in between (the shared expert)
+overlaps the transfer. On the CPU the copies are plain copies.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from freetoken.experts.eviction import ExpertKey
+
+
+class DeviceSlots:
+    def __init__(self, parts: list[torch.Tensor], num_slots: int, num_layers: int, device: torch.device) -> None:
+        """``parts``: one layer's host weight parts, each ``[E, ...]`` (every layer's have these shapes)."""
+        self.device = device
+        self.tensors = [torch.empty((num_slots, *p.shape[1:]), dtype=p.dtype, device=device) for p in parts]
+        self.slot_map = torch.full((num_layers, parts[0].shape[0]), -1, dtype=torch.int32, device=device)
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._ready: torch.cuda.Event | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def fill(self, layer: int, host_parts: list[torch.Tensor], placed: list[tuple[int, int]],
+             evicted: list[ExpertKey]) -> None:
+        """Copy ``layer``'s experts into their slots (``placed``: (expert, slot)) and update the map."""
+        if not placed:
+            return
+        if self._stream is None:
+            for expert, slot in placed:
+                for dst, src in zip(self.tensors, host_parts):
+                    dst[slot].copy_(src[expert])
+        else:
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._stream):
+                for expert, slot in placed:
+                    for dst, src in zip(self.tensors, host_parts):
+                        dst[slot].copy_(src[expert], non_blocking=True)
+                self._ready = torch.cuda.Event()
+                self._ready.record(self._stream)
+        rows = [k[0] for k in evicted] + [layer] * len(placed)
+        cols = [k[1] for k in evicted] + [e for e, _ in placed]
+        values = [-1] * len(evicted) + [s for _, s in placed]
+        index = torch.tensor([rows, cols, values], dtype=torch.int64).to(self.device)
+        self.slot_map[index[0], index[1]] = index[2].to(torch.int32)
+
+    def wait(self) -> None:
+        """The compute stream waits for the copies queued so far (before it reads the slots)."""
+        if self._ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._ready)
+            self._ready = None
+
+    def slot_ids(self, layer: int, expert_ids: torch.Tensor) -> torch.Tensor:
+        """``expert_ids`` (any shape) of ``layer`` -> their slots, int32, on the device."""
+        return self.slot_map[layer][expert_ids.long()]

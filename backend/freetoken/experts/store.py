@@ -1,0 +1,121 @@
+"""Expert stores: where one MoE layer's routed experts live and how they run for routed ids.
+
+``SparseMoE`` routes, then asks its store in two calls: ``prepare(topk_ids)`` (an offloaded store
+queues the copies of the experts it misses) and, after the shared expert was queued (it overlaps
+those copies), ``compute(x, topk_weights, routing)``.
+
+- ``ResidentExperts``: the fused ``w13 [E, 2I, H]`` / ``w2 [E, H, I]`` on the device.
+- ``OffloadedExperts``: the same tensors in host memory; they run from the device cache of
+  ``experts.offload``, with ``topk_ids`` mapped to slots. A layer routed to more experts than the
+  cache holds runs in passes: bring a group in, run the (token, expert) pairs of that group, add
+  them up, next group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from freetoken import kernels
+from freetoken.experts.offload import ExpertOffload, offload_being_built
+from freetoken.layers.linear import NVFP4Weight, Weight, experts
+from freetoken.layers.weights import new_param
+
+
+class ResidentExperts(nn.Module):
+    def __init__(self, num_experts: int, intermediate: int, hidden: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.w13: Weight = new_param(num_experts, 2 * intermediate, hidden)
+        self.w2: Weight = new_param(num_experts, hidden, intermediate)
+
+    def prepare(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        return topk_ids
+
+    def compute(self, x: torch.Tensor, topk_weights: torch.Tensor, routing: torch.Tensor) -> torch.Tensor:
+        return experts(x, self.w13, self.w2, topk_weights, routing)
+
+
+@dataclass
+class _Passes:
+    topk_ids: torch.Tensor
+    groups: list[list[int]]  # the routed experts, per pass; the first one is being copied in
+
+
+def _host_param(*shape: int, pin: bool) -> nn.Parameter:
+    """In the build's default dtype, in host memory whatever the build's device."""
+    return nn.Parameter(torch.empty(*shape, device="cpu", pin_memory=pin), requires_grad=False)
+
+
+def _parts(weight: Weight) -> list[torch.Tensor]:
+    if isinstance(weight, NVFP4Weight):
+        return [weight.packed, weight.scales, weight.row_scales]
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"moe_offload: experts stored as {type(weight).__name__} cannot be offloaded")
+    return [weight]
+
+
+class OffloadedExperts(nn.Module):
+    def __init__(self, num_experts: int, intermediate: int, hidden: int, offload: ExpertOffload) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.w13: Weight = _host_param(num_experts, 2 * intermediate, hidden, pin=offload.pin)
+        self.w2: Weight = _host_param(num_experts, hidden, intermediate, pin=offload.pin)
+        self.offload = offload  # not a module: shared by every layer
+        self.layer = offload.register(self)
+
+    def host_parts(self) -> list[torch.Tensor]:
+        return _parts(self.w13) + _parts(self.w2)
+
+    def is_nvfp4(self) -> bool:
+        return isinstance(self.w13, NVFP4Weight) and isinstance(self.w2, NVFP4Weight)
+
+    def prepare(self, topk_ids: torch.Tensor) -> _Passes:
+        # The routed ids go to the host (a sync): which experts to copy is decided there.
+        needed = list(dict.fromkeys(topk_ids.flatten().tolist()))  # distinct, in routing order
+        return _Passes(topk_ids, self.offload.begin(self.layer, needed))
+
+    def compute(self, x: torch.Tensor, topk_weights: torch.Tensor, routing: _Passes) -> torch.Tensor:
+        slots = self.offload.slots
+        assert slots is not None
+        if len(routing.groups) == 1:
+            slots.wait()
+            return self._run(x, topk_weights, routing.topk_ids, routing.groups[0])
+        out = torch.zeros_like(x)
+        flat_ids, flat_weights = routing.topk_ids.flatten(), topk_weights.flatten()
+        top_k = routing.topk_ids.shape[1]
+        for index, group in enumerate(routing.groups):
+            if index:
+                self.offload.bring_in(self.layer, group)
+            slots.wait()
+            members = torch.tensor(group, dtype=flat_ids.dtype).to(x.device)
+            pairs = torch.isin(flat_ids, members).nonzero().squeeze(1)
+            tokens = pairs // top_k
+            part = self._run(x[tokens], flat_weights[pairs, None], flat_ids[pairs, None], group)
+            out.index_add_(0, tokens, part)
+        return out
+
+    def _run(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, group: list[int]) -> torch.Tensor:
+        """The experts of ``group`` (all cached) for pairs routed only to them. The kernels see the
+        span of slots the group occupies: their cost grows with the number of experts they are given."""
+        slots = self.offload.slots
+        assert slots is not None
+        taken = [self.offload.slot_of(self.layer, e) for e in group]
+        low, high = min(taken), max(taken) + 1
+        slot_ids = slots.slot_ids(self.layer, expert_ids)
+        if low:
+            slot_ids = slot_ids - low
+        tensors = [t[low:high] for t in slots.tensors]
+        if self.offload.nvfp4:
+            return kernels.fused_experts_nvfp4(x, *tensors, weights, slot_ids)
+        return kernels.fused_experts(x, tensors[0], tensors[1], weights, slot_ids)
+
+
+def make_store(num_experts: int, intermediate: int, hidden: int) -> ResidentExperts | OffloadedExperts:
+    """The store of a MoE layer being built: offloaded inside ``experts.offload.building(offload)``."""
+    offload = offload_being_built()
+    if offload is None:
+        return ResidentExperts(num_experts, intermediate, hidden)
+    return OffloadedExperts(num_experts, intermediate, hidden, offload)
