@@ -1,6 +1,7 @@
 """The vLLM backend's metric families (``vllm:*``: names, labels, meanings and histogram buckets, so
 its dashboards and CI checks read FreeToken unchanged), vLLM's own names for the scheduler's
-queues, preemptions and KV-cache use, and ``freetoken_*`` only for what vLLM has no name for.
+queues, preemptions and KV-cache use, and ``freetoken_*`` only for what vLLM has no name for (the
+expert cache's, ``EXPERT_CACHE_FAMILIES``, only with ``moe_offload``).
 
 Every metric update is a round trip to the server (18-46 us), so nothing here runs on the engine or
 response threads: they call ``record_*`` (a queue put) and one background thread aggregates the
@@ -78,6 +79,25 @@ FAMILIES: dict[str, tuple[str, str, list[float] | str | None]] = {
     "freetoken_state_slots_used": ("GAUGE", "Recurrent-state (Gated DeltaNet) slots in use.", None),
     "freetoken_state_slots_total": ("GAUGE", "Recurrent-state slots in the pool.", None),
 }
+# With moe_offload only: the expert cache's counters (RuntimeStats.expert_cache), as counters.
+EXPERT_CACHE_FAMILIES: dict[str, tuple[str, str, None]] = {
+    "freetoken_expert_cache_hits_total": ("COUNTER", "Routed expert uses found in the device expert cache.", None),
+    "freetoken_expert_cache_misses_total": ("COUNTER", "Routed expert uses whose expert was copied in from host "
+                                                       "memory.", None),
+    "freetoken_expert_cache_bytes_copied_total": ("COUNTER", "Expert bytes copied from host memory to the device.",
+                                                  None),
+    "freetoken_expert_cache_prefetched_total": ("COUNTER", "Experts copied ahead of their layer's routing.", None),
+    "freetoken_expert_cache_prefetch_hits_total": ("COUNTER", "Prefetched experts their layer then used.", None),
+    "freetoken_expert_cache_slots": ("GAUGE", "Expert slots of the device expert cache.", None),
+}
+# counter -> the ExpertCacheStats field it follows
+EXPERT_CACHE_COUNTERS = {
+    "freetoken_expert_cache_hits_total": "hits",
+    "freetoken_expert_cache_misses_total": "misses",
+    "freetoken_expert_cache_bytes_copied_total": "bytes_copied",
+    "freetoken_expert_cache_prefetched_total": "prefetched",
+    "freetoken_expert_cache_prefetch_hits_total": "prefetch_hits",
+}
 FINISH_REASONS = ("stop", "length", "abort", "error")
 SUCCESS = "vllm:request_success_total"
 BATCH_SECONDS = 0.01  # after a flush, events gather this long before the next one
@@ -102,7 +122,13 @@ class Metrics:
         self._finished: dict[str, Any] = {}
         self._families: list[Any] = []  # kept alive as long as their metrics
         self._last_preemptions = 0
-        families = FAMILIES.items() if pb_utils is not None else ()
+        self._last_expert_cache = dict.fromkeys(EXPERT_CACHE_COUNTERS, 0)
+        families = {}
+        if pb_utils is not None:
+            families = dict(FAMILIES)
+            if stats().expert_cache is not None:
+                families.update(EXPERT_CACHE_FAMILIES)
+        families = families.items()
         try:
             for name, (kind, description, buckets) in families:
                 family = pb_utils.MetricFamily(name=name, description=description, kind=getattr(pb_utils.MetricFamily, kind))
@@ -230,6 +256,14 @@ class Metrics:
         if stats.num_preemptions > self._last_preemptions:
             self._metrics["vllm:num_preemptions_total"].increment(stats.num_preemptions - self._last_preemptions)
             self._last_preemptions = stats.num_preemptions
+        cache = stats.expert_cache
+        if cache is not None and "freetoken_expert_cache_slots" in self._metrics:
+            self._metrics["freetoken_expert_cache_slots"].set(cache.slots)
+            for name, field in EXPERT_CACHE_COUNTERS.items():
+                value = getattr(cache, field)
+                if value > self._last_expert_cache[name]:
+                    self._metrics[name].increment(value - self._last_expert_cache[name])
+                    self._last_expert_cache[name] = value
 
     def close(self) -> None:
         self._stop.set()
