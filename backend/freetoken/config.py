@@ -51,6 +51,10 @@ class EngineConfig:
         "free after the weights and the KV pool; on the CPU one layer's experts)"
     )
     expert_cache_policy: str = option("lru", "with moe_offload: which cached expert gives up its slot (lru)")
+    expert_prefetch: bool = option(
+        False, "with moe_offload: while a layer computes, copy in the experts the next layer's router picks for "
+        "this layer's input"
+    )
     seed: int = option(0, "seed from which unseeded requests draw their sampling seeds")
     overlap_schedule: bool = option(
         True, "schedule and stage the next step, and resolve the previous one, while the device runs a step"

@@ -94,6 +94,30 @@ def test_counters_add_up_to_the_routed_uses():
     assert all(m.w13.shape[0] == text.num_experts for m in moe)  # every expert stays in host memory
 
 
+PREFETCH_SLOTS = {"qwen3_5_moe": 12, "qwen4_exp": 6}  # one layer's experts and some room
+
+
+@families
+def test_prefetch_greedy_equals_transformers_and_counts(family):
+    """The next layer's router on this layer's input picks experts to copy ahead: tokens unchanged;
+    prefetches are not uses (hits + misses still count the routed ones), their bytes are counted."""
+    llm = _llm(family, slots=PREFETCH_SLOTS[family], expert_prefetch=True)
+    uses = []
+
+    def count(module: SparseMoE, inputs: tuple[torch.Tensor]) -> None:
+        logits = inputs[0] @ module.gate_weight[: module.num_experts].T
+        uses.append(torch.topk(logits, module.top_k, dim=-1).indices.unique().numel())
+
+    for m in llm.runtime.engine.model.modules():
+        if isinstance(m, SparseMoE):
+            m.register_forward_pre_hook(count)
+    assert_greedy_batch(llm, DEMO[family], batch_prompts(DEMO[family])[:4])
+    stats = llm.runtime.stats().expert_cache
+    assert stats.hits + stats.misses == sum(uses)
+    assert 0 < stats.prefetch_hits <= stats.prefetched
+    assert stats.bytes_copied == (stats.misses + stats.prefetched) * llm.runtime.engine.offload.expert_bytes
+
+
 def test_one_pass_when_the_cache_holds_everything():
     """A cache of every layer's experts: each expert is copied once, then every use hits."""
     llm = LLM(model=str(checkpoint(DEMO["qwen3_5_moe"])), dtype="float32", device="cpu", page_size=PAGE_SIZE,
@@ -160,6 +184,19 @@ def test_slot_table_passes_and_eviction():
     assert (table.counters.hits, table.counters.misses, table.counters.bytes_copied) == (1, 3, 30)
     with pytest.raises(ValueError, match="do not fit 2 cache slots"):
         table.admit(1, [0, 1, 2])
+
+
+def test_slot_table_prefetch_keeps_the_running_layer():
+    table = SlotTable(3, LRUPolicy(), expert_bytes=10)
+    table.admit(0, [0, 1])
+    running = {(0, 0), (0, 1)}
+    # one slot outside the running layer's: only the first predicted expert is copied ahead
+    assert table.prefetch(1, [4, 5], running) == ([(4, 2)], [])
+    assert table.prefetch(1, [4, 5], running) == ([], [])  # cached already, no room for 5
+    table.admit(1, [4])
+    counters = table.counters
+    assert (counters.hits, counters.misses, counters.prefetched, counters.prefetch_hits) == (1, 2, 1, 1)
+    assert counters.bytes_copied == 30
 
 
 def test_offload_options_are_checked():

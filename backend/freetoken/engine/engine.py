@@ -52,7 +52,9 @@ class Engine:
         set_kernel_backend(None if config.kernel_backend == "auto" else config.kernel_backend)
         self.offload: ExpertOffload | None = None
         if config.moe_offload:
-            self.offload = ExpertOffload(config.expert_cache_policy, pin=self.device.type == "cuda")
+            self.offload = ExpertOffload(
+                config.expert_cache_policy, pin=self.device.type == "cuda", prefetch=config.expert_prefetch
+            )
         if config.load_format == "dummy":
             self.loaded: LoadedModel = load_random_model(
                 read_config(model_dir), config.dtype, self.device, config.seed, self.offload

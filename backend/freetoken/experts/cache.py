@@ -35,6 +35,7 @@ class SlotTable:
         self.counters = CacheCounters()
         self._slot_of: dict[ExpertKey, int] = {}
         self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
+        self._prefetched: set[ExpertKey] = set()  # copied ahead of their layer, not used since
 
     def slot_of(self, key: ExpertKey) -> int | None:
         return self._slot_of.get(key)
@@ -61,16 +62,42 @@ class SlotTable:
             key = (layer, expert)
             if key in self._slot_of:
                 self.counters.hits += 1
+                if key in self._prefetched:
+                    self._prefetched.discard(key)
+                    self.counters.prefetch_hits += 1
                 continue
             self.counters.misses += 1
-            self.counters.bytes_copied += self.expert_bytes
-            if self._free:
-                slot = self._free.pop()
-            else:
-                victim = self.policy.evict(protected)
-                slot = self._slot_of.pop(victim)
-                evicted.append(victim)
-            self._slot_of[key] = slot
-            self.policy.insert(key)
-            placed.append((expert, slot))
+            placed.append((expert, self._place(key, protected, evicted)))
         return placed, evicted
+
+    def prefetch(
+        self, layer: int, experts: list[int], running: set[ExpertKey]
+    ) -> tuple[list[tuple[int, int]], list[ExpertKey]]:
+        """Copy ahead the experts of ``layer`` predicted to be routed (not uses: no hit or miss), in
+        the slots neither ``running`` (the layer being computed) nor the predicted ones hold; as
+        many as fit, in the order given. Returns what ``admit`` does."""
+        keep = running | {(layer, e) for e in experts}
+        room = self.num_slots - sum(1 for key in keep if key in self._slot_of)
+        missing = [e for e in experts if (layer, e) not in self._slot_of][: max(0, room)]
+        placed: list[tuple[int, int]] = []
+        evicted: list[ExpertKey] = []
+        for expert in missing:
+            key = (layer, expert)
+            placed.append((expert, self._place(key, keep, evicted)))
+            self._prefetched.add(key)
+            self.counters.prefetched += 1
+        return placed, evicted
+
+    def _place(self, key: ExpertKey, protected: set[ExpertKey], evicted: list[ExpertKey]) -> int:
+        """A slot for ``key``: a free one, else the policy's victim outside ``protected``."""
+        self.counters.bytes_copied += self.expert_bytes
+        if self._free:
+            slot = self._free.pop()
+        else:
+            victim = self.policy.evict(protected)
+            slot = self._slot_of.pop(victim)
+            self._prefetched.discard(victim)
+            evicted.append(victim)
+        self._slot_of[key] = slot
+        self.policy.insert(key)
+        return slot

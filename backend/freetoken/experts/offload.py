@@ -27,6 +27,9 @@ logger = logging.getLogger(__name__)
 class HostExperts(Protocol):
     num_experts: int
 
+    def predict(self, x: torch.Tensor) -> list[int]:
+        """The experts this layer's router would pick for ``x`` (distinct, in routing order)."""
+
     def host_parts(self) -> list[torch.Tensor]:
         """The layer's expert weights in host memory, each ``[E, ...]``."""
 
@@ -34,11 +37,13 @@ class HostExperts(Protocol):
 
 
 class ExpertOffload:
-    def __init__(self, policy: str, pin: bool) -> None:
+    def __init__(self, policy: str, pin: bool, prefetch: bool = False) -> None:
         """``pin``: keep the host weights in page-locked memory (CUDA: asynchronous copies at full
-        PCIe speed, 55 GB/s pinned against 20 GB/s pageable on the H200)."""
+        PCIe speed, 55 GB/s pinned against 20 GB/s pageable on the H200). ``prefetch``: while a layer
+        computes, copy in the experts the next layer's router picks for this layer's input."""
         self.policy = policy
         self.pin = pin
+        self.prefetch = prefetch
         self.layers: list[HostExperts] = []
         self.table: SlotTable | None = None
         self.slots: DeviceSlots | None = None
@@ -93,6 +98,17 @@ class ExpertOffload:
         groups = self._table().passes(layer, experts)
         self.bring_in(layer, groups[0])
         return groups
+
+    def prefetch_next(self, layer: int, x: torch.Tensor, running: list[int]) -> None:
+        """With ``prefetch``: queue the copies of the experts layer ``layer + 1``'s router picks for
+        ``x`` (this layer's MoE input; a second sync), in slots ``running`` (this layer's) leaves."""
+        following = layer + 1
+        if not self.prefetch or following >= len(self.layers):
+            return
+        predicted = self.layers[following].predict(x)
+        placed, evicted = self._table().prefetch(following, predicted, {(layer, e) for e in running})
+        assert self.slots is not None
+        self.slots.fill(following, self._parts[following], placed, evicted, ahead=True)
 
     def bring_in(self, layer: int, experts: list[int]) -> None:
         placed, evicted = self._table().admit(layer, experts)

@@ -23,14 +23,16 @@ class DeviceSlots:
         self.slot_map = torch.full((num_layers, parts[0].shape[0]), -1, dtype=torch.int32, device=device)
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._ready: torch.cuda.Event | None = None
+        self._ahead: dict[int, list[torch.cuda.Event]] = {}  # layer -> its prefetches' copies
 
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
 
     def fill(self, layer: int, host_parts: list[torch.Tensor], placed: list[tuple[int, int]],
-             evicted: list[ExpertKey]) -> None:
-        """Copy ``layer``'s experts into their slots (``placed``: (expert, slot)) and update the map."""
+             evicted: list[ExpertKey], ahead: bool = False) -> None:
+        """Copy ``layer``'s experts into their slots (``placed``: (expert, slot)) and update the map.
+        ``ahead``: a prefetch for a later layer, which only that layer's ``wait`` waits for."""
         if not placed:
             return
         if self._stream is None:
@@ -43,19 +45,26 @@ class DeviceSlots:
                 for expert, slot in placed:
                     for dst, src in zip(self.tensors, host_parts):
                         dst[slot].copy_(src[expert], non_blocking=True)
-                self._ready = torch.cuda.Event()
-                self._ready.record(self._stream)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+            if ahead:
+                self._ahead.setdefault(layer, []).append(event)
+            else:
+                self._ready = event
         rows = [k[0] for k in evicted] + [layer] * len(placed)
         cols = [k[1] for k in evicted] + [e for e, _ in placed]
         values = [-1] * len(evicted) + [s for _, s in placed]
         index = torch.tensor([rows, cols, values], dtype=torch.int64).to(self.device)
         self.slot_map[index[0], index[1]] = index[2].to(torch.int32)
 
-    def wait(self) -> None:
-        """The compute stream waits for the copies queued so far (before it reads the slots)."""
+    def wait(self, layer: int) -> None:
+        """The compute stream waits for ``layer``'s copies queued so far (before it reads the slots)."""
+        events = self._ahead.pop(layer, [])
         if self._ready is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._ready)
+            events.append(self._ready)
             self._ready = None
+        for event in events:
+            torch.cuda.current_stream(self.device).wait_event(event)
 
     def slot_ids(self, layer: int, expert_ids: torch.Tensor) -> torch.Tensor:
         """``expert_ids`` (any shape) of ``layer`` -> their slots, int32, on the device."""

@@ -13,6 +13,7 @@ those copies), ``compute(x, topk_weights, routing)``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +32,7 @@ class ResidentExperts(nn.Module):
         self.w13: Weight = new_param(num_experts, 2 * intermediate, hidden)
         self.w2: Weight = new_param(num_experts, hidden, intermediate)
 
-    def prepare(self, topk_ids: torch.Tensor) -> torch.Tensor:
+    def prepare(self, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         return topk_ids
 
     def compute(self, x: torch.Tensor, topk_weights: torch.Tensor, routing: torch.Tensor) -> torch.Tensor:
@@ -65,6 +66,11 @@ class OffloadedExperts(nn.Module):
         self.w2: Weight = _host_param(num_experts, hidden, intermediate, pin=offload.pin)
         self.offload = offload  # not a module: shared by every layer
         self.layer = offload.register(self)
+        self.router: Callable[[torch.Tensor], torch.Tensor] | None = None  # x -> topk ids, set by the MoE block
+
+    def predict(self, x: torch.Tensor) -> list[int]:
+        assert self.router is not None, "prefetch needs the MoE block's router (SparseMoE sets it)"
+        return list(dict.fromkeys(self.router(x).flatten().tolist()))
 
     def host_parts(self) -> list[torch.Tensor]:
         return _parts(self.w13) + _parts(self.w2)
@@ -72,16 +78,19 @@ class OffloadedExperts(nn.Module):
     def is_nvfp4(self) -> bool:
         return isinstance(self.w13, NVFP4Weight) and isinstance(self.w2, NVFP4Weight)
 
-    def prepare(self, topk_ids: torch.Tensor) -> _Passes:
+    def prepare(self, x: torch.Tensor, topk_ids: torch.Tensor) -> _Passes:
         # The routed ids go to the host (a sync): which experts to copy is decided there.
         needed = list(dict.fromkeys(topk_ids.flatten().tolist()))  # distinct, in routing order
-        return _Passes(topk_ids, self.offload.begin(self.layer, needed))
+        groups = self.offload.begin(self.layer, needed)
+        if len(groups) == 1:  # a layer in passes leaves no slot to spare
+            self.offload.prefetch_next(self.layer, x, groups[0])
+        return _Passes(topk_ids, groups)
 
     def compute(self, x: torch.Tensor, topk_weights: torch.Tensor, routing: _Passes) -> torch.Tensor:
         slots = self.offload.slots
         assert slots is not None
         if len(routing.groups) == 1:
-            slots.wait()
+            slots.wait(self.layer)
             return self._run(x, topk_weights, routing.topk_ids, routing.groups[0])
         out = torch.zeros_like(x)
         flat_ids, flat_weights = routing.topk_ids.flatten(), topk_weights.flatten()
@@ -89,7 +98,7 @@ class OffloadedExperts(nn.Module):
         for index, group in enumerate(routing.groups):
             if index:
                 self.offload.bring_in(self.layer, group)
-            slots.wait()
+            slots.wait(self.layer)
             members = torch.tensor(group, dtype=flat_ids.dtype).to(x.device)
             pairs = torch.isin(flat_ids, members).nonzero().squeeze(1)
             tokens = pairs // top_k

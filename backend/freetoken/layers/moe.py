@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from freetoken import kernels
-from freetoken.experts.store import ResidentExperts, make_store
+from freetoken.experts.store import OffloadedExperts, ResidentExperts, make_store
 from freetoken.layers.linear import Weight, linear
 from freetoken.layers.weights import WeightTarget, new_param, packed_targets
 
@@ -41,6 +41,8 @@ class SparseMoE(nn.Module):
         self.shared_intermediate = shared_intermediate_size
         self.gate_weight = new_param(num_experts + 1, hidden_size)
         self.experts = make_store(num_experts, moe_intermediate_size, hidden_size)
+        if isinstance(self.experts, OffloadedExperts):
+            self.experts.router = self._route  # the previous layer's prefetch predicts with it
         self.shared_gate_up = new_param(2 * shared_intermediate_size, hidden_size)
         self.shared_down = new_param(hidden_size, shared_intermediate_size)
 
@@ -75,6 +77,10 @@ class SparseMoE(nn.Module):
             targets[f"{expert}down_proj.weight"] = WeightTarget(self.w2, None, e)
         return targets
 
+    def _route(self, x: torch.Tensor) -> torch.Tensor:
+        """The top-k expert ids of ``x`` (softmax keeps the logits' order)."""
+        return torch.topk(linear(x, self.gate_weight)[:, : self.num_experts], self.top_k, dim=-1).indices
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_logits = linear(x, self.gate_weight)
         resident = isinstance(self.experts, ResidentExperts)
@@ -85,7 +91,7 @@ class SparseMoE(nn.Module):
             )
         router_logits, shared_gate = gate_logits[:, : self.num_experts], gate_logits[:, self.num_experts :]
         weights, ids = kernels.moe_topk_softmax(router_logits, self.top_k, self.renormalize)
-        routing = self.experts.prepare(ids)  # offloaded: the missing experts' copies start
+        routing = self.experts.prepare(x, ids)  # offloaded: the missing experts' copies start
         shared = linear(kernels.silu_and_mul(linear(x, self.shared_gate_up)), self.shared_down)
         routed = self.experts.compute(x, weights, routing)
         return kernels.shared_expert_combine(routed, shared, shared_gate)
