@@ -91,6 +91,8 @@ def test_counters_add_up_to_the_routed_uses():
         (num_slots, 2 * text.moe_intermediate_size, text.hidden_size),
         (num_slots, text.hidden_size, text.moe_intermediate_size),
     ]
+    # more slots than a layer's experts: scattered layers are packed into one layer's staging rows
+    assert [t.shape[0] for t in slots.staging] == [text.num_experts] * 2
     assert all(m.w13.shape[0] == text.num_experts for m in moe)  # every expert stays in host memory
 
 

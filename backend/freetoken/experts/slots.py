@@ -19,7 +19,12 @@ class DeviceSlots:
     def __init__(self, parts: list[torch.Tensor], num_slots: int, num_layers: int, device: torch.device) -> None:
         """``parts``: one layer's host weight parts, each ``[E, ...]`` (every layer's have these shapes)."""
         self.device = device
+        num_experts = parts[0].shape[0]
         self.tensors = [torch.empty((num_slots, *p.shape[1:]), dtype=p.dtype, device=device) for p in parts]
+        # A cache larger than one layer's experts scatters a layer over more slots than it has
+        # experts; ``gather`` then packs them here (see ``span``).
+        staging_rows = num_experts if num_slots > num_experts else 0
+        self.staging = [torch.empty((staging_rows, *p.shape[1:]), dtype=p.dtype, device=device) for p in parts]
         self.slot_map = torch.full((num_layers, parts[0].shape[0]), -1, dtype=torch.int32, device=device)
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._ready: torch.cuda.Event | None = None
@@ -27,7 +32,14 @@ class DeviceSlots:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors)
+        return sum(t.nbytes for t in self.tensors) + sum(t.nbytes for t in self.staging)
+
+    def gather(self, slots: list[int]) -> list[torch.Tensor]:
+        """The weight parts of ``slots`` (at most one layer's experts), packed in the staging rows:
+        row ``i`` holds slot ``slots[i]`` (device-to-device copies)."""
+        index = torch.tensor(slots, dtype=torch.int64).to(self.device)
+        rows = len(slots)
+        return [torch.index_select(t, 0, index, out=s[:rows]) for t, s in zip(self.tensors, self.staging)]
 
     def fill(self, layer: int, host_parts: list[torch.Tensor], placed: list[tuple[int, int]],
              evicted: list[ExpertKey], ahead: bool = False) -> None:

@@ -107,19 +107,25 @@ class OffloadedExperts(nn.Module):
         return out
 
     def _run(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, group: list[int]) -> torch.Tensor:
-        """The experts of ``group`` (all cached) for pairs routed only to them. The kernels see the
-        span of slots the group occupies: their cost grows with the number of experts they are given."""
+        """The experts of ``group`` (all cached) for pairs routed only to them. The grouped-GEMM
+        kernels cost as much per launch as the experts they are given, so they see no more than a
+        resident layer's: the span of slots the group occupies when it is that narrow, else the
+        group packed into the staging rows (``DeviceSlots.gather``: device-to-device copies)."""
         slots = self.offload.slots
         assert slots is not None
         taken = [self.offload.slot_of(self.layer, e) for e in group]
         low, high = min(taken), max(taken) + 1
-        slot_ids = slots.slot_ids(self.layer, expert_ids)
-        if low:
-            slot_ids = slot_ids - low
-        tensors = [t[low:high] for t in slots.tensors]
+        if high - low <= self.num_experts:
+            tensors = [t[low:high] for t in slots.tensors]
+            local = slots.slot_ids(self.layer, expert_ids) - low
+        else:
+            tensors = slots.gather(taken)
+            rank = torch.zeros(self.num_experts, dtype=torch.int32)
+            rank[torch.tensor(group)] = torch.arange(len(group), dtype=torch.int32)
+            local = rank.to(x.device)[expert_ids.long()]
         if self.offload.nvfp4:
-            return kernels.fused_experts_nvfp4(x, *tensors, weights, slot_ids)
-        return kernels.fused_experts(x, tensors[0], tensors[1], weights, slot_ids)
+            return kernels.fused_experts_nvfp4(x, *tensors, weights, local)
+        return kernels.fused_experts(x, tensors[0], tensors[1], weights, local)
 
 
 def make_store(num_experts: int, intermediate: int, hidden: int) -> ResidentExperts | OffloadedExperts:
