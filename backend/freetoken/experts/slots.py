@@ -35,11 +35,13 @@ class DeviceSlots:
         return sum(t.nbytes for t in self.tensors) + sum(t.nbytes for t in self.staging)
 
     def gather(self, slots: list[int]) -> list[torch.Tensor]:
-        """The weight parts of ``slots`` (at most one layer's experts), packed in the staging rows:
-        row ``i`` holds slot ``slots[i]`` (device-to-device copies)."""
+        """The staging rows (one layer's experts) with row ``i`` holding slot ``slots[i]`` (at most one
+        layer's experts; device-to-device copies); the rows after are stale."""
         index = torch.tensor(slots, dtype=torch.int64).to(self.device)
         rows = len(slots)
-        return [torch.index_select(t, 0, index, out=s[:rows]) for t, s in zip(self.tensors, self.staging)]
+        for t, s in zip(self.tensors, self.staging):
+            torch.index_select(t, 0, index, out=s[:rows])
+        return self.staging  # all rows: the kernels always see one layer's experts
 
     def fill(self, layer: int, host_parts: list[torch.Tensor], placed: list[tuple[int, int]],
              evicted: list[ExpertKey], ahead: bool = False) -> None:

@@ -107,22 +107,30 @@ class OffloadedExperts(nn.Module):
         return out
 
     def _run(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, group: list[int]) -> torch.Tensor:
-        """The experts of ``group`` (all cached) for pairs routed only to them. The grouped-GEMM
-        kernels cost as much per launch as the experts they are given, so they see no more than a
-        resident layer's: the span of slots the group occupies when it is that narrow, else the
-        group packed into the staging rows (``DeviceSlots.gather``: device-to-device copies)."""
+        """The experts of ``group`` (all cached) for pairs routed only to them.
+
+        The grouped-GEMM kernels cost per launch as much as the experts they are given, and compile
+        and pick their tuned tiles per expert count: they always see ``E`` experts, as a resident
+        layer (or the whole cache, when it holds fewer): a window of ``E`` slots holding the
+        group when there is one, else the group packed into the staging rows
+        (``DeviceSlots.gather``: device-to-device copies)."""
         slots = self.offload.slots
         assert slots is not None
-        taken = [self.offload.slot_of(self.layer, e) for e in group]
-        low, high = min(taken), max(taken) + 1
-        if high - low <= self.num_experts:
-            tensors = [t[low:high] for t in slots.tensors]
-            local = slots.slot_ids(self.layer, expert_ids) - low
+        num_slots = slots.tensors[0].shape[0]
+        if num_slots <= self.num_experts:
+            tensors, local = slots.tensors, slots.slot_ids(self.layer, expert_ids)
         else:
-            tensors = slots.gather(taken)
-            rank = torch.zeros(self.num_experts, dtype=torch.int32)
-            rank[torch.tensor(group)] = torch.arange(len(group), dtype=torch.int32)
-            local = rank.to(x.device)[expert_ids.long()]
+            taken = [self.offload.slot_of(self.layer, e) for e in group]
+            low, high = min(taken), max(taken) + 1
+            if high - low <= self.num_experts:
+                start = min(low, num_slots - self.num_experts)
+                tensors = [t[start : start + self.num_experts] for t in slots.tensors]
+                local = slots.slot_ids(self.layer, expert_ids) - start
+            else:
+                tensors = slots.gather(taken)
+                rank = torch.zeros(self.num_experts, dtype=torch.int32)
+                rank[torch.tensor(group)] = torch.arange(len(group), dtype=torch.int32)
+                local = rank.to(x.device)[expert_ids.long()]
         if self.offload.nvfp4:
             return kernels.fused_experts_nvfp4(x, *tensors, weights, local)
         return kernels.fused_experts(x, tensors[0], tensors[1], weights, local)
