@@ -4,6 +4,8 @@ smaller than one layer's experts; the cache sized from free memory, under --gpu-
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -39,6 +41,7 @@ def test_offloaded_greedy_equals_resident_on_cuda():
     prompts = [{"prompt_token_ids": p} for p in batch_prompts(DEMO["qwen3_5_moe"])]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     resident = [o.token_ids for o in LLM(**common).generate(prompts, params)]
+    gc.collect()
     torch.cuda.empty_cache()
     offloaded = [o.token_ids for o in LLM(**common, moe_offload=True, expert_cache_slots=16).generate(prompts, params)]
     assert offloaded == resident
@@ -52,6 +55,7 @@ def test_cache_sized_from_free_memory_under_the_cap():
     config = llm.runtime.engine.model.config
     assert llm.runtime.stats().expert_cache.slots == config.num_experts * config.num_hidden_layers
     del llm
+    gc.collect()  # the MoE blocks and their stores reference each other
     torch.cuda.empty_cache()
     capped = LLM(model=path, dtype="bfloat16", device="cuda", moe_offload=True, gpu_memory_gib=3.0,
                  max_running_requests=4)
