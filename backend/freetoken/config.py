@@ -50,7 +50,9 @@ class EngineConfig:
         None, "with moe_offload: experts the device cache holds, shared by all layers (default: on CUDA what is "
         "free after the weights and the KV pool; on the CPU one layer's experts)"
     )
-    expert_cache_policy: str = option("lru", "with moe_offload: which cached expert gives up its slot (lru)")
+    expert_cache_policy: str = option(
+        "lrfu", "with moe_offload: which cached expert gives up its slot (experts/eviction.py: lru, lrfu, arc)"
+    )
     expert_prefetch: bool = option(
         False, "with moe_offload: while a layer computes, copy in the experts the next layer's router picks for "
         "this layer's input"
@@ -59,10 +61,25 @@ class EngineConfig:
     overlap_schedule: bool = option(
         True, "schedule and stage the next step, and resolve the previous one, while the device runs a step"
     )
+    enable_prefix_caching: bool = option(
+        True, "reuse the KV pages and Gated DeltaNet / PLE state snapshots of prompts' shared prefixes (vLLM's flag)"
+    )
+    max_snapshot_slots: int | None = option(
+        None,
+        "state snapshots the prefix cache keeps, each one slot of recurrent state (~63 MB at Qwen3.6-35B-A3B; "
+        "default: max_running_requests, 0 with prefix caching off)",
+    )
     enforce_eager: bool = option(False, "run every step eagerly: no CUDA graphs for decode steps")
     cuda_graph_max_bs: int | None = option(
         None, "largest decode batch replayed from a CUDA graph (default: max_running_requests); larger ones run eagerly"
     )
+
+    @property
+    def num_snapshot_slots(self) -> int:
+        """State slots set aside for prefix-cache snapshots."""
+        if not self.enable_prefix_caching:
+            return 0
+        return self.max_running_requests if self.max_snapshot_slots is None else self.max_snapshot_slots
 
     @classmethod
     def option_names(cls) -> list[str]:
@@ -77,6 +94,8 @@ class EngineConfig:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
+        if self.max_snapshot_slots is not None and self.max_snapshot_slots < 0:
+            raise ValueError(f"max_snapshot_slots must be >= 0, got {self.max_snapshot_slots}")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.gpu_memory_gib is not None and self.gpu_memory_gib <= 0:

@@ -85,6 +85,10 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def reset_prefix_cache(self) -> None:
+        """Drop every cached prefix: the KV pages and state snapshots go back to the pools."""
+        self.runtime.reset_prefix_cache()
+
     def prompt_logits(self, prompt: Prompt) -> torch.Tensor:
         """float32 logits after every prompt position ``[len, vocab]``, computed in prefill chunks
         as a request would be (for checks against a reference)."""

@@ -91,6 +91,7 @@ def make_output(
         new_text=streamable_text(req, out),
         new_logprobs=new_logprobs if wants_logprobs else None,
         metrics=request_metrics(req),
+        num_cached_tokens=req.num_cached_tokens,
     )
 
 

@@ -77,8 +77,10 @@ class StepPlan:
     page_updates: list[PageUpdate] = field(default_factory=list)
     reset_slots: list[int] = field(default_factory=list)  # state slots zeroed before the step
     admissions: list[SlotSampling] = field(default_factory=list)  # staged before the step
-    # (source, destination) slot pairs whose state is copied before the step; prefix caching
-    # will fill it, nothing does yet.
+    # (source, destination) slot pairs whose whole recurrent state is copied before the step (and
+    # before reset_slots), all pairs reading the state the previous step left: prefix-cache
+    # snapshots (request slot -> snapshot slot) and restores (snapshot slot -> request slot).
+    # Destinations are distinct; snapshot slots (ids >= the request slots) appear only here.
     copy_slots: list[tuple[int, int]] = field(default_factory=list)
 
     @property

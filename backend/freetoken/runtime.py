@@ -24,6 +24,7 @@ from freetoken.engine.engine import Engine
 from freetoken.engine.outputs import StepOutput
 from freetoken.output import OutputText, append_token, make_output
 from freetoken.scheduler.cache import PagePool, SlotPool
+from freetoken.scheduler.prefix_cache import PrefixCache
 from freetoken.scheduler.request import Request
 from freetoken.scheduler.scheduler import ScheduledStep, Scheduler
 from freetoken.tokenizer import IncrementalDetokenizer, load_tokenizer
@@ -88,7 +89,13 @@ class Runtime:
         self.tokenizer = load_tokenizer(config.tokenizer or model_dir)
         sizes = self.engine.pool_sizes
         pages, slots = PagePool(sizes.num_pages, config.page_size), SlotPool(sizes.num_slots)
-        self.scheduler = Scheduler(pages, slots, config.max_prefill_length, config.max_running_requests)
+        prefix_cache = None
+        if config.enable_prefix_caching:
+            snapshot_slots = range(sizes.num_slots, sizes.num_state_slots)
+            prefix_cache = PrefixCache(pages, snapshot_slots, self.engine.model.prefix_alignment(config.page_size))
+        self.scheduler = Scheduler(
+            pages, slots, config.max_prefill_length, config.max_running_requests, prefix_cache
+        )
         self.max_total_tokens = min(self.engine.max_model_len, pages.capacity * pages.page_size)
         self.eos_token_ids = set(self.engine.loaded.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -128,7 +135,9 @@ class Runtime:
     def make_requests(self, request_id: str, prompt: Prompt, params: SamplingParams) -> list[Request]:
         """``params.n`` sibling requests of one prompt (tokenized once), as vLLM's parallel sampling
         lays them out: sample ``i`` is ``request_id#i`` (``request_id`` alone when n is 1) and, for a
-        seeded request, draws from ``seed + i``. Each prefills the prompt on its own."""
+        seeded request, draws from ``seed + i``. With prefix caching, samples after the first are
+        admitted once the first computed the prompt, and hit its pages and snapshot: the prompt is
+        prefilled once (bar its last page); without, each prefills it on its own."""
         token_ids = self.tokenize(prompt)
         if params.n == 1:
             return [self._make_request(request_id, token_ids, params)]
@@ -136,6 +145,9 @@ class Runtime:
         for i, sample_id in enumerate(self.sample_ids(request_id, params.n)):
             seed = None if params.seed is None else params.seed + i
             requests.append(self._make_request(sample_id, token_ids, dataclasses.replace(params, n=1, seed=seed)))
+        if self.config.enable_prefix_caching:
+            for sibling in requests[1:]:
+                sibling.prefill_after = requests[0]
         return requests
 
     @staticmethod
@@ -208,6 +220,7 @@ class Runtime:
             pending = self.engine.launch(step.plan)
         except Exception as exc:  # a failed step fails its requests; the engine keeps serving
             logger.error("engine step failed:\n%s", traceback.format_exc())
+            self.scheduler.failed(step)
             for req in step.requests:
                 outputs.append(self._finish(req, FinishReason.ERROR, error=f"engine step failed: {exc}"))
             return None
@@ -263,6 +276,8 @@ class Runtime:
                 req = self.scheduler.find(payload)
                 if req is not None:
                     outputs.append(self._finish(req, FinishReason.ABORT))
+            elif kind == "reset_prefix_cache":
+                self.scheduler.reset_prefix_cache()
 
     def _finish(self, req: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:
         req.finish_reason, req.error = reason, error
@@ -287,14 +302,24 @@ class Runtime:
 
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """Logits at every prompt position, in pages and a slot borrowed from the pools (the caller's thread)."""
-        pool = self.scheduler.pages
-        pages = pool.allocate(pool.pages_for(len(token_ids)))
-        slot = self.scheduler.slots.allocate()
+        scheduler = self.scheduler
+        pages = scheduler.allocate_pages(scheduler.pages.pages_for(len(token_ids)))
+        slot = scheduler.slots.allocate()
         try:
             return self.engine.prompt_logits(token_ids, pages, slot)
         finally:
-            pool.release(pages)
-            self.scheduler.slots.release(slot)
+            scheduler.release_pages(pages)
+            scheduler.slots.release(slot)
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every cached prefix (vLLM's ``reset_prefix_cache``): pages and snapshots no request
+        holds go back to the pools. From another thread while the engine thread runs, it is queued
+        for that thread like an abort."""
+        if self._thread is not None and self._thread.is_alive():
+            self._inbox.put(("reset_prefix_cache", None))
+            self._wake.set()
+        else:
+            self.scheduler.reset_prefix_cache()
 
     def forget(self, request_id: str) -> None:
         self._table.pop(request_id, None)
@@ -344,15 +369,28 @@ class Runtime:
             self._thread.join(timeout=30)
 
     def stats(self) -> RuntimeStats:
-        pages, slots = self.scheduler.pages, self.scheduler.slots
+        """``pages_used`` counts the pages requests hold: cached pages no request holds are as good
+        as free (an allocation evicts them), as in vLLM's KV cache usage."""
+        scheduler = self.scheduler
+        pages, slots, cache = scheduler.pages, scheduler.slots, scheduler.prefix_cache
+        prefix = None
+        if cache is not None:
+            prefix = PrefixCacheStats(
+                queried_tokens=cache.counters.queried_tokens,
+                hit_tokens=cache.counters.hit_tokens,
+                cached_pages=cache.num_cached_pages,
+                snapshot_slots_used=cache.num_snapshots,
+                snapshot_slots_total=cache.num_snapshot_slots,
+            )
         return RuntimeStats(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            pages_used=pages.num_used,
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            pages_used=pages.capacity - scheduler.num_available_pages,
             pages_total=pages.capacity,
             slots_used=slots.capacity - slots.num_free,
             slots_total=slots.capacity,
-            num_preemptions=self.scheduler.num_preemptions,
+            num_preemptions=scheduler.num_preemptions,
+            prefix_cache=prefix,
             expert_cache=self._expert_cache_stats(),
         )
 

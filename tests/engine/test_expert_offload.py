@@ -201,6 +201,13 @@ def test_slot_table_prefetch_keeps_the_running_layer():
     assert counters.bytes_copied == 30
 
 
+def test_default_policy_is_the_eviction_modules():
+    from freetoken.config import EngineConfig
+    from freetoken.experts.eviction import DEFAULT_POLICY
+
+    assert EngineConfig().expert_cache_policy == DEFAULT_POLICY
+
+
 def test_offload_options_are_checked():
     with pytest.raises(ValueError, match="expert_cache_policy must be one of"):
         LLM(model=str(checkpoint(DEMO["qwen3_5_moe"])), device="cpu", moe_offload=True, expert_cache_policy="mru")

@@ -33,6 +33,22 @@ def test_sparse_moe_decode(rng, dtype, tokens, renormalize, shared_inter):
     assert_close(got, ref.sparse_moe_decode_reference(*args, top_k, renormalize))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("per_choice", [False, True])
+def test_sparse_moe_decode_tiles(rng, monkeypatch, dtype, per_choice):
+    """Every launch shape the tuner may pick gives the same result: small blocks that leave ragged
+    edges in both passes, the down pass whole per token or split per choice."""
+    from freetoken.kernels.triton import moe_decode
+
+    tiles = moe_decode.DecodeTiles(gate_up_block_n=8, gate_up_block_k=32, gate_up_warps=2, down_block_n=16,
+                                   down_block_k=16, down_warps=2, down_per_choice=per_choice)
+    monkeypatch.setattr(moe_decode, "TILES", tiles)
+    experts, top_k, hidden, inter, shared_inter = 6, 2, 40, 24, 40
+    args = _inputs(rng, dtype, 3, experts, hidden, inter, shared_inter)
+    got = moe_decode.sparse_moe_decode(*args, top_k, True)
+    assert_close(got, ref.sparse_moe_decode_reference(*args, top_k, True))
+
+
 def test_sparse_moe_decode_rejects_mismatched_shapes(rng):
     from freetoken.kernels.triton.moe_decode import sparse_moe_decode
 

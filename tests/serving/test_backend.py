@@ -207,6 +207,32 @@ def test_n_samples_close_together_with_per_token_metrics(backend):
     assert observations("vllm:request_generation_tokens")[-2:] == [6, 6]
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_num_cached_tokens_are_the_engine_outputs(backend, monkeypatch, stream):
+    """Each response's num_cached_tokens is its sample's newest RequestOutput's; a prompt sent
+    twice in a row (a prefix-cache hit once the cache exists) included."""
+    newest: dict[str, int] = {}
+    submit = backend.runtime.submit
+
+    def recording_submit(request, callback):
+        def record(output):
+            newest[output.request_id] = output.num_cached_tokens
+            callback(output)
+        submit(request, record)
+
+    monkeypatch.setattr(backend.runtime, "submit", recording_submit)
+    params = json.dumps({"temperature": 0, "max_tokens": 4, "ignore_eos": True, "n": 2})
+    prompt = " ".join(PROMPTS)  # several KV pages
+    for _ in range(2):
+        request = FakeRequest(text_input=prompt, stream=stream, return_num_cached_tokens=True, sampling_parameters=params)
+        backend.execute([request])
+        wait_closed(request)
+        sent = [r.outputs["num_cached_tokens"].tolist() for r in request.sender.responses if r is not None and r.outputs]
+        assert sent and all(len(values) == 2 for values in sent)
+        assert sent[-1] == [newest[i] for i in sorted(newest)]  # the sample ids end in #0, #1
+        newest.clear()
+
+
 def test_cancelled_n_samples_are_all_aborted(backend):
     request = FakeRequest(text_input="hi", stream=True,
                           sampling_parameters=json.dumps({"max_tokens": 4000, "ignore_eos": True, "n": 3}))

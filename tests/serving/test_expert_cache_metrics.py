@@ -46,6 +46,7 @@ def test_expert_cache_metrics_only_with_offload():
     _PbUtils.created.clear()
     metrics = Metrics(_PbUtils(), {}, lambda: _stats(None), 3600.0, 64)
     try:
+        metrics.flush()
         assert set(_PbUtils.created) == set(FAMILIES)
     finally:
         metrics.close()
@@ -56,12 +57,13 @@ def test_expert_cache_counters_follow_the_stats():
     current = [ExpertCacheStats(hits=5, misses=3, bytes_copied=300, prefetched=0, prefetch_hits=0, slots=16)]
     metrics = Metrics(_PbUtils(), {}, lambda: _stats(current[0]), 3600.0, 64)  # no gauge sampling meanwhile
     try:
+        assert set(_PbUtils.created) == set(FAMILIES)  # the cache's families come with its first stats
+        metrics.flush()
         assert set(_PbUtils.created) == set(FAMILIES) | set(EXPERT_CACHE_FAMILIES)
         assert {n: _PbUtils.kinds[n] for n in EXPERT_CACHE_FAMILIES} == {
             n: kind for n, (kind, _, _) in EXPERT_CACHE_FAMILIES.items()
         }
         assert all(_PbUtils.kinds[n] == "COUNTER" for n in EXPERT_CACHE_FAMILIES if n.endswith("_total"))
-        metrics.flush()
         current[0] = ExpertCacheStats(hits=9, misses=4, bytes_copied=400, prefetched=2, prefetch_hits=1, slots=16)
         metrics.flush()
         values = {n: _PbUtils.created[n].value for n in EXPERT_CACHE_FAMILIES}

@@ -150,6 +150,18 @@ def test_n_samples_are_laid_out_one_element_each():
     assert arrays["num_output_tokens"].tolist() == [0, 1] and arrays["output_ids"].tolist() == [2]
 
 
+def test_num_cached_tokens_per_sample_only_when_asked():
+    """One element per sample (each sample prefills on its own), 0 before a sample's first output."""
+    spec = parse_request(inputs(text_input="p", stream=True, return_num_cached_tokens=True,
+                                sampling_parameters='{"n": 3}'))
+    hit, miss = output("a", [1]), output("b", [2])
+    hit.num_cached_tokens = 32
+    arrays = build_outputs(spec, [hit, miss, None], [[hit], [miss], []], lambda: "", spell)
+    assert arrays["num_cached_tokens"].dtype == np.uint32 and arrays["num_cached_tokens"].tolist() == [32, 0, 0]
+    spec = parse_request(inputs(text_input="p", stream=True, return_num_input_tokens=True))
+    assert "num_cached_tokens" not in build_outputs(spec, [hit], [[hit]], lambda: "", spell)
+
+
 def test_options_round_trip_and_reject_unknown_names():
     engine = EngineConfig(model="/m", dtype="float32", num_pages=64)
     backend = BackendOptions(response_threads=3, report_metrics=False)

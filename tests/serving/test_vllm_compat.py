@@ -4,14 +4,18 @@ CI client tests (triton-inference-server/vllm_backend, ci/L0_*) check, on the de
 from __future__ import annotations
 
 import json
+import random
 import re
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 from tritonclient.utils import InferenceServerException
 
-from freetoken.serving.metrics import E2E_BUCKETS, FAMILIES, N_BUCKETS, OWNER_LABEL, TPOT_BUCKETS, TTFT_BUCKETS
+from freetoken.serving.metrics import (E2E_BUCKETS, FAMILIES, N_BUCKETS, OWNER_LABEL, PREFIX_CACHE_FAMILIES, TPOT_BUCKETS,
+                                      TTFT_BUCKETS)
 
 from .conftest import PROMPTS, Server, sampling
 from .test_server import grpc_generate, wait_for
@@ -87,8 +91,38 @@ def test_unrequested_outputs_are_absent(server):
                                      sampling_parameters=sampling(max_tokens=3), return_finish_reason=False)
     assert error is None
     for response in responses:
-        for name in ("finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens", "num_output_tokens"):
+        for name in ("finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens", "num_output_tokens",
+                     "num_cached_tokens", "output_ids"):
             assert response.as_numpy(name) is None
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_num_cached_tokens_when_asked(server, stream):
+    """FreeToken's num_cached_tokens (vLLM's RequestOutput field): one UINT32 per sample in every
+    response. A prompt whose first page no earlier prompt had hits nothing; the same prompt again
+    hits its cached pages if the server caches prefixes (it then publishes the vllm:prefix_cache_*
+    counters, whose hits grow by exactly what the responses report), else nothing. 70 token ids:
+    not a whole number of pages, so a repeat can use a snapshot at the last full page."""
+    rng = random.Random(uuid.uuid4().int)
+    prompt = [rng.randrange(256) for _ in range(70)]
+    caching = "vllm:prefix_cache_hits_total" in server.metrics_text()
+    hits_before = server.metric("vllm:prefix_cache_hits_total") if caching else 0.0
+    reported = []
+    for _ in range(2):
+        responses, error = grpc_generate(server, input_ids=prompt, stream=stream, return_num_cached_tokens=True,
+                                         sampling_parameters=sampling(max_tokens=3))
+        assert error is None
+        responses = [r for r in responses if r.as_numpy("text_output") is not None]
+        assert responses and all(r.as_numpy("num_cached_tokens").dtype == np.uint32 for r in responses)
+        (cached,) = {tuple(r.as_numpy("num_cached_tokens").tolist()) for r in responses}  # the same in each, n = 1
+        assert len(cached) == 1 and 0 <= cached[0] < len(prompt)
+        reported.append(cached[0])
+    assert reported[0] == 0
+    if caching:
+        assert reported[1] > 0
+        assert wait_for(lambda: server.metric("vllm:prefix_cache_hits_total") - hits_before == sum(reported))
+    else:
+        assert reported[1] == 0
 
 
 # ----- n > 1 -----
@@ -215,6 +249,8 @@ def test_vllm_metrics_count_as_the_vllm_backend_does(server, demo_model):
 def test_every_family_once_under_one_name(server):
     text = server.metrics_text()
     exposed = set(re.findall(r"^# TYPE ((?:vllm:|freetoken_)\S+) (\w+)$", text, re.MULTILINE))
-    assert exposed == {(name, kind.lower()) for name, (kind, _, _) in FAMILIES.items()}
-    own = {name for name, _ in exposed if name.startswith("freetoken_")}
+    prefix_cache = {(name, kind.lower()) for name, (kind, _, _) in PREFIX_CACHE_FAMILIES.items()}
+    assert exposed & prefix_cache in (set(), prefix_cache)  # all of them while prefix caching is on, else none
+    assert exposed - prefix_cache == {(name, kind.lower()) for name, (kind, _, _) in FAMILIES.items()}
+    own = {name for name, _ in exposed - prefix_cache if name.startswith("freetoken_")}
     assert own == {"freetoken_kv_cache_pages_total", "freetoken_state_slots_used", "freetoken_state_slots_total"}

@@ -4,8 +4,10 @@
 
 Each of ``concurrency`` workers keeps one request in flight on its own gRPC stream. Requests come
 from a perf_analyzer input-data file (``--input-data``, the format of perf_analyzer_configs/) or
-from ``--prompt``/``--max-tokens``. Prints one JSON summary (throughput, TTFT, inter-token
-latency); exits non-zero if any request failed.
+from ``--prompt``/``--max-tokens``, or, with ``--shared-prefix-tokens C``, are ``--prompt-tokens``
+random token ids whose first C are the same in every request (a system prompt shared by chats):
+those ask for ``num_cached_tokens`` (FreeToken's output), whose mean the summary adds. Prints one
+JSON summary (throughput, TTFT, inter-token latency); exits non-zero if any request failed.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import argparse
 import itertools
 import json
 import queue
+import random
 import statistics
 import sys
 import threading
@@ -36,6 +39,7 @@ class Result:
     ttft: float | None = None
     token_times: list[float] = field(default_factory=list)
     num_tokens: int = 0
+    num_cached_tokens: int | None = None  # when the request asked for it
 
 
 def load_input_data(path: str | Path) -> list[dict[str, Any]]:
@@ -98,6 +102,9 @@ def _worker(url: str, model: str, jobs: queue.SimpleQueue, results: list[Result]
                 if error is not None:
                     result = Result(ok=False, error=str(error))
                     break
+                cached = response.as_numpy("num_cached_tokens")
+                if cached is not None:
+                    result.num_cached_tokens = int(cached.sum())
                 tokens = response.as_numpy("num_output_tokens")
                 if tokens is not None and int(tokens.sum()) > 0:
                     result.ttft = result.ttft if result.ttft is not None else when - start
@@ -128,6 +135,7 @@ def run(url: str, model: str, requests: list[dict[str, list]], num_requests: int
     done = [r for r in results if r.ok]
     gaps = [b - a for r in done for a, b in zip(r.token_times, r.token_times[1:])]
     ttfts = sorted(r.ttft for r in done if r.ttft is not None)
+    cached = [r.num_cached_tokens for r in done if r.num_cached_tokens is not None]
 
     def pct(values: list[float], q: float) -> float | None:
         return values[min(len(values) - 1, int(q * len(values)))] if values else None
@@ -145,7 +153,20 @@ def run(url: str, model: str, requests: list[dict[str, list]], num_requests: int
         "ttft_p99_s": pct(ttfts, 0.99),
         "inter_response_latency_mean_s": statistics.fmean(gaps) if gaps else None,
         "latency_mean_s": statistics.fmean(r.latency for r in done) if done else None,
+        **({"num_cached_tokens_mean": statistics.fmean(cached)} if cached else {}),
     }
+
+
+def shared_prefix_requests(count: int, prompt_tokens: int, prefix_tokens: int, max_tokens: int, vocab_size: int,
+                           seed: int = 0) -> list[dict[str, list]]:
+    """``count`` streaming requests of ``prompt_tokens`` random ids, the first ``prefix_tokens`` of
+    them common to all, asking for ``num_cached_tokens``."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(vocab_size) for _ in range(prefix_tokens)]
+    params = json.dumps({"max_tokens": max_tokens, "ignore_eos": True})
+    return [{"input_ids": prefix + [rng.randrange(vocab_size) for _ in range(prompt_tokens - prefix_tokens)],
+             "stream": [True], "sampling_parameters": [params], "return_num_cached_tokens": [True]}
+            for _ in range(count)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,8 +180,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for any one response")
+    parser.add_argument("--shared-prefix-tokens", type=int, default=0,
+                        help="random-id prompts whose first N tokens every request shares (0: off)")
+    parser.add_argument("--prompt-tokens", type=int, default=1024, help="with --shared-prefix-tokens: prompt length")
+    parser.add_argument("--vocab-size", type=int, default=256,
+                        help="with --shared-prefix-tokens: ids are drawn below this (at most the model's vocabulary)")
     args = parser.parse_args(argv)
-    if args.input_data:
+    if args.shared_prefix_tokens:
+        if not 0 < args.shared_prefix_tokens <= args.prompt_tokens:
+            parser.error(f"--shared-prefix-tokens must be in [1, --prompt-tokens {args.prompt_tokens}]")
+        requests = shared_prefix_requests(args.requests, args.prompt_tokens, args.shared_prefix_tokens,
+                                          args.max_tokens, args.vocab_size)
+    elif args.input_data:
         requests = load_input_data(args.input_data)
     else:
         params = json.dumps({"max_tokens": args.max_tokens, "ignore_eos": True})

@@ -15,6 +15,7 @@ every engine step is timed (``bench.timing``):
   copied, and their PCIe floor: bytes / ``--pcie-bandwidth`` per decode step).
 
 ``--compare-transformers`` times transformers' ``generate()`` on a copy of the same weights.
+``--workload shared-prefix`` times prefix-cache hits instead (``bench.shared_prefix``).
 """
 
 from __future__ import annotations
@@ -33,20 +34,27 @@ from typing import Any
 
 from freetoken.bench.floor import DEFAULT_HBM_BANDWIDTH
 from freetoken.bench.presets import PRESETS
+from freetoken.bench.shared_prefix import DEFAULT_PROMPT_LEN, DEFAULT_SHARED_PREFIX_LEN, pages_needed
 
 logger = logging.getLogger(__name__)
 
 WARMUP_TOKENS = 8
 PCIE_BANDWIDTH = 55e9  # pinned host -> device, measured on the H200 (issue 11)
+DECODE_INPUT_LEN = 1024
+WORKLOADS = ("decode", "shared-prefix")
 
 
 def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     """``freetoken bench`` options beside the engine's (standard library only: the CLI imports it)."""
     group = parser.add_argument_group("bench")
+    group.add_argument("--workload", choices=WORKLOADS, default="decode",
+                       help="decode: latency and throughput per batch size (default); shared-prefix: time to first "
+                            "token with the prompt's first --shared-prefix-len tokens cached, against none cached")
     group.add_argument("--preset", choices=sorted(PRESETS), help="a real architecture with random weights (no --model)")
     group.add_argument("--num-layers", type=int, default=None, help="with --preset: keep the first N layers")
     group.add_argument("--batch-sizes", type=_int_list, default=[1, 16, 64, 128], help="comma-separated (1,16,64,128)")
-    group.add_argument("--input-len", type=int, default=1024, help="prompt tokens per request (1024)")
+    group.add_argument("--input-len", type=int, default=None,
+                       help=f"prompt tokens per request ({DECODE_INPUT_LEN}; shared-prefix: {DEFAULT_PROMPT_LEN})")
     group.add_argument("--output-len", type=int, default=128, help="output tokens per request (128)")
     group.add_argument(
         "--hbm-bandwidth", type=float, default=DEFAULT_HBM_BANDWIDTH, help="bytes/s of the floor (4.3e12, H200)"
@@ -59,6 +67,11 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
         "--profile-steps", type=int, default=5, help="steady steps profiled for the GPU idle share (5; 0: off)"
     )
     group.add_argument("--compare-transformers", action="store_true", help="also time transformers' generate()")
+    group.add_argument("--shared-prefix-len", type=int, default=DEFAULT_SHARED_PREFIX_LEN,
+                       help=f"shared-prefix: prompt tokens a priming request caches first ({DEFAULT_SHARED_PREFIX_LEN})")
+    group.add_argument("--prime-tail-len", type=int, default=0,
+                       help="shared-prefix: tokens of its own after the priming request's prefix (0: the prefix alone)")
+    group.add_argument("--repeats", type=int, default=3, help="shared-prefix: timed rounds after a warm-up one (3)")
     group.add_argument("--json", dest="json_path", default=None, metavar="FILE", help="write the results as JSON")
 
 
@@ -77,8 +90,19 @@ def _check(args: argparse.Namespace) -> None:
         raise SystemExit("freetoken bench: give exactly one of --model DIR and --preset NAME")
     if args.num_layers is not None and args.preset is None:
         raise SystemExit("freetoken bench: --num-layers needs --preset")
+    shared = args.workload == "shared-prefix"
+    if args.input_len is None:
+        args.input_len = DEFAULT_PROMPT_LEN if shared else DECODE_INPUT_LEN
     if args.input_len < 1 or args.output_len < 2:
         raise SystemExit("freetoken bench: --input-len must be >= 1 and --output-len >= 2")
+    if shared:
+        if not 1 <= args.shared_prefix_len < args.input_len:
+            raise SystemExit(f"freetoken bench: --shared-prefix-len must be in [1, --input-len {args.input_len}), "
+                             f"got {args.shared_prefix_len}")
+        if args.prime_tail_len < 0 or args.repeats < 1:
+            raise SystemExit("freetoken bench: --prime-tail-len must be >= 0 and --repeats >= 1")
+        if args.compare_transformers:
+            raise SystemExit("freetoken bench: --compare-transformers times the decode workload only")
 
 
 def engine_config_for(args: argparse.Namespace, model_dir: str):
@@ -87,10 +111,15 @@ def engine_config_for(args: argparse.Namespace, model_dir: str):
     from freetoken.cli import engine_config_from_args
 
     config = engine_config_from_args(args)
-    largest = max(args.batch_sizes)
     changes: dict[str, Any] = {"model": model_dir}
     if args.preset is not None:
         changes["load_format"] = "dummy"
+    if args.workload == "shared-prefix":  # one request at a time; every round's prompts stay cached
+        if config.num_pages is None:
+            changes["num_pages"] = pages_needed(args.input_len, args.shared_prefix_len, args.prime_tail_len,
+                                                args.repeats, config.page_size)
+        return dataclasses.replace(config, **changes)
+    largest = max(args.batch_sizes)
     if config.max_running_requests < largest:
         changes["max_running_requests"] = largest
     if config.num_pages is None:
@@ -114,6 +143,7 @@ def bench_batch(llm, batch_size: int, args: argparse.Namespace, traffic, progres
     requests = [{"prompt_token_ids": p} for p in prompts]
     warmup = SamplingParams(temperature=0.0, max_tokens=min(WARMUP_TOKENS, args.output_len), ignore_eos=True)
     llm.generate(requests, warmup)
+    llm.reset_prefix_cache()  # the timed run computes its prompts: the warm-up cached them
     progress.update(batch_size * warmup.max_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     on_cuda = llm.runtime.engine.device.type == "cuda"
@@ -242,19 +272,56 @@ def run_bench(args: argparse.Namespace) -> int:
             from freetoken.bench.presets import write_preset_dir
 
             model_dir = str(write_preset_dir(args.preset, scratch, args.num_layers))
-        report = _run(args, engine_config_for(args, model_dir), json_path)
-    from freetoken.bench.report import print_report
+        run = _run_shared_prefix if args.workload == "shared-prefix" else _run
+        report = run(args, engine_config_for(args, model_dir), json_path)
+    from freetoken.bench.report import print_report, print_shared_prefix
 
-    print_report(report)
+    (print_shared_prefix if args.workload == "shared-prefix" else print_report)(report)
     if json_path is not None:
         print(f"wrote {json_path}", file=sys.stderr)
     return 0
 
 
-def _run(args: argparse.Namespace, config, json_path: Path | None) -> dict[str, Any]:
-    """Every batch size in turn; the JSON is rewritten after each, so a run cut short keeps its results."""
+def _report_header(args: argparse.Namespace, llm, config) -> dict[str, Any]:
+    """What was run, on what: the start of every report."""
     import torch
     import transformers
+
+    engine = llm.runtime.engine
+    return {
+        "args": {name: value for name, value in vars(args).items() if name != "run"},
+        "workload": args.workload,
+        "preset": args.preset,
+        "model": args.model,
+        "num_layers": len(engine.model.layers),
+        "num_parameters": sum(p.numel() for p in engine.model.parameters()),
+        "dtype": str(engine.loaded.dtype).removeprefix("torch."),
+        "device": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "hbm_bandwidth": args.hbm_bandwidth,
+        "engine_config": dataclasses.asdict(config),
+    }
+
+
+def _run_shared_prefix(args: argparse.Namespace, config, json_path: Path | None) -> dict[str, Any]:
+    from tqdm.auto import tqdm
+
+    from freetoken.bench.shared_prefix import bench_shared_prefix
+    from freetoken.llm import LLM
+
+    llm = LLM(**dataclasses.asdict(config))
+    report = _report_header(args, llm, config)
+    with tqdm(total=args.repeats + 1, desc="freetoken bench (shared prefix)", unit="round") as progress:
+        report["shared_prefix"] = bench_shared_prefix(llm, args.input_len, args.shared_prefix_len, args.prime_tail_len,
+                                                      args.repeats, args.seed, progress)
+    if json_path is not None:
+        json_path.write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def _run(args: argparse.Namespace, config, json_path: Path | None) -> dict[str, Any]:
+    """Every batch size in turn; the JSON is rewritten after each, so a run cut short keeps its results."""
     from tqdm.auto import tqdm
 
     from freetoken.bench.floor import decode_traffic_of
@@ -269,20 +336,7 @@ def _run(args: argparse.Namespace, config, json_path: Path | None) -> dict[str, 
         from freetoken.bench.transformers_compare import transformers_model_of
 
         hf_model = transformers_model_of(model, engine.loaded.config, engine.loaded.dtype)
-    report: dict[str, Any] = {
-        "args": {name: value for name, value in vars(args).items() if name != "run"},
-        "preset": args.preset,
-        "model": args.model,
-        "num_layers": len(model.layers),
-        "num_parameters": sum(p.numel() for p in model.parameters()),
-        "dtype": str(engine.loaded.dtype).removeprefix("torch."),
-        "device": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "hbm_bandwidth": args.hbm_bandwidth,
-        "engine_config": dataclasses.asdict(config),
-        "results": [],
-    }
+    report = {**_report_header(args, llm, config), "results": []}
     hf_tokens = args.output_len + 3 if hf_model is not None else 0  # warm-up (2), prefill (1), timed run
     per_batch = min(WARMUP_TOKENS, args.output_len) + args.output_len + hf_tokens
     with tqdm(total=sum(args.batch_sizes) * per_batch, desc="freetoken bench", unit="tok") as progress:

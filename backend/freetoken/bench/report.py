@@ -108,3 +108,18 @@ def print_report(report: dict[str, Any]) -> None:
         print_expert_cache(result)
     for result in results:
         print_kernel_table(result)
+
+
+def print_shared_prefix(report: dict[str, Any]) -> None:
+    """The shared-prefix workload: both TTFTs, their ratio and what the cache held."""
+    r = report["shared_prefix"]
+    name = report["preset"] or report["model"]
+    caching = "on" if r["prefix_caching"] else "off"
+    print(
+        f"{name}: {report['num_layers']} layers, {report['dtype']} on {report['device']}; prefix caching {caching}; "
+        f"{r['prompt_len']}-token prompts, the first {r['shared_prefix_len']} shared; median of {r['repeats']} rounds"
+    )
+    print(f"  TTFT uncached      {r['ttft_ms_uncached']:10.2f} ms  ({r['prefill_tok_s_uncached']:,.0f} prompt tok/s)")
+    print(f"  TTFT cached        {r['ttft_ms_cached']:10.2f} ms  ({r['prefill_tok_s_cached']:,.0f} tok/s prefilled)")
+    print(f"  cached / uncached  {r['ttft_ratio']:10.3f}")
+    print(f"  num_cached_tokens  {r['num_cached_tokens']:10d}  (of {r['cacheable_tokens']} in whole pages)")

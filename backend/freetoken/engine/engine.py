@@ -77,7 +77,8 @@ class Engine:
                 config, self.device, self.pool_sizes, text_config.hidden_size, self.offload.expert_bytes,
                 self.offload.num_experts, len(self.offload.layers),
             )
-        self.model.allocate_state(self.pool_sizes.num_pages, config.page_size, num_slots)
+        # Snapshot slots are state rows only: no page-table row, no sampling tables.
+        self.model.allocate_state(self.pool_sizes.num_pages, config.page_size, self.pool_sizes.num_state_slots)
         if self.offload is not None:
             self.offload.allocate(cache_slots, self.device)
         self.max_pages_per_request = -(-self.max_model_len // config.page_size)
@@ -123,11 +124,22 @@ class Engine:
     def vocab_size(self) -> int:
         return self.model.vocab_size
 
+    def _slot_tensor(self, slots: list[int]) -> torch.Tensor:
+        """Slot ids on the device without a host sync: from pinned memory, asynchronously, on CUDA."""
+        pinned = self.device.type == "cuda"
+        return torch.tensor(slots, dtype=torch.int64, pin_memory=pinned).to(self.device, non_blocking=pinned)
+
     def _prepare(self, plan: StepPlan) -> None:
+        """Slot copies, then resets, then sampling admissions, all queued before the forward (on the
+        one stream, after every earlier step). The copies are one parallel copy per state tensor:
+        each reads the state as the previous step left it, so a snapshot of a slot and a restore
+        into the same slot, reused by another request, may share a plan; resets come after, so a
+        slot snapshotted and then handed to a fresh request is read before it is zeroed."""
         if plan.copy_slots:
-            raise NotImplementedError("copy_slots: slot copies arrive with prefix caching")
+            src, dst = zip(*plan.copy_slots)
+            self.model.copy_slots(self._slot_tensor(list(src)), self._slot_tensor(list(dst)))
         if plan.reset_slots:
-            self.model.reset_slots(torch.tensor(plan.reset_slots, dtype=torch.int64).to(self.device))
+            self.model.reset_slots(self._slot_tensor(plan.reset_slots))
         self.sampler.admit(plan.admissions)
 
     @torch.inference_mode()

@@ -24,13 +24,19 @@ ACTIVATION_BYTES_PER_TOKEN_PER_HIDDEN = 48
 @dataclass(frozen=True)
 class PoolSizes:
     num_pages: int  # including the reserved page 0
-    num_slots: int  # including the reserved slot 0
+    num_slots: int  # request slots, including the reserved slot 0
     bytes_per_page: int
     bytes_per_slot: int
+    num_snapshot_slots: int = 0  # prefix-cache snapshots: state slots num_slots .. num_slots + this - 1
+
+    @property
+    def num_state_slots(self) -> int:
+        """Rows of every per-slot state tensor: the request slots, then the snapshot slots."""
+        return self.num_slots + self.num_snapshot_slots
 
     @property
     def total_bytes(self) -> int:
-        return self.num_pages * self.bytes_per_page + self.num_slots * self.bytes_per_slot
+        return self.num_pages * self.bytes_per_page + self.num_state_slots * self.bytes_per_slot
 
 
 def free_gpu_bytes(config: EngineConfig, device: torch.device) -> int:
@@ -70,25 +76,29 @@ def size_pools(
     page_bytes = model.kv_bytes_per_page(config.page_size)
     slot_bytes = model.state_bytes_per_slot()
     num_slots = config.max_running_requests + 1
+    num_snapshots = config.num_snapshot_slots
     pages_per_request = -(-max_model_len // config.page_size)
     useful_pages = config.max_running_requests * pages_per_request + 1
     if config.num_pages is not None:
         num_pages = config.num_pages + 1  # usable pages, as stated; page 0 is the reserved null page
     else:
-        budget = pool_budget_bytes(config, device, hidden_size) - num_slots * slot_bytes
+        budget = pool_budget_bytes(config, device, hidden_size) - (num_slots + num_snapshots) * slot_bytes
         affordable = budget // page_bytes if page_bytes else useful_pages
         num_pages = int(min(affordable, useful_pages))
         if num_pages < 2:
             raise MemoryError(
                 f"no memory left for the KV cache on {device}: {budget / GiB:.2f} GiB after weights and "
-                f"{num_slots} state slots; lower max_running_requests or raise the memory fraction"
+                f"{num_slots} state slots and {num_snapshots} snapshot slots; lower max_running_requests or "
+                "max_snapshot_slots, or raise the memory fraction"
             )
-    sizes = PoolSizes(num_pages, num_slots, page_bytes, slot_bytes)
+    sizes = PoolSizes(num_pages, num_slots, page_bytes, slot_bytes, num_snapshots)
     logger.info(
-        "KV cache: %d pages of %d tokens, %d state slots, %.2f GiB",
+        "KV cache: %d pages of %d tokens, %d state slots, %d prefix-cache snapshot slots (%.2f GiB), %.2f GiB",
         num_pages - 1,
         config.page_size,
         num_slots - 1,
+        num_snapshots,
+        num_snapshots * slot_bytes / GiB,
         sizes.total_bytes / GiB,
     )
     return sizes

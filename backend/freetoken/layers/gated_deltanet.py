@@ -11,6 +11,7 @@ from torch import nn
 from freetoken import kernels
 from freetoken.batch import ForwardBatch
 from freetoken.layers.linear import linear
+from freetoken.layers.slot_state import copy_rows
 from freetoken.layers.weights import WeightTarget, new_param, packed_targets
 
 
@@ -88,6 +89,10 @@ class GatedDeltaNet(nn.Module):
     def reset_slots(self, slots: torch.Tensor) -> None:
         self.conv_state[slots] = 0
         self.recurrent_state[slots] = 0
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        copy_rows(self.conv_state, src, dst)
+        copy_rows(self.recurrent_state, src, dst)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         num_tokens = x.shape[0]

@@ -19,6 +19,7 @@ from torch import nn
 from freetoken import kernels
 from freetoken.batch import ForwardBatch
 from freetoken.layers.linear import linear
+from freetoken.layers.slot_state import copy_rows
 from freetoken.layers.weights import WeightTarget, chunked_targets, new_param, packed_targets
 
 _MASK64 = (1 << 64) - 1
@@ -199,6 +200,9 @@ class PLELayer(nn.Module):
 
     def reset_slots(self, slots: torch.Tensor) -> None:
         self.conv_state[slots] = 0
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        copy_rows(self.conv_state, src, dst)
 
     def forward(
         self,

@@ -15,7 +15,8 @@ class CausalLM(nn.Module, ABC):
     """A decoder over a flat token batch, owning its layers' KV pages and recurrent-state slots.
 
     The engine sizes the pools from ``kv_bytes_per_page`` and ``state_bytes_per_slot``, then calls
-    ``allocate_state`` once; ``reset_slots`` zeroes the state of requests that start over.
+    ``allocate_state`` once; ``reset_slots`` zeroes the state of requests that start over and
+    ``copy_slots`` copies it between slots (prefix-cache snapshots).
     """
 
     vocab_size: int
@@ -37,6 +38,17 @@ class CausalLM(nn.Module, ABC):
 
     @abstractmethod
     def reset_slots(self, slots: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every per-slot state tensor's row ``src[i]`` to ``dst[i]`` (all read before any is
+        written; ``layers.slot_state.copy_rows``): a prefix-cache snapshot or restore."""
+
+    def prefix_alignment(self, page_size: int) -> int:
+        """Positions a cached prefix may end at are multiples of this: the KV of a prefix that ends
+        there lives entirely in the prefix's own pages, so a request continuing it never writes one
+        of them."""
+        return page_size
 
     @abstractmethod
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

@@ -41,6 +41,10 @@ class PagePool:
             self._refs[page] = 1
         return pages
 
+    def refs(self, page: int) -> int:
+        """How many holders (requests, the prefix index) the page has."""
+        return self._refs[page]
+
     def share(self, pages: list[int]) -> None:
         """Add a holder to pages already in use (a prefix-cache hit)."""
         for page in pages:

@@ -42,6 +42,15 @@ class Request:
     stop_reason: str | int | None = None
     error: str | None = None
     num_preemptions: int = 0
+    # Prefix caching. What besides the tokens changes the KV (seeds the page hashes).
+    prefix_namespace: bytes = b""
+    page_hashes: list[bytes] | None = None  # of the prompt's full pages, computed at first lookup
+    num_cached_tokens: int = 0  # prompt tokens the first admission found cached (vLLM's name)
+    num_indexed_pages: int = 0  # of its pages, those the prefix index names already
+    snapshot_at: list[int] = field(default_factory=list)  # boundaries still to snapshot, ascending
+    # A sibling of parallel sampling (n > 1) is admitted once this one computed the shared prompt,
+    # so it hits that prompt's pages and snapshot instead of prefilling it again.
+    prefill_after: Request | None = None
     times: RequestTimes = field(default_factory=RequestTimes)
 
     def __post_init__(self) -> None:

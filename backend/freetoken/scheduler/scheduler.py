@@ -5,7 +5,17 @@ of a step share ``max_prefill_length`` tokens. Waiting requests are admitted fir
 served while a state slot is free and the KV pages for their whole prompt fit beside what the
 running prompts still need. Pages are allocated as tokens arrive; when a decode finds none free,
 the newest running request is preempted: its pages and slot go back, and it waits at the head of
-the queue to be recomputed from its tokens.
+the queue to be recomputed from its tokens (from its cached prefix, with prefix caching).
+
+With a ``PrefixCache``, an admitted request first takes the longest usable cached prefix of its
+prompt (shared pages, and a snapshot restored into its slot by the step's ``copy_slots``) and
+computes only the rest. It then snapshots its state at up to two page boundaries, so later prompts
+hit: where its prompt leaves the longest cached run of pages (a shared system text: the second
+prompt with it snapshots there, the third and later hit it), and at the prompt's last full page
+before its last token (an exact repeat, or a follow-up turn extending the prompt, hits there). A
+prefill chunk is cut at such a boundary, and the snapshot copy (request slot -> snapshot slot)
+goes into the next step's plan, before its forward. Both boundaries are multiples of the model's
+``prefix_alignment``, each at least ``MIN_SNAPSHOT_GAIN_PAGES`` past the hit or the boundary before.
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ from dataclasses import dataclass, field
 
 from freetoken.plan import PageUpdate, PlanRow, SlotSampling, StepPlan
 from freetoken.scheduler.cache import PagePool, SlotPool
+from freetoken.scheduler.prefix_cache import PageHash, PrefixCache, PrefixHit, page_hashes
 from freetoken.scheduler.request import Request, RequestStatus
 
 
@@ -25,6 +36,7 @@ class ScheduledStep:
 
     plan: StepPlan
     requests: list[Request] = field(default_factory=list)  # one per plan row
+    snapshots: list[tuple[PageHash, int]] = field(default_factory=list)  # copied into these slots by the plan
 
     @property
     def sampling_requests(self) -> list[Request]:
@@ -53,15 +65,57 @@ def slot_sampling(req: Request) -> SlotSampling:
     )
 
 
+# A boundary is snapshotted only this many pages past the request's hit (or its previous
+# boundary): cutting a chunk there costs a forward now, which a later hit must make up for.
+MIN_SNAPSHOT_GAIN_PAGES = 4
+
+
+def _prefilled(req: Request) -> bool:
+    """Its prompt is computed (so its snapshot is hittable), or it never will be."""
+    return req.finished or req.num_computed >= req.num_prompt_tokens
+
+
 class Scheduler:
-    def __init__(self, pages: PagePool, slots: SlotPool, max_prefill_length: int, max_running_requests: int) -> None:
+    def __init__(
+        self,
+        pages: PagePool,
+        slots: SlotPool,
+        max_prefill_length: int,
+        max_running_requests: int,
+        prefix_cache: PrefixCache | None = None,
+    ) -> None:
         self.pages = pages
         self.slots = slots
+        self.prefix_cache = prefix_cache
         self.max_prefill_length = max_prefill_length
         self.max_running = min(max_running_requests, slots.capacity)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # (request slot, page hash) of boundaries reached by the last launched step, to snapshot
+        # in the next plan (before anything else touches the slot).
+        self._pending_snapshots: list[tuple[int, PageHash]] = []
+
+    # ----- pages, through the prefix cache when there is one -----
+
+    @property
+    def num_available_pages(self) -> int:
+        """Pages an allocation can get (free, or cached but held by no request)."""
+        return self.pages.num_free if self.prefix_cache is None else self.prefix_cache.num_available()
+
+    def allocate_pages(self, count: int) -> list[int]:
+        return self.pages.allocate(count) if self.prefix_cache is None else self.prefix_cache.allocate(count)
+
+    def release_pages(self, pages: list[int]) -> None:
+        if self.prefix_cache is None:
+            self.pages.release(pages)
+        else:
+            self.prefix_cache.release(pages)
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every cached page and snapshot (pages requests hold stay theirs)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.reset()
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -92,8 +146,15 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
 
     def _release(self, req: Request) -> None:
-        self.pages.release(req.pages)
+        if self.prefix_cache is not None and req.page_hashes is not None:
+            # Its computed prompt pages the index lost meanwhile (evicted while this request held
+            # an equal page of its own) are named again, so the chain stays whole.
+            for index in range(req.num_indexed_pages):
+                self.prefix_cache.insert_page(req.page_hashes[index], req.pages[index])
+        self.release_pages(req.pages)
         req.pages = []
+        req.num_indexed_pages = 0
+        req.snapshot_at = []
         if req.slot is not None:
             self.slots.release(req.slot)
             req.slot = None
@@ -118,11 +179,12 @@ class Scheduler:
         singles: list[tuple[Request, int]] = []
         chunks: list[tuple[Request, int]] = []
         fresh: list[Request] = []
+        copies, snapshots = self._snapshot_copies()
         new_pages: dict[int, PageUpdate] = {}
         for req in list(self.running):
             if req.status is not RequestStatus.RUNNING or req.in_flight_finishes:
                 continue  # preempted earlier in this loop, or done once its tokens land
-            num_tokens = 1 if req.num_uncomputed == 1 else min(req.num_uncomputed, budget)
+            num_tokens = 1 if req.num_uncomputed == 1 else self._cut(req, min(req.num_uncomputed, budget))
             if num_tokens == 0:
                 continue
             num_tokens = self._make_room(req, num_tokens)
@@ -132,15 +194,26 @@ class Scheduler:
             (singles if num_tokens == 1 else chunks).append((req, num_tokens))
             if req.num_uncomputed > 1:
                 budget -= num_tokens
+        restored: set[int] = set()
         while self.waiting and budget > 0 and len(self.running) < self.max_running and self.slots.num_free:
             req = self.waiting[0]
-            if req.num_in_flight or self.pages.pages_for(len(req.token_ids)) > self.pages.num_free - self._pages_promised():
+            if req.num_in_flight or (req.prefill_after is not None and not _prefilled(req.prefill_after)):
+                break
+            hit = self._lookup(req)
+            available = self.pages.num_free if self.prefix_cache is None else self.prefix_cache.num_available(hit.pages)
+            if self.pages.pages_for(len(req.token_ids)) - hit.num_pages > available - self._pages_promised():
                 break
             self.waiting.popleft()
-            num_tokens = min(req.num_uncomputed, budget)
+            req.prefill_after = None
             req.slot = self.slots.allocate()
             req.num_admitted_tokens = len(req.token_ids)
-            self._add_pages(req, num_tokens, new_pages)
+            if self.prefix_cache is not None:
+                self._take_hit(req, hit)
+                if hit.snapshot is not None:
+                    copies.append((hit.snapshot, req.slot))
+                    restored.add(req.slot)
+            num_tokens = self._cut(req, min(req.num_uncomputed, budget))
+            self._add_pages(req, num_tokens, new_pages, start=0)
             req.status = RequestStatus.RUNNING
             req.times.scheduled = req.times.scheduled or time.monotonic()
             self.running.append(req)
@@ -148,15 +221,81 @@ class Scheduler:
             (singles if num_tokens == 1 else chunks).append((req, num_tokens))
             budget -= num_tokens
         entries = singles + chunks
-        if not entries:
+        if not entries:  # no step to carry the copies: they wait for the next (no forward runs before it)
+            for _, snapshot in snapshots:
+                self.prefix_cache.free_snapshot(snapshot)
             return None
+        self._pending_snapshots = []
         plan = StepPlan(
             rows=[self._row(req, n) for req, n in entries],
             page_updates=list(new_pages.values()),
-            reset_slots=[r.slot for r in fresh],
+            reset_slots=[r.slot for r in fresh if r.slot not in restored],
             admissions=[slot_sampling(r) for r in fresh],
+            copy_slots=copies,
         )
-        return ScheduledStep(plan, [r for r, _ in entries])
+        return ScheduledStep(plan, [r for r, _ in entries], snapshots)
+
+    # ----- prefix caching -----
+
+    def _lookup(self, req: Request) -> PrefixHit:
+        """The longest usable cached prefix of ``req``'s prompt, leaving at least one token to compute."""
+        if self.prefix_cache is None:
+            return PrefixHit()
+        if req.page_hashes is None:
+            req.page_hashes = page_hashes(req.prompt_token_ids, self.pages.page_size, req.prefix_namespace)
+        return self.prefix_cache.lookup(req.page_hashes, len(req.token_ids) - 1)
+
+    def _take_hit(self, req: Request, hit: PrefixHit) -> None:
+        """Share the hit's pages, count its tokens computed, and choose the boundaries to snapshot."""
+        cache = self.prefix_cache
+        assert cache is not None and req.page_hashes is not None
+        cache.share(hit.pages)
+        req.pages = list(hit.pages)
+        req.num_indexed_pages = hit.num_pages
+        page_size = self.pages.page_size
+        req.num_computed = hit.num_pages * page_size
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = req.num_computed
+            cache.counters.queried_tokens += req.num_prompt_tokens
+            cache.counters.hit_tokens += req.num_computed
+        align = cache.alignment
+        leaves = hit.num_matched_pages * page_size // align * align  # where the prompt leaves the cached pages
+        last = (req.num_prompt_tokens - 1) // page_size * page_size // align * align
+        if cache.num_snapshot_slots:
+            req.snapshot_at = []
+            for boundary in sorted({leaves, last}):
+                since = req.snapshot_at[-1] if req.snapshot_at else req.num_computed
+                if boundary - since >= MIN_SNAPSHOT_GAIN_PAGES * page_size:
+                    req.snapshot_at.append(boundary)
+
+    def _cut(self, req: Request, num_tokens: int) -> int:
+        """A prefill chunk ends at the request's next snapshot boundary, if it would pass it."""
+        for boundary in req.snapshot_at:
+            if boundary > req.num_computed:
+                return min(num_tokens, boundary - req.num_computed)
+        return num_tokens
+
+    def _snapshot_copies(self) -> tuple[list[tuple[int, int]], list[tuple[PageHash, int]]]:
+        """The copies of the boundaries the last launched step reached, each into a snapshot slot
+        (the least recently used snapshot evicted if none is free); they run before this plan's
+        forward and resets, so a slot freed meanwhile is still read as that step left it."""
+        copies: list[tuple[int, int]] = []
+        snapshots: list[tuple[PageHash, int]] = []
+        cache = self.prefix_cache
+        for slot, page_hash in self._pending_snapshots:
+            if cache is None or cache.has_snapshot(page_hash) or not cache.is_cached(page_hash):
+                continue
+            snapshot = cache.allocate_snapshot()
+            if snapshot is None:
+                continue
+            copies.append((slot, snapshot))
+            snapshots.append((page_hash, snapshot))
+        return copies, snapshots
+
+    def failed(self, step: ScheduledStep) -> None:
+        """The step never launched: its snapshot slots go back."""
+        for _, snapshot in step.snapshots:
+            self.prefix_cache.free_snapshot(snapshot)
 
     @staticmethod
     def _row(req: Request, num_tokens: int) -> PlanRow:
@@ -165,12 +304,17 @@ class Scheduler:
         token_ids = None if from_pool else tuple(req.token_ids[start : start + num_tokens])
         return PlanRow(req.slot, start, num_tokens, start + num_tokens == req.num_known, token_ids)
 
-    def _add_pages(self, req: Request, num_tokens: int, new_pages: dict[int, PageUpdate]) -> None:
+    def _add_pages(
+        self, req: Request, num_tokens: int, new_pages: dict[int, PageUpdate], start: int | None = None
+    ) -> None:
+        """Pages for ``num_tokens`` more tokens; the page-table update covers entries from ``start``
+        on (default: the new pages; an admission's covers the pages of its prefix hit too)."""
         count = self._pages_needed(req, num_tokens)
+        first = len(req.pages) if start is None else start
         if count:
-            start = len(req.pages)
-            req.pages += self.pages.allocate(count)
-            new_pages[req.slot] = PageUpdate(req.slot, start, tuple(req.pages[start:]))
+            req.pages += self.allocate_pages(count)
+        if len(req.pages) > first:
+            new_pages[req.slot] = PageUpdate(req.slot, first, tuple(req.pages[first:]))
 
     def _pages_promised(self) -> int:
         """Pages the running requests still need for the tokens they already have."""
@@ -181,25 +325,40 @@ class Scheduler:
 
         Returns the tokens ``req`` can run this step (0 if it was preempted itself).
         """
-        while self._pages_needed(req, num_tokens) > self.pages.num_free:
+        while self._pages_needed(req, num_tokens) > self.num_available_pages:
             newest = self.running[-1]
             if newest is req:
                 break
             self._preempt(newest)
-        if self._pages_needed(req, num_tokens) <= self.pages.num_free:
+        if self._pages_needed(req, num_tokens) <= self.num_available_pages:
             return num_tokens
-        fits = (len(req.pages) + self.pages.num_free) * self.pages.page_size - req.num_computed
+        fits = (len(req.pages) + self.num_available_pages) * self.pages.page_size - req.num_computed
         if req.num_uncomputed > 1 and fits > 0:
             return min(num_tokens, fits)
         self._preempt(req)
         return 0
 
     def launched(self, step: ScheduledStep) -> None:
-        """The step is queued on the device: its tokens count as computed, its samples in flight."""
+        """The step is queued on the device: its tokens count as computed, its samples in flight.
+        With prefix caching, the prompt pages it completed join the index, the snapshots it copies
+        become hittable, and the boundaries it reached are snapshotted by the next plan."""
+        cache = self.prefix_cache
+        if cache is not None:
+            for page_hash, snapshot in step.snapshots:
+                cache.insert_snapshot(page_hash, snapshot)
         for req, row in zip(step.requests, step.plan.rows):
             req.num_computed += row.num_new
             if row.samples:
                 req.num_in_flight += 1
+            if cache is None or req.page_hashes is None:
+                continue
+            full = min(req.num_computed, req.num_prompt_tokens) // self.pages.page_size
+            for index in range(req.num_indexed_pages, full):
+                cache.insert_page(req.page_hashes[index], req.pages[index])
+            req.num_indexed_pages = max(req.num_indexed_pages, full)
+            if req.snapshot_at and req.snapshot_at[0] == req.num_computed:
+                boundary = req.snapshot_at.pop(0)
+                self._pending_snapshots.append((req.slot, req.page_hashes[boundary // self.pages.page_size - 1]))
 
     def landed(self, step: ScheduledStep) -> None:
         """The step's sampled tokens reached the host (appended by the caller right after)."""

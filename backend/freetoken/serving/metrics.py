@@ -31,7 +31,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from freetoken.runtime import RuntimeStats
+from freetoken.runtime import ExpertCacheStats, PrefixCacheStats, RuntimeStats
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +79,17 @@ FAMILIES: dict[str, tuple[str, str, list[float] | str | None]] = {
     "freetoken_state_slots_used": ("GAUGE", "Recurrent-state (Gated DeltaNet) slots in use.", None),
     "freetoken_state_slots_total": ("GAUGE", "Recurrent-state slots in the pool.", None),
 }
+# Published only when the engine caches prefixes (``RuntimeStats.prefix_cache`` not None): vLLM V1's
+# counters (vllm/v1/metrics/loggers.py; hit rate = hits / queries, in tokens), then FreeToken's.
+PREFIX_CACHE_FAMILIES: dict[str, tuple[str, str, None]] = {
+    "vllm:prefix_cache_queries_total": ("COUNTER", "Prefix cache queries, in terms of number of queried tokens.",
+                                        None),
+    "vllm:prefix_cache_hits_total": ("COUNTER", "Prefix cache hits, in terms of number of cached tokens.", None),
+    "freetoken_prefix_cache_pages": ("GAUGE", "KV-cache pages the prefix cache holds (shared with requests or not).",
+                                     None),
+    "freetoken_snapshot_slots_used": ("GAUGE", "Prefix-cache state snapshots (Gated DeltaNet, PLE) held.", None),
+    "freetoken_snapshot_slots_total": ("GAUGE", "Prefix-cache state snapshot slots.", None),
+}
 # With moe_offload only: the expert cache's counters (RuntimeStats.expert_cache), as counters.
 EXPERT_CACHE_FAMILIES: dict[str, tuple[str, str, None]] = {
     "freetoken_expert_cache_hits_total": ("COUNTER", "Routed expert uses found in the device expert cache.", None),
@@ -112,6 +123,8 @@ class Metrics:
         """``pb_utils`` None: metrics off (the ``report_metrics`` parameter); ``max_model_len`` bounds
         the token-count buckets."""
         labels = {**labels, OWNER_LABEL: str(os.getpid())}
+        self._pb = pb_utils
+        self._labels = labels
         self._stats = stats
         self._interval = interval
         self._events: queue.SimpleQueue[tuple] = queue.SimpleQueue()
@@ -122,13 +135,11 @@ class Metrics:
         self._finished: dict[str, Any] = {}
         self._families: list[Any] = []  # kept alive as long as their metrics
         self._last_preemptions = 0
+        self._prefix_metrics: dict[str, Any] | None = None  # created at the first stats with a prefix cache
+        self._last_prefix = (0, 0)  # queried, hit tokens already counted
+        self._expert_metrics: dict[str, Any] | None = None  # created at the first stats with an expert cache
         self._last_expert_cache = dict.fromkeys(EXPERT_CACHE_COUNTERS, 0)
-        families = {}
-        if pb_utils is not None:
-            families = dict(FAMILIES)
-            if stats().expert_cache is not None:
-                families.update(EXPERT_CACHE_FAMILIES)
-        families = families.items()
+        families = FAMILIES.items() if pb_utils is not None else ()
         try:
             for name, (kind, description, buckets) in families:
                 family = pb_utils.MetricFamily(name=name, description=description, kind=getattr(pb_utils.MetricFamily, kind))
@@ -256,14 +267,57 @@ class Metrics:
         if stats.num_preemptions > self._last_preemptions:
             self._metrics["vllm:num_preemptions_total"].increment(stats.num_preemptions - self._last_preemptions)
             self._last_preemptions = stats.num_preemptions
-        cache = stats.expert_cache
-        if cache is not None and "freetoken_expert_cache_slots" in self._metrics:
-            self._metrics["freetoken_expert_cache_slots"].set(cache.slots)
-            for name, field in EXPERT_CACHE_COUNTERS.items():
-                value = getattr(cache, field)
-                if value > self._last_expert_cache[name]:
-                    self._metrics[name].increment(value - self._last_expert_cache[name])
-                    self._last_expert_cache[name] = value
+        if stats.prefix_cache is not None:
+            self._publish_prefix_cache(stats.prefix_cache)
+        if stats.expert_cache is not None:
+            self._publish_expert_cache(stats.expert_cache)
+
+    def _publish_prefix_cache(self, cache: PrefixCacheStats) -> None:
+        """The prefix-cache families, created the first time there is a cache: with prefix caching
+        off none of them appears. The counters grow by the runtime's cumulative counts' deltas."""
+        if self._prefix_metrics is None:
+            self._prefix_metrics = self._create_families(PREFIX_CACHE_FAMILIES, "prefix-cache")
+        metrics = self._prefix_metrics
+        if not metrics:
+            return
+        queried, hit = self._last_prefix
+        if cache.queried_tokens > queried:
+            metrics["vllm:prefix_cache_queries_total"].increment(cache.queried_tokens - queried)
+        if cache.hit_tokens > hit:
+            metrics["vllm:prefix_cache_hits_total"].increment(cache.hit_tokens - hit)
+        self._last_prefix = (max(queried, cache.queried_tokens), max(hit, cache.hit_tokens))
+        metrics["freetoken_prefix_cache_pages"].set(cache.cached_pages)
+        metrics["freetoken_snapshot_slots_used"].set(cache.snapshot_slots_used)
+        metrics["freetoken_snapshot_slots_total"].set(cache.snapshot_slots_total)
+
+    def _publish_expert_cache(self, cache: ExpertCacheStats) -> None:
+        """The expert-cache families (``moe_offload``), created the first time there is a cache; the
+        counters grow by the runtime's cumulative counts' deltas."""
+        if self._expert_metrics is None:
+            self._expert_metrics = self._create_families(EXPERT_CACHE_FAMILIES, "expert-cache")
+        metrics = self._expert_metrics
+        if not metrics:
+            return
+        metrics["freetoken_expert_cache_slots"].set(cache.slots)
+        for name, field in EXPERT_CACHE_COUNTERS.items():
+            value = getattr(cache, field)
+            if value > self._last_expert_cache[name]:
+                metrics[name].increment(value - self._last_expert_cache[name])
+                self._last_expert_cache[name] = value
+
+    def _create_families(self, families: dict[str, tuple[str, str, None]], what: str) -> dict[str, Any]:
+        """The series of ``families``, or none (logged once) if the server refuses them."""
+        metrics: dict[str, Any] = {}
+        try:
+            for name, (kind, description, _) in families.items():
+                family = self._pb.MetricFamily(name=name, description=description,
+                                               kind=getattr(self._pb.MetricFamily, kind))
+                self._families.append(family)
+                metrics[name] = family.Metric(labels=self._labels)
+        except Exception as exc:
+            logger.warning("%s metrics unavailable: %s", what, exc)
+            return {}
+        return metrics
 
     def close(self) -> None:
         self._stop.set()
@@ -271,5 +325,5 @@ class Metrics:
         self._urgent.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
-        self._metrics, self._finished, self._families = {}, {}, []
+        self._metrics, self._finished, self._prefix_metrics, self._families = {}, {}, None, []
         self.enabled = False

@@ -31,6 +31,7 @@ OPTIONAL_OUTPUTS = (
     "logprobs",
     "num_input_tokens",
     "num_output_tokens",
+    "num_cached_tokens",
     "output_ids",
 )
 BOOL_INPUTS = (STREAM, EXCLUDE_INPUT_IN_OUTPUT, *(f"return_{name}" for name in OPTIONAL_OUTPUTS))
@@ -272,6 +273,9 @@ def build_outputs(
         arrays["num_input_tokens"] = np.array([len(prompt_ids)], dtype=np.uint32)
     if "num_output_tokens" in wanted:
         arrays["num_output_tokens"] = np.array([len(ids) for ids in token_ids], dtype=np.uint32)
+    if "num_cached_tokens" in wanted:  # per sample: each is an engine request with its own prefill
+        arrays["num_cached_tokens"] = np.array([o.num_cached_tokens if o is not None else 0 for o in latest],
+                                               dtype=np.uint32)
     if "output_ids" in wanted:  # the samples' ids one after another (num_output_tokens splits them)
         arrays["output_ids"] = np.array([t for ids in token_ids for t in ids], dtype=np.int32)
     return arrays

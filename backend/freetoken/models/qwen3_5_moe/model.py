@@ -112,6 +112,10 @@ class Qwen3_5MoeModel(CausalLM):
         for linear in self._linear_layers():
             linear.reset_slots(slots)
 
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        for linear in self._linear_layers():
+            linear.copy_slots(src, dst)
+
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         hidden = F.embedding(batch.input_ids, self.embed_tokens)
         residual = None

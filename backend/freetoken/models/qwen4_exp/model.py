@@ -4,6 +4,7 @@ embeddings injected before some linear-attention layers; a final stream mixer be
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,7 @@ from freetoken.layers.indexed_attention import IndexedAttention
 from freetoken.layers.linear import linear
 from freetoken.layers.moe import SparseMoE
 from freetoken.layers.ple import PLELayer
+from freetoken.layers.slot_state import copy_rows
 from freetoken.layers.weights import WeightTarget, new_param
 from freetoken.models.base import CausalLM
 from freetoken.models.qwen4_exp.gdn import Qwen4GatedDeltaNet
@@ -166,6 +168,22 @@ class Qwen4ExpModel(CausalLM):
             ple.reset_slots(slots)
         if self.ngram_context is not None:
             self.ngram_context[slots] = self.eos_token_id  # a request's text starts after an EOS
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        for linear in self._of_type(Qwen4GatedDeltaNet):
+            linear.copy_slots(src, dst)
+        for ple in self._ple_layers():
+            ple.copy_slots(src, dst)
+        if self.ngram_context is not None:
+            copy_rows(self.ngram_context, src, dst)
+
+    def prefix_alignment(self, page_size: int) -> int:
+        """A QSA block's pooled key lives in the page of its first token: a prefix ending inside a
+        block spanning pages would have its continuation write that key into a shared page, so
+        prefixes end at whole blocks too."""
+        if self.compress_ratio is None:
+            return page_size
+        return math.lcm(page_size, self.compress_ratio)
 
     def _step_state(self, batch: ForwardBatch) -> StepState:
         tokens = torch.arange(batch.num_tokens, device=batch.input_ids.device)
