@@ -38,6 +38,25 @@ class EngineConfig:
         0.85, "fraction of the GPU memory free after loading weights given to KV pages and states"
     )
     cpu_kv_cache_gib: float = option(2.0, "on the CPU, memory for KV pages and states in GiB")
+    gpu_memory_gib: float | None = option(
+        None, "cap in GiB on the GPU memory FreeToken's tensors take (weights, pools, expert cache, headroom), "
+        "to reproduce a smaller card on a bigger one (default: no cap)"
+    )
+    moe_offload: bool = option(
+        False, "keep the routed experts in host memory and run them from a device cache of expert slots "
+        "(CUDA graphs off)"
+    )
+    expert_cache_slots: int | None = option(
+        None, "with moe_offload: experts the device cache holds, shared by all layers (default: on CUDA what is "
+        "free after the weights and the KV pool; on the CPU one layer's experts)"
+    )
+    expert_cache_policy: str = option(
+        "lrfu", "with moe_offload: which cached expert gives up its slot (experts/eviction.py: lru, lrfu, arc)"
+    )
+    expert_prefetch: bool = option(
+        False, "with moe_offload: while a layer computes, copy in the experts the next layer's router picks for "
+        "this layer's input"
+    )
     seed: int = option(0, "seed from which unseeded requests draw their sampling seeds")
     overlap_schedule: bool = option(
         True, "schedule and stage the next step, and resolve the previous one, while the device runs a step"
@@ -79,5 +98,14 @@ class EngineConfig:
             raise ValueError(f"max_snapshot_slots must be >= 0, got {self.max_snapshot_slots}")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
+        if self.gpu_memory_gib is not None and self.gpu_memory_gib <= 0:
+            raise ValueError(f"gpu_memory_gib must be > 0, got {self.gpu_memory_gib}")
+        if self.expert_cache_slots is not None and self.expert_cache_slots < 1:
+            raise ValueError(f"expert_cache_slots must be >= 1, got {self.expert_cache_slots}")
+        from freetoken.experts.eviction import POLICIES
+
+        if self.expert_cache_policy not in POLICIES:
+            raise ValueError(f"expert_cache_policy must be one of {', '.join(sorted(POLICIES))}, "
+                             f"got {self.expert_cache_policy!r}")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
             raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")

@@ -391,4 +391,13 @@ class Runtime:
             slots_total=slots.capacity,
             num_preemptions=scheduler.num_preemptions,
             prefix_cache=prefix,
+            expert_cache=self._expert_cache_stats(),
         )
+
+    def _expert_cache_stats(self) -> ExpertCacheStats | None:
+        cache = self.engine.expert_cache_counters()
+        if cache is None:
+            return None
+        counters, num_slots = cache
+        return ExpertCacheStats(counters.hits, counters.misses, counters.bytes_copied, counters.prefetched,
+                                counters.prefetch_hits, num_slots)

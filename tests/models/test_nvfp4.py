@@ -82,7 +82,8 @@ def test_quantized_linears_stay_packed_and_weights_take_the_checkpoints_bytes(fa
     checkpoint_bytes = _checkpoint_bytes(quantized)
     packed = {name for name, m in model.named_modules() if isinstance(m, NVFP4Weight)}
     for i in range(len(model.layers)):
-        assert {f"layers.{i}.mlp.{w}" for w in ("w13", "w2", "shared_gate_up", "shared_down")} <= packed
+        names = ("experts.w13", "experts.w2", "shared_gate_up", "shared_down")  # routed experts: in the expert store
+        assert {f"layers.{i}.mlp.{w}" for w in names} <= packed
     resident = sum(p.numel() * p.element_size() for p in model.parameters())
     # Per-row instead of per-tensor float32 scales, and the few dequantized fused parts, cost a little.
     assert checkpoint_bytes <= resident <= 1.1 * checkpoint_bytes

@@ -10,7 +10,9 @@ every engine step is timed (``bench.timing``):
 - TTFT: request arrival to first token (mean and max); prefill tok/s: ``B · input_len / max TTFT``
   (decodes of requests done with their prompt run in the same steps);
 - the HBM floor at the steady steps' mean context (``bench.floor``) and the ratio to it;
-- the GPU idle share over a few steady steps (CUDA only).
+- the GPU idle share over a few steady steps (CUDA only);
+- with ``--moe-offload``: the expert cache over the timed run (hits, misses, hit rate, bytes
+  copied, and their PCIe floor: bytes / ``--pcie-bandwidth`` per decode step).
 
 ``--compare-transformers`` times transformers' ``generate()`` on a copy of the same weights.
 ``--workload shared-prefix`` times prefix-cache hits instead (``bench.shared_prefix``).
@@ -37,6 +39,7 @@ from freetoken.bench.shared_prefix import DEFAULT_PROMPT_LEN, DEFAULT_SHARED_PRE
 logger = logging.getLogger(__name__)
 
 WARMUP_TOKENS = 8
+PCIE_BANDWIDTH = 55e9  # pinned host -> device, measured on the H200 (issue 11)
 DECODE_INPUT_LEN = 1024
 WORKLOADS = ("decode", "shared-prefix")
 
@@ -55,6 +58,10 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--output-len", type=int, default=128, help="output tokens per request (128)")
     group.add_argument(
         "--hbm-bandwidth", type=float, default=DEFAULT_HBM_BANDWIDTH, help="bytes/s of the floor (4.3e12, H200)"
+    )
+    group.add_argument(
+        "--pcie-bandwidth", type=float, default=PCIE_BANDWIDTH,
+        help="host->device bytes/s of the expert copies' floor with --moe-offload (55e9, pinned, H200)",
     )
     group.add_argument(
         "--profile-steps", type=int, default=5, help="steady steps profiled for the GPU idle share (5; 0: off)"
@@ -156,8 +163,10 @@ def bench_batch(llm, batch_size: int, args: argparse.Namespace, traffic, progres
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     on_cuda = llm.runtime.engine.device.type == "cuda"
     memory = _MemoryWatch(on_cuda)
+    cache_before = llm.runtime.stats().expert_cache
     with StepRecorder(llm.runtime, batch_size, args.output_len, args.profile_steps if on_cuda else 0, progress) as rec:
         outputs = llm.generate(requests, params)
+    cache_after = llm.runtime.stats().expert_cache
     ttft = [o.metrics["time_to_first_token"] for o in outputs]
     steady = rec.steady_records()
     result: dict[str, Any] = {
@@ -179,6 +188,7 @@ def bench_batch(llm, batch_size: int, args: argparse.Namespace, traffic, progres
         "decode_tok_s": None,
         "floor": None,
         "ratio_to_floor": None,
+        "expert_cache": _expert_cache_delta(cache_before, cache_after, len(rec.records), args.pcie_bandwidth),
     }
     if steady:
         step_s = statistics.median(r.seconds for r in steady)
@@ -194,6 +204,25 @@ def bench_batch(llm, batch_size: int, args: argparse.Namespace, traffic, progres
     else:
         logger.warning("batch %d: no steady decode step (raise --output-len)", batch_size)
     return result
+
+
+def _expert_cache_delta(before, after, steps: int, pcie_bandwidth: float) -> dict[str, Any] | None:
+    """The expert cache over the timed run (None: experts resident)."""
+    if after is None:
+        return None
+    hits, misses = after.hits - before.hits, after.misses - before.misses
+    copied = after.bytes_copied - before.bytes_copied
+    prefetched = after.prefetched - before.prefetched
+    return {
+        "slots": after.slots,
+        "hits": hits,
+        "misses": misses,
+        "hit_rate": hits / (hits + misses) if hits + misses else None,
+        "bytes_copied": copied,
+        "prefetched": prefetched,
+        "prefetch_hits": after.prefetch_hits - before.prefetch_hits,
+        "copy_floor_ms_per_step": copied / pcie_bandwidth / steps * 1e3 if steps else None,
+    }
 
 
 class _MemoryWatch:

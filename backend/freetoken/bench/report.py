@@ -78,6 +78,20 @@ def print_kernel_table(result: dict[str, Any]) -> None:
         )
 
 
+def print_expert_cache(result: dict[str, Any]) -> None:
+    """With --moe-offload: the expert cache over the timed run."""
+    cache = result.get("expert_cache")
+    if not cache:
+        return
+    print(
+        f"batch {result['batch_size']}: expert cache of {cache['slots']} slots: hit rate "
+        f"{_num(None if cache['hit_rate'] is None else 100 * cache['hit_rate'], '.1f')}% "
+        f"({cache['hits']:,} hits, {cache['misses']:,} misses), {cache['bytes_copied'] / GB:.2f} GB copied "
+        f"(PCIe floor {_num(cache['copy_floor_ms_per_step'], '.2f')} ms/step), prefetched {cache['prefetched']:,} "
+        f"({cache['prefetch_hits']:,} used)"
+    )
+
+
 def print_report(report: dict[str, Any]) -> None:
     results = report["results"]
     header = HEADER + (["HF ms/step", "HF x floor"] if any("transformers" in r for r in results) else [])
@@ -92,6 +106,8 @@ def print_report(report: dict[str, Any]) -> None:
     )
     for row in rows:
         print("  ".join(cell.rjust(width) for cell, width in zip(row, widths)))
+    for result in results:
+        print_expert_cache(result)
     for result in results:
         print_kernel_table(result)
 

@@ -10,7 +10,9 @@ from freetoken.config import EngineConfig
 from freetoken.batch import ForwardBatch
 from freetoken.engine.buffers import StepBuffers, split_decodes
 from freetoken.engine.graph_runner import DecodeGraphRunner
-from freetoken.engine.memory import PoolSizes, size_pools
+from freetoken.engine.memory import PoolSizes, size_expert_cache, size_pools
+from freetoken.experts.cache import CacheCounters
+from freetoken.experts.offload import ExpertOffload
 from freetoken.engine.outputs import OutputRing, StepOutput
 from freetoken.engine.sample import SlotSampler
 from freetoken.kernels import KernelBackend, get_kernel_backend, set_kernel_backend
@@ -48,10 +50,15 @@ class Engine:
         self.config = config
         self.device = resolve_device(config.device)
         set_kernel_backend(None if config.kernel_backend == "auto" else config.kernel_backend)
+        self.offload: ExpertOffload | None = None
+        if config.moe_offload:
+            self.offload = ExpertOffload(
+                config.expert_cache_policy, pin=self.device.type == "cuda", prefetch=config.expert_prefetch
+            )
         if config.load_format == "dummy":
-            self.loaded: LoadedModel = load_random_model(model_dir, config.dtype, self.device, config.seed)
+            self.loaded: LoadedModel = load_random_model(model_dir, config.dtype, self.device, config.seed, self.offload)
         else:
-            self.loaded = load_model(model_dir, config.dtype, self.device)
+            self.loaded = load_model(model_dir, config.dtype, self.device, self.offload)
         self.model = self.loaded.model
         configure_precision(self.loaded.dtype)
         text_config = text_config_of(self.loaded.config)
@@ -61,8 +68,17 @@ class Engine:
             self.model, config, self.device, self.max_model_len, text_config.hidden_size
         )
         num_slots = self.pool_sizes.num_slots
+        if self.offload is not None:
+            if not self.offload.layers:
+                raise ValueError("moe_offload: the model has no routed experts")
+            cache_slots = size_expert_cache(
+                config, self.device, self.pool_sizes, text_config.hidden_size, self.offload.expert_bytes,
+                self.offload.num_experts, len(self.offload.layers),
+            )
         # Snapshot slots are state rows only: no page-table row, no sampling tables.
         self.model.allocate_state(self.pool_sizes.num_pages, config.page_size, self.pool_sizes.num_state_slots)
+        if self.offload is not None:
+            self.offload.allocate(cache_slots, self.device)
         self.max_pages_per_request = -(-self.max_model_len // config.page_size)
         max_rows = num_slots - 1
         self.buffers = StepBuffers(
@@ -88,10 +104,19 @@ class Engine:
         ops read sizes back to the host (``.tolist()``), which a graph cannot capture."""
         if self.config.enforce_eager or self.device.type != "cuda":
             return False
+        if self.config.moe_offload:
+            logger.info("CUDA graphs off: moe_offload decides on the host which experts to copy in each layer")
+            return False
         if get_kernel_backend() is KernelBackend.TORCH:
             logger.info("CUDA graphs off: kernel_backend torch reads sizes back to the host")
             return False
         return True
+
+    def expert_cache_counters(self) -> tuple[CacheCounters, int] | None:
+        """The expert cache's counters and its slots; None when the experts are resident."""
+        if self.offload is None:
+            return None
+        return self.offload.counters, self.offload.num_slots
 
     @property
     def vocab_size(self) -> int:

@@ -40,15 +40,33 @@ class PoolSizes:
         return self.num_pages * self.bytes_per_page + self.num_state_slots * self.bytes_per_slot
 
 
-def pool_budget_bytes(config: EngineConfig, device: torch.device, hidden_size: int) -> int:
-    """Bytes for KV pages and state slots: on a GPU, ``gpu_memory_fraction`` (``--gpu-memory-fraction``,
-    default 0.85) of the memory free once the weights are loaded, less ``GPU_HEADROOM_BYTES`` and the
-    activations of one ``max_prefill_length`` chunk."""
-    if device.type != "cuda":
-        return int(config.cpu_kv_cache_gib * GiB)
+def free_gpu_bytes(config: EngineConfig, device: torch.device) -> int:
+    """The GPU memory free for FreeToken now: what the driver reports, and under ``gpu_memory_gib``
+    (``--gpu-memory-gib``) at most the cap less what FreeToken's tensors already hold, so a smaller
+    card is reproduced on a bigger one (the CUDA context, ~0.5 GiB, is outside the cap)."""
     # Blocks the caching allocator kept from loading (temporaries) are free for the pools too.
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info(device)
+    if config.gpu_memory_gib is None:
+        return free
+    held = torch.cuda.memory_reserved(device)
+    cap = int(config.gpu_memory_gib * GiB)
+    if held > cap:
+        raise MemoryError(
+            f"the weights take {held / GiB:.2f} GiB on {device}, more than gpu_memory_gib {config.gpu_memory_gib}"
+            + ("" if config.moe_offload else "; moe_offload keeps the routed experts in host memory")
+        )
+    return min(free, cap - held)
+
+
+def pool_budget_bytes(config: EngineConfig, device: torch.device, hidden_size: int) -> int:
+    """Bytes for KV pages, state slots and (with ``moe_offload``) the expert cache: on a GPU,
+    ``gpu_memory_fraction`` (``--gpu-memory-fraction``, default 0.85) of the memory free once the
+    weights are loaded (``free_gpu_bytes``), less ``GPU_HEADROOM_BYTES`` and the activations of one
+    ``max_prefill_length`` chunk."""
+    if device.type != "cuda":
+        return int(config.cpu_kv_cache_gib * GiB)
+    free = free_gpu_bytes(config, device)
     activations = config.max_prefill_length * hidden_size * ACTIVATION_BYTES_PER_TOKEN_PER_HIDDEN
     return max(0, int(free * config.gpu_memory_fraction) - GPU_HEADROOM_BYTES - activations)
 
@@ -87,3 +105,39 @@ def size_pools(
         sizes.total_bytes / GiB,
     )
     return sizes
+
+
+def size_expert_cache(
+    config: EngineConfig, device: torch.device, pools: PoolSizes, hidden_size: int, expert_bytes: int,
+    num_experts: int, num_layers: int,
+) -> int:
+    """Device slots of the expert cache (``moe_offload``): ``expert_cache_slots`` if set, else on a
+    GPU what the budget of ``pool_budget_bytes`` leaves after the KV pages and state slots (the KV
+    pool is sized first; ``num_pages`` or ``max_model_len`` x ``max_running_requests`` bound it, so
+    they move the split), on the CPU one layer's experts. Never more than every layer's experts.
+    A cache of more slots than one layer's experts also takes one layer's experts of staging rows
+    (``experts.slots.DeviceSlots``), counted in the budget here."""
+    everything = num_experts * num_layers
+    if config.expert_cache_slots is not None:
+        slots = config.expert_cache_slots
+    elif device.type != "cuda":
+        slots = num_experts
+    else:
+        left = pool_budget_bytes(config, device, hidden_size) - pools.total_bytes
+        slots = max(0, left) // expert_bytes
+        if slots > num_experts:  # a cache larger than a layer keeps a layer's experts of staging rows
+            slots -= num_experts
+        if slots < 1:
+            raise MemoryError(
+                f"no memory left for the expert cache on {device}: {left / GiB:.2f} GiB after the weights and "
+                f"{pools.total_bytes / GiB:.2f} GiB of KV pages and states; lower num_pages, max_model_len or "
+                f"max_running_requests, or set expert_cache_slots"
+            )
+    slots = min(slots, everything)
+    if slots < num_experts:
+        logger.warning("expert cache of %d slots holds fewer than one layer's %d experts: layers routed to more "
+                       "run in passes", slots, num_experts)
+    staging = num_experts if slots > num_experts else 0
+    logger.info("expert cache: %d of %d experts (%.2f GiB with %d staging rows), beside %.2f GiB of KV pages and "
+                "states", slots, everything, (slots + staging) * expert_bytes / GiB, staging, pools.total_bytes / GiB)
+    return slots

@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from freetoken import kernels
-from freetoken.layers.linear import experts, linear, sparse_moe_decode
+from freetoken.experts.store import OffloadedExperts, ResidentExperts, make_store
+from freetoken.layers.linear import Weight, linear, sparse_moe_decode
 from freetoken.layers.weights import WeightTarget, new_param, packed_targets
 
 # Up to this many tokens the block after the router GEMM runs as one fused op (``kernels.sparse_moe_decode``):
@@ -19,8 +20,10 @@ DECODE_MAX_TOKENS = 8
 class SparseMoE(nn.Module):
     """Router (softmax, top-k, renormalised) -> routed experts; plus ``sigmoid(x·w_g) · shared_expert(x)``.
 
-    Expert weights are kept fused: ``w13 [E, 2I, H]`` (gate rows, then up rows), ``w2 [E, H, I]``.
-    The router and the shared-expert gate share one GEMM (``gate_weight`` holds both).
+    Expert weights are kept fused: ``w13 [E, 2I, H]`` (gate rows, then up rows), ``w2 [E, H, I]``,
+    in the layer's expert store (``experts.store``: resident on the device, or offloaded to host
+    memory behind the device expert cache). The router and the shared-expert gate share one GEMM
+    (``gate_weight`` holds both).
     """
 
     def __init__(
@@ -37,10 +40,19 @@ class SparseMoE(nn.Module):
         self.intermediate = moe_intermediate_size
         self.shared_intermediate = shared_intermediate_size
         self.gate_weight = new_param(num_experts + 1, hidden_size)
-        self.w13 = new_param(num_experts, 2 * moe_intermediate_size, hidden_size)
-        self.w2 = new_param(num_experts, hidden_size, moe_intermediate_size)
+        self.experts = make_store(num_experts, moe_intermediate_size, hidden_size)
+        if isinstance(self.experts, OffloadedExperts):
+            self.experts.router = self._route  # the previous layer's prefetch predicts with it
         self.shared_gate_up = new_param(2 * shared_intermediate_size, hidden_size)
         self.shared_down = new_param(hidden_size, shared_intermediate_size)
+
+    @property
+    def w13(self) -> Weight:
+        return self.experts.w13
+
+    @property
+    def w2(self) -> Weight:
+        return self.experts.w2
 
     def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
         i = self.intermediate
@@ -65,9 +77,13 @@ class SparseMoE(nn.Module):
             targets[f"{expert}down_proj.weight"] = WeightTarget(self.w2, None, e)
         return targets
 
+    def _route(self, x: torch.Tensor) -> torch.Tensor:
+        """The top-k expert ids of ``x`` (softmax keeps the logits' order)."""
+        return torch.topk(linear(x, self.gate_weight)[:, : self.num_experts], self.top_k, dim=-1).indices
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_logits = linear(x, self.gate_weight)
-        if x.shape[0] <= DECODE_MAX_TOKENS:
+        if isinstance(self.experts, ResidentExperts) and x.shape[0] <= DECODE_MAX_TOKENS:
             fused = sparse_moe_decode(
                 x, gate_logits, self.w13, self.w2, self.shared_gate_up, self.shared_down, self.top_k, self.renormalize
             )
@@ -75,6 +91,7 @@ class SparseMoE(nn.Module):
                 return fused
         router_logits, shared_gate = gate_logits[:, : self.num_experts], gate_logits[:, self.num_experts :]
         weights, ids = kernels.moe_topk_softmax(router_logits, self.top_k, self.renormalize)
-        routed = experts(x, self.w13, self.w2, weights, ids)
+        routing = self.experts.prepare(x, ids)  # offloaded: the missing experts' copies start
         shared = linear(kernels.silu_and_mul(linear(x, self.shared_gate_up)), self.shared_down)
+        routed = self.experts.compute(x, weights, routing)
         return kernels.shared_expert_combine(routed, shared, shared_gate)

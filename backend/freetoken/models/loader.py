@@ -10,6 +10,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
+from freetoken.experts.offload import ExpertOffload, building
 from freetoken.layers.weights import parameters_on
 from freetoken.models.base import CausalLM
 from freetoken.models.checkpoint import CheckpointError, canonical_name, count_tensors, iterate_tensors, shard_files
@@ -62,30 +63,35 @@ def _eos_ids(*values) -> set[int]:
 
 
 def build_model(
-    config: PretrainedConfig, torch_dtype: torch.dtype, device: torch.device, meta_parameters: bool = False
+    config: PretrainedConfig,
+    torch_dtype: torch.dtype,
+    device: torch.device,
+    meta_parameters: bool = False,
+    offload: ExpertOffload | None = None,
 ) -> CausalLM:
     """The model of ``config``'s architecture with uninitialised weights on ``device``; with
     ``meta_parameters``, its parameters on ``meta`` (buffers on ``device``), for an NVFP4 plan to
-    replace and allocate (``plan_nvfp4``)."""
+    replace and allocate (``plan_nvfp4``); with ``offload``, the routed experts' weights are made in
+    host memory instead (never on the device)."""
     family = family_of(getattr(config, "architectures", None))
     text_config = text_config_of(config)
     tie = bool(getattr(config, "tie_word_embeddings", False) or getattr(text_config, "tie_word_embeddings", False))
     previous_dtype = torch.get_default_dtype()
     try:
         torch.set_default_dtype(torch_dtype)
-        with torch.device(device), parameters_on(torch.device("meta") if meta_parameters else None):
+        with torch.device(device), parameters_on(torch.device("meta") if meta_parameters else None), building(offload):
             model = family.build(text_config, tie)
     finally:
         torch.set_default_dtype(previous_dtype)
     return model.eval()
 
 
-def load_model(model_dir: str, dtype: str, device: torch.device) -> LoadedModel:
+def load_model(model_dir: str, dtype: str, device: torch.device, offload: ExpertOffload | None = None) -> LoadedModel:
     config = read_config(model_dir)
     text_config = text_config_of(config)
     torch_dtype = resolve_dtype(dtype, config)
     quantization = read_quantization(model_dir, config)
-    model = build_model(config, torch_dtype, device, meta_parameters=quantization is not None)
+    model = build_model(config, torch_dtype, device, meta_parameters=quantization is not None, offload=offload)
     load_weights(model, model_dir, quantization, device)
     generation_config = None
     if (Path(model_dir) / "generation_config.json").exists():
@@ -97,21 +103,24 @@ def load_model(model_dir: str, dtype: str, device: torch.device) -> LoadedModel:
     return LoadedModel(model, config, generation_config, torch_dtype, eos)
 
 
-def load_random_model(model_dir: str, dtype: str, device: torch.device, seed: int) -> LoadedModel:
+def load_random_model(
+    model_dir: str, dtype: str, device: torch.device, seed: int, offload: ExpertOffload | None = None
+) -> LoadedModel:
     """The model of ``model_dir``'s config with random weights made where they live
     (``load_format="dummy"``): for benchmarks of real shapes without a checkpoint. With an NVFP4
-    quantization config, the linears it selects are random packed weights (``plan_dummy_nvfp4``).
-    See ``models.random_weights``."""
+    quantization config, the linears it selects are random packed weights (``plan_dummy_nvfp4``);
+    with ``offload``, the routed experts live in host memory and are drawn on ``device``. See
+    ``models.random_weights``."""
     from freetoken.models.random_weights import randomize_weights
 
     config = read_config(model_dir)
     quantization = read_quantization(model_dir, config)
     torch_dtype = resolve_dtype(dtype, config)
-    model = build_model(config, torch_dtype, device, meta_parameters=quantization is not None)
+    model = build_model(config, torch_dtype, device, meta_parameters=quantization is not None, offload=offload)
     targets = model.weight_targets()
     if quantization is not None:
         targets = plan_dummy_nvfp4(model, targets, quantization, device).targets
-    randomize_weights(model, seed, targets)
+    randomize_weights(model, seed, targets, device)
     eos = _eos_ids(getattr(text_config_of(config), "eos_token_id", None))
     return LoadedModel(model, config, None, torch_dtype, eos)
 

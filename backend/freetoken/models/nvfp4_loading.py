@@ -247,7 +247,7 @@ def _plan(
         if not packed:
             continue
         param = parts[0][1].param
-        where = device or param.device
+        where = device if param.is_meta and device is not None else param.device  # offloaded experts: host
         if len(packed) == len(stored) and param.dim() in (2, 3):
             weight: nn.Module = NVFP4Weight(param.shape, where)
             new_targets = _packed_targets(weight, packed, config)

@@ -68,10 +68,14 @@ def _fill(name: str, dst: torch.Tensor, generator: torch.Generator) -> None:
 
 
 @torch.no_grad()
-def randomize_weights(model: CausalLM, seed: int, targets: dict[str, WeightTarget] | None = None) -> None:
+def randomize_weights(
+    model: CausalLM, seed: int, targets: dict[str, WeightTarget] | None = None, device: torch.device | None = None
+) -> None:
     """Fill every parameter of ``model`` in place (buffers computed from the config stay).
     ``targets``: the model's weight targets (default ``model.weight_targets()``; after an NVFP4 plan,
-    the plan's)."""
+    the plan's). Values are drawn on ``device`` (default: where each parameter lives) and copied to
+    parameters that live elsewhere: offloaded experts in host memory are drawn on the GPU, which is
+    fast, and get the values the resident model of the same seed has."""
     named_targets = model.weight_targets() if targets is None else targets
     parameters = {id(p): (name, p) for name, p in model.named_parameters()}
     generators: dict[torch.device, torch.Generator] = {}
@@ -93,13 +97,27 @@ def randomize_weights(model: CausalLM, seed: int, targets: dict[str, WeightTarge
         if key not in parameters or filled.get(key, 0) >= target.param.numel():
             continue
         dst = target.destination()
-        _fill(name, dst, generator(dst.device))
+        draw_on = _indexed(device) if device is not None else dst.device
+        if dst.device == draw_on:
+            _fill(name, dst, generator(draw_on))
+        else:
+            drawn = torch.empty(dst.shape, dtype=dst.dtype, device=draw_on)
+            _fill(name, drawn, generator(draw_on))
+            dst.copy_(drawn)
         filled[key] = filled.get(key, 0) + dst.numel()
     for missing, source in model.tied_weights().items():
         named_targets[missing].destination().copy_(named_targets[source].destination())
     unfilled = [name for key, (name, p) in parameters.items() if filled.get(key, 0) < p.numel()]
     if unfilled:
         raise ValueError(f"no weight target covers the parameters {unfilled[:5]}: cannot randomize them")
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """``cuda`` as the ``cuda:N`` that tensors made on it report."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _is_part(target: WeightTarget) -> bool:

@@ -1,6 +1,7 @@
 """The vLLM backend's metric families (``vllm:*``: names, labels, meanings and histogram buckets, so
 its dashboards and CI checks read FreeToken unchanged), vLLM's own names for the scheduler's
-queues, preemptions and KV-cache use, and ``freetoken_*`` only for what vLLM has no name for.
+queues, preemptions and KV-cache use, and ``freetoken_*`` only for what vLLM has no name for (the
+expert cache's, ``EXPERT_CACHE_FAMILIES``, only with ``moe_offload``).
 
 Every metric update is a round trip to the server (18-46 us), so nothing here runs on the engine or
 response threads: they call ``record_*`` (a queue put) and one background thread aggregates the
@@ -30,7 +31,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from freetoken.runtime import PrefixCacheStats, RuntimeStats
+from freetoken.runtime import ExpertCacheStats, PrefixCacheStats, RuntimeStats
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,25 @@ PREFIX_CACHE_FAMILIES: dict[str, tuple[str, str, None]] = {
     "freetoken_snapshot_slots_used": ("GAUGE", "Prefix-cache state snapshots (Gated DeltaNet, PLE) held.", None),
     "freetoken_snapshot_slots_total": ("GAUGE", "Prefix-cache state snapshot slots.", None),
 }
+# With moe_offload only: the expert cache's counters (RuntimeStats.expert_cache), as counters.
+EXPERT_CACHE_FAMILIES: dict[str, tuple[str, str, None]] = {
+    "freetoken_expert_cache_hits_total": ("COUNTER", "Routed expert uses found in the device expert cache.", None),
+    "freetoken_expert_cache_misses_total": ("COUNTER", "Routed expert uses whose expert was copied in from host "
+                                                       "memory.", None),
+    "freetoken_expert_cache_bytes_copied_total": ("COUNTER", "Expert bytes copied from host memory to the device.",
+                                                  None),
+    "freetoken_expert_cache_prefetched_total": ("COUNTER", "Experts copied ahead of their layer's routing.", None),
+    "freetoken_expert_cache_prefetch_hits_total": ("COUNTER", "Prefetched experts their layer then used.", None),
+    "freetoken_expert_cache_slots": ("GAUGE", "Expert slots of the device expert cache.", None),
+}
+# counter -> the ExpertCacheStats field it follows
+EXPERT_CACHE_COUNTERS = {
+    "freetoken_expert_cache_hits_total": "hits",
+    "freetoken_expert_cache_misses_total": "misses",
+    "freetoken_expert_cache_bytes_copied_total": "bytes_copied",
+    "freetoken_expert_cache_prefetched_total": "prefetched",
+    "freetoken_expert_cache_prefetch_hits_total": "prefetch_hits",
+}
 FINISH_REASONS = ("stop", "length", "abort", "error")
 SUCCESS = "vllm:request_success_total"
 BATCH_SECONDS = 0.01  # after a flush, events gather this long before the next one
@@ -117,6 +137,8 @@ class Metrics:
         self._last_preemptions = 0
         self._prefix_metrics: dict[str, Any] | None = None  # created at the first stats with a prefix cache
         self._last_prefix = (0, 0)  # queried, hit tokens already counted
+        self._expert_metrics: dict[str, Any] | None = None  # created at the first stats with an expert cache
+        self._last_expert_cache = dict.fromkeys(EXPERT_CACHE_COUNTERS, 0)
         families = FAMILIES.items() if pb_utils is not None else ()
         try:
             for name, (kind, description, buckets) in families:
@@ -247,12 +269,14 @@ class Metrics:
             self._last_preemptions = stats.num_preemptions
         if stats.prefix_cache is not None:
             self._publish_prefix_cache(stats.prefix_cache)
+        if stats.expert_cache is not None:
+            self._publish_expert_cache(stats.expert_cache)
 
     def _publish_prefix_cache(self, cache: PrefixCacheStats) -> None:
         """The prefix-cache families, created the first time there is a cache: with prefix caching
         off none of them appears. The counters grow by the runtime's cumulative counts' deltas."""
         if self._prefix_metrics is None:
-            self._prefix_metrics = self._create_prefix_families()
+            self._prefix_metrics = self._create_families(PREFIX_CACHE_FAMILIES, "prefix-cache")
         metrics = self._prefix_metrics
         if not metrics:
             return
@@ -266,17 +290,32 @@ class Metrics:
         metrics["freetoken_snapshot_slots_used"].set(cache.snapshot_slots_used)
         metrics["freetoken_snapshot_slots_total"].set(cache.snapshot_slots_total)
 
-    def _create_prefix_families(self) -> dict[str, Any]:
-        """The prefix-cache series, or none (logged once) if the server refuses them."""
+    def _publish_expert_cache(self, cache: ExpertCacheStats) -> None:
+        """The expert-cache families (``moe_offload``), created the first time there is a cache; the
+        counters grow by the runtime's cumulative counts' deltas."""
+        if self._expert_metrics is None:
+            self._expert_metrics = self._create_families(EXPERT_CACHE_FAMILIES, "expert-cache")
+        metrics = self._expert_metrics
+        if not metrics:
+            return
+        metrics["freetoken_expert_cache_slots"].set(cache.slots)
+        for name, field in EXPERT_CACHE_COUNTERS.items():
+            value = getattr(cache, field)
+            if value > self._last_expert_cache[name]:
+                metrics[name].increment(value - self._last_expert_cache[name])
+                self._last_expert_cache[name] = value
+
+    def _create_families(self, families: dict[str, tuple[str, str, None]], what: str) -> dict[str, Any]:
+        """The series of ``families``, or none (logged once) if the server refuses them."""
         metrics: dict[str, Any] = {}
         try:
-            for name, (kind, description, _) in PREFIX_CACHE_FAMILIES.items():
+            for name, (kind, description, _) in families.items():
                 family = self._pb.MetricFamily(name=name, description=description,
                                                kind=getattr(self._pb.MetricFamily, kind))
                 self._families.append(family)
                 metrics[name] = family.Metric(labels=self._labels)
         except Exception as exc:
-            logger.warning("prefix-cache metrics unavailable: %s", exc)
+            logger.warning("%s metrics unavailable: %s", what, exc)
             return {}
         return metrics
 

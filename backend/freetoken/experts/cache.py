@@ -1,0 +1,103 @@
+"""The expert cache's bookkeeping: which (layer, expert) holds which device slot, who gives a slot
+up (the eviction policy), how a layer's experts are split into passes that fit, and the counters.
+
+Pure host state: the device tensors and copies are ``experts.slots``. One table serves all layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from freetoken.experts.eviction import EvictionPolicy, ExpertKey
+
+
+@dataclass
+class CacheCounters:
+    """Since start. A use is one layer's routed expert in one forward (however many tokens chose it):
+    ``hits + misses`` is the number of uses."""
+
+    hits: int = 0
+    misses: int = 0
+    bytes_copied: int = 0
+    prefetched: int = 0
+    prefetch_hits: int = 0
+
+
+class SlotTable:
+    """``num_slots`` device slots shared by every layer's experts."""
+
+    def __init__(self, num_slots: int, policy: EvictionPolicy, expert_bytes: int) -> None:
+        if num_slots < 1:
+            raise ValueError(f"expert_cache_slots must be >= 1, got {num_slots}")
+        self.num_slots = num_slots
+        self.expert_bytes = expert_bytes  # host -> device bytes of one expert's copy
+        self.policy = policy
+        self.counters = CacheCounters()
+        self._slot_of: dict[ExpertKey, int] = {}
+        self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
+        self._prefetched: set[ExpertKey] = set()  # copied ahead of their layer, not used since
+
+    def slot_of(self, key: ExpertKey) -> int | None:
+        return self._slot_of.get(key)
+
+    def passes(self, layer: int, experts: list[int]) -> list[list[int]]:
+        """``experts`` (one layer's routed ids, distinct) in groups of at most ``num_slots``, those
+        already cached first: the first group's hits are never evicted before they run, and a
+        layer that fits the cache runs in one pass."""
+        self.policy.access([(layer, e) for e in experts])
+        cached = [e for e in experts if (layer, e) in self._slot_of]
+        ordered = cached + [e for e in experts if (layer, e) not in self._slot_of]
+        return [ordered[i : i + self.num_slots] for i in range(0, len(ordered), self.num_slots)]
+
+    def admit(self, layer: int, experts: list[int]) -> tuple[list[tuple[int, int]], list[ExpertKey]]:
+        """Make every expert of ``experts`` (at most ``num_slots``) cached for ``layer``; count a hit
+        for each one that was, a miss for each other. Returns ``(expert, slot)`` of the misses (their
+        slots must be filled before the layer runs) and the keys evicted for them."""
+        if len(experts) > self.num_slots:
+            raise ValueError(f"{len(experts)} experts do not fit {self.num_slots} cache slots in one pass")
+        protected = {(layer, e) for e in experts}
+        placed: list[tuple[int, int]] = []
+        evicted: list[ExpertKey] = []
+        for expert in experts:
+            key = (layer, expert)
+            if key in self._slot_of:
+                self.counters.hits += 1
+                if key in self._prefetched:
+                    self._prefetched.discard(key)
+                    self.counters.prefetch_hits += 1
+                continue
+            self.counters.misses += 1
+            placed.append((expert, self._place(key, protected, evicted)))
+        return placed, evicted
+
+    def prefetch(
+        self, layer: int, experts: list[int], running: set[ExpertKey]
+    ) -> tuple[list[tuple[int, int]], list[ExpertKey]]:
+        """Copy ahead the experts of ``layer`` predicted to be routed (not uses: no hit or miss), in
+        the slots neither ``running`` (the layer being computed) nor the predicted ones hold; as
+        many as fit, in the order given. Returns what ``admit`` does."""
+        keep = running | {(layer, e) for e in experts}
+        room = self.num_slots - sum(1 for key in keep if key in self._slot_of)
+        missing = [e for e in experts if (layer, e) not in self._slot_of][: max(0, room)]
+        placed: list[tuple[int, int]] = []
+        evicted: list[ExpertKey] = []
+        for expert in missing:
+            key = (layer, expert)
+            placed.append((expert, self._place(key, keep, evicted)))
+            self._prefetched.add(key)
+            self.counters.prefetched += 1
+        return placed, evicted
+
+    def _place(self, key: ExpertKey, protected: set[ExpertKey], evicted: list[ExpertKey]) -> int:
+        """A slot for ``key``: a free one, else the policy's victim outside ``protected``."""
+        self.counters.bytes_copied += self.expert_bytes
+        if self._free:
+            slot = self._free.pop()
+        else:
+            victim = self.policy.evict(protected)
+            slot = self._slot_of.pop(victim)
+            self._prefetched.discard(victim)
+            evicted.append(victim)
+        self._slot_of[key] = slot
+        self.policy.insert(key)
+        return slot

@@ -1,0 +1,144 @@
+"""Expert stores: where one MoE layer's routed experts live and how they run for routed ids.
+
+``SparseMoE`` routes, then asks its store in two calls: ``prepare(topk_ids)`` (an offloaded store
+queues the copies of the experts it misses) and, after the shared expert was queued (it overlaps
+those copies), ``compute(x, topk_weights, routing)``.
+
+- ``ResidentExperts``: the fused ``w13 [E, 2I, H]`` / ``w2 [E, H, I]`` on the device.
+- ``OffloadedExperts``: the same tensors in host memory; they run from the device cache of
+  ``experts.offload``, with ``topk_ids`` mapped to slots. A layer routed to more experts than the
+  cache holds runs in passes: bring a group in, run the (token, expert) pairs of that group, add
+  them up, next group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from freetoken import kernels
+from freetoken.experts.offload import ExpertOffload, offload_being_built
+from freetoken.layers.linear import NVFP4Weight, Weight, experts
+from freetoken.layers.weights import new_param
+
+
+class ResidentExperts(nn.Module):
+    def __init__(self, num_experts: int, intermediate: int, hidden: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.w13: Weight = new_param(num_experts, 2 * intermediate, hidden)
+        self.w2: Weight = new_param(num_experts, hidden, intermediate)
+
+    def prepare(self, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        return topk_ids
+
+    def compute(self, x: torch.Tensor, topk_weights: torch.Tensor, routing: torch.Tensor) -> torch.Tensor:
+        return experts(x, self.w13, self.w2, topk_weights, routing)
+
+
+@dataclass
+class _Passes:
+    topk_ids: torch.Tensor
+    groups: list[list[int]]  # the routed experts, per pass; the first one is being copied in
+
+
+def _host_param(*shape: int, pin: bool) -> nn.Parameter:
+    """In the build's default dtype, in host memory whatever the build's device."""
+    return nn.Parameter(torch.empty(*shape, device="cpu", pin_memory=pin), requires_grad=False)
+
+
+def _parts(weight: Weight) -> list[torch.Tensor]:
+    if isinstance(weight, NVFP4Weight):
+        return [weight.packed, weight.scales, weight.row_scales]
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"moe_offload: experts stored as {type(weight).__name__} cannot be offloaded")
+    return [weight]
+
+
+class OffloadedExperts(nn.Module):
+    def __init__(self, num_experts: int, intermediate: int, hidden: int, offload: ExpertOffload) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.w13: Weight = _host_param(num_experts, 2 * intermediate, hidden, pin=offload.pin)
+        self.w2: Weight = _host_param(num_experts, hidden, intermediate, pin=offload.pin)
+        self.offload = offload  # not a module: shared by every layer
+        self.layer = offload.register(self)
+        self.router: Callable[[torch.Tensor], torch.Tensor] | None = None  # x -> topk ids, set by the MoE block
+
+    def predict(self, x: torch.Tensor) -> list[int]:
+        assert self.router is not None, "prefetch needs the MoE block's router (SparseMoE sets it)"
+        return list(dict.fromkeys(self.router(x).flatten().tolist()))
+
+    def host_parts(self) -> list[torch.Tensor]:
+        return _parts(self.w13) + _parts(self.w2)
+
+    def is_nvfp4(self) -> bool:
+        return isinstance(self.w13, NVFP4Weight) and isinstance(self.w2, NVFP4Weight)
+
+    def prepare(self, x: torch.Tensor, topk_ids: torch.Tensor) -> _Passes:
+        # The routed ids go to the host (a sync): which experts to copy is decided there.
+        needed = list(dict.fromkeys(topk_ids.flatten().tolist()))  # distinct, in routing order
+        groups = self.offload.begin(self.layer, needed)
+        if len(groups) == 1:  # a layer in passes leaves no slot to spare
+            self.offload.prefetch_next(self.layer, x, groups[0])
+        return _Passes(topk_ids, groups)
+
+    def compute(self, x: torch.Tensor, topk_weights: torch.Tensor, routing: _Passes) -> torch.Tensor:
+        slots = self.offload.slots
+        assert slots is not None
+        if len(routing.groups) == 1:
+            slots.wait(self.layer)
+            return self._run(x, topk_weights, routing.topk_ids, routing.groups[0])
+        out = torch.zeros_like(x)
+        flat_ids, flat_weights = routing.topk_ids.flatten(), topk_weights.flatten()
+        top_k = routing.topk_ids.shape[1]
+        for index, group in enumerate(routing.groups):
+            if index:
+                self.offload.bring_in(self.layer, group)
+            slots.wait(self.layer)
+            members = torch.tensor(group, dtype=flat_ids.dtype).to(x.device)
+            pairs = torch.isin(flat_ids, members).nonzero().squeeze(1)
+            tokens = pairs // top_k
+            part = self._run(x[tokens], flat_weights[pairs, None], flat_ids[pairs, None], group)
+            out.index_add_(0, tokens, part)
+        return out
+
+    def _run(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, group: list[int]) -> torch.Tensor:
+        """The experts of ``group`` (all cached) for pairs routed only to them.
+
+        The grouped-GEMM kernels cost per launch as much as the experts they are given, and compile
+        and pick their tuned tiles per expert count: they always see ``E`` experts, as a resident
+        layer (or the whole cache, when it holds fewer): a window of ``E`` slots holding the
+        group when there is one, else the group packed into the staging rows
+        (``DeviceSlots.gather``: device-to-device copies)."""
+        slots = self.offload.slots
+        assert slots is not None
+        num_slots = slots.tensors[0].shape[0]
+        if num_slots <= self.num_experts:
+            tensors, local = slots.tensors, slots.slot_ids(self.layer, expert_ids)
+        else:
+            taken = [self.offload.slot_of(self.layer, e) for e in group]
+            low, high = min(taken), max(taken) + 1
+            if high - low <= self.num_experts:
+                start = min(low, num_slots - self.num_experts)
+                tensors = [t[start : start + self.num_experts] for t in slots.tensors]
+                local = slots.slot_ids(self.layer, expert_ids) - start
+            else:
+                tensors = slots.gather(taken)
+                rank = torch.zeros(self.num_experts, dtype=torch.int32)
+                rank[torch.tensor(group)] = torch.arange(len(group), dtype=torch.int32)
+                local = rank.to(x.device)[expert_ids.long()]
+        if self.offload.nvfp4:
+            return kernels.fused_experts_nvfp4(x, *tensors, weights, local)
+        return kernels.fused_experts(x, tensors[0], tensors[1], weights, local)
+
+
+def make_store(num_experts: int, intermediate: int, hidden: int) -> ResidentExperts | OffloadedExperts:
+    """The store of a MoE layer being built: offloaded inside ``experts.offload.building(offload)``."""
+    offload = offload_being_built()
+    if offload is None:
+        return ResidentExperts(num_experts, intermediate, hidden)
+    return OffloadedExperts(num_experts, intermediate, hidden, offload)
