@@ -13,12 +13,9 @@ SiLU-and-mul, shared down GEMM, combine) with two:
    that is why the layers take this path only for a few tokens (``layers.moe.DECODE_MAX_TOKENS``).
 2. ``_down_kernel``, one program per (token, block of hidden columns): the down projections of the
    token's choices, each rounded and scaled by its routing weight, summed in float32, plus
-   ``sigmoid(gate) · shared`` (the shared expert's down projection). Or, with
-   ``DecodeTiles.down_per_choice``, one program per (token, choice, column block) writing its
-   scaled projection, and a third small kernel summing the choices in the same order: nine times
-   the programs for the same bytes (one token's down pass is only 256 programs that each walk
-   nine experts one after another), for one more launch. ``benchmarks/tune_moe_decode.py`` times
-   both and the tile sizes on the GPU.
+   ``sigmoid(gate) · shared`` (the shared expert's down projection). ``DecodeTiles`` sets the
+   launch shape; ``benchmarks/tune_moe_decode.py`` times the candidates on the GPU (the default
+   was the fastest at one token on the H200; docs/benchmarks.md).
 
 Rounding follows the reference (projections, SiLU, products and the combine rounded to the
 activations' dtype). Grids depend only on the token count, so the launch is capture-safe.
@@ -46,7 +43,6 @@ class DecodeTiles:
     down_block_n: int = 8
     down_block_k: int = 256
     down_warps: int = 4
-    down_per_choice: bool = False
 
 
 TILES = DecodeTiles()
@@ -162,51 +158,6 @@ def _down_kernel(
     tl.store(out_ptr + t * hidden + n, cast(out, dtype), mask=n_ok)
 
 
-@triton.jit
-def _down_choice_kernel(
-    h_ptr, h_width, w2_ptr, w2_se, w2_sn, sd_ptr, sd_sn, topw_ptr, topi_ptr, part_ptr,
-    hidden, inter, shared_inter,
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """Pair ``(token, choice)``'s down projection, rounded and scaled as ``_down_kernel`` adds it
-    (the shared expert's, last, only rounded), stored in float32 for ``_sum_choices_kernel``."""
-    p = tl.program_id(0)
-    t = p // (TOP_K + 1)
-    j = p % (TOP_K + 1)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < hidden
-    dtype = h_ptr.dtype.element_ty
-    h_row = h_ptr + p.to(tl.int64) * h_width
-    if j < TOP_K:
-        expert = tl.load(topi_ptr + t * TOP_K + j).to(tl.int64)
-        weight = cast(tl.load(topw_ptr + t * TOP_K + j), dtype).to(tl.float32)
-        acc = _down_row(h_row, w2_ptr + expert * w2_se, w2_sn, inter, n, n_ok, BLOCK_N, BLOCK_K)
-        value = round_as(round_as(acc, dtype) * weight, dtype)
-    else:
-        value = round_as(_down_row(h_row, sd_ptr, sd_sn, shared_inter, n, n_ok, BLOCK_N, BLOCK_K), dtype)
-    tl.store(part_ptr + p.to(tl.int64) * hidden + n, value, mask=n_ok)
-
-
-@triton.jit
-def _sum_choices_kernel(part_ptr, logits_ptr, l_st, out_ptr, hidden, num_experts,
-                        TOP_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    t = tl.program_id(0)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < hidden
-    dtype = out_ptr.dtype.element_ty
-    row = part_ptr + t.to(tl.int64) * (TOP_K + 1) * hidden
-    routed = tl.zeros([BLOCK_N], tl.float32)
-    for j in range(TOP_K):
-        routed += tl.load(row + j * hidden + n, mask=n_ok, other=0.0)
-    shared = tl.load(row + TOP_K * hidden + n, mask=n_ok, other=0.0)
-    gate = round_as(tl.sigmoid(tl.load(logits_ptr + t * l_st + num_experts).to(tl.float32)), dtype)
-    out = round_as(routed, dtype) + round_as(gate * shared, dtype)
-    tl.store(out_ptr + t * hidden + n, cast(out, dtype), mask=n_ok)
-
-
-SUM_BLOCK_N = 1024
-
-
 def sparse_moe_decode(
     x: torch.Tensor,
     gate_logits: torch.Tensor,
@@ -273,21 +224,9 @@ def launch_sparse_moe_decode(
         BLOCK_N=tiles.gate_up_block_n, BLOCK_K=min(pow2(hidden), tiles.gate_up_block_k),
         num_warps=tiles.gate_up_warps,
     )
-    down_k = min(pow2(h_width), tiles.down_block_k)
-    if not tiles.down_per_choice:
-        _down_kernel[(num_tokens, triton.cdiv(hidden, tiles.down_block_n))](
-            h, h_width, w2, w2.stride(0), w2.stride(1), shared_down, shared_down.stride(0), top_w, top_i,
-            gate_logits, gate_logits.stride(0), out, hidden, inter, shared_inter, num_experts,
-            TOP_K=top_k, BLOCK_N=tiles.down_block_n, BLOCK_K=down_k, num_warps=tiles.down_warps,
-        )
-        return
-    part = new_empty((pairs, hidden), torch.float32, x.device)
-    _down_choice_kernel[(pairs, triton.cdiv(hidden, tiles.down_block_n))](
-        h, h_width, w2, w2.stride(0), w2.stride(1), shared_down, shared_down.stride(0), top_w, top_i, part,
-        hidden, inter, shared_inter,
-        TOP_K=top_k, BLOCK_N=tiles.down_block_n, BLOCK_K=down_k, num_warps=tiles.down_warps,
-    )
-    sum_n = min(pow2(hidden), SUM_BLOCK_N)
-    _sum_choices_kernel[(num_tokens, triton.cdiv(hidden, sum_n))](
-        part, gate_logits, gate_logits.stride(0), out, hidden, num_experts, TOP_K=top_k, BLOCK_N=sum_n, num_warps=4,
+    _down_kernel[(num_tokens, triton.cdiv(hidden, tiles.down_block_n))](
+        h, h_width, w2, w2.stride(0), w2.stride(1), shared_down, shared_down.stride(0), top_w, top_i,
+        gate_logits, gate_logits.stride(0), out, hidden, inter, shared_inter, num_experts,
+        TOP_K=top_k, BLOCK_N=tiles.down_block_n, BLOCK_K=min(pow2(h_width), tiles.down_block_k),
+        num_warps=tiles.down_warps,
     )

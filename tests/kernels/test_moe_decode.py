@@ -34,14 +34,13 @@ def test_sparse_moe_decode(rng, dtype, tokens, renormalize, shared_inter):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("per_choice", [False, True])
-def test_sparse_moe_decode_tiles(rng, monkeypatch, dtype, per_choice):
+def test_sparse_moe_decode_tiles(rng, monkeypatch, dtype):
     """Every launch shape the tuner may pick gives the same result: small blocks that leave ragged
-    edges in both passes, the down pass whole per token or split per choice."""
+    edges in both passes."""
     from freetoken.kernels.triton import moe_decode
 
     tiles = moe_decode.DecodeTiles(gate_up_block_n=8, gate_up_block_k=32, gate_up_warps=2, down_block_n=16,
-                                   down_block_k=16, down_warps=2, down_per_choice=per_choice)
+                                   down_block_k=16, down_warps=2)
     monkeypatch.setattr(moe_decode, "TILES", tiles)
     experts, top_k, hidden, inter, shared_inter = 6, 2, 40, 24, 40
     args = _inputs(rng, dtype, 3, experts, hidden, inter, shared_inter)
