@@ -22,7 +22,8 @@ from freetoken.models.quantization import QuantizationError, read_quantization
 # and down 64 x 32; shared expert gate/up 96 x 64, down 64 x 48; 3 GDN layers, then attention).
 QUANTIZED = {
     **{f"layers.{i}.mlp.{w}": shape for i in range(4)
-       for w, shape in (("w13", (8, 64, 64)), ("w2", (8, 64, 32)), ("shared_gate_up", (96, 64)), ("shared_down", (64, 48)))},
+       for w, shape in (("experts.w13", (8, 64, 64)), ("experts.w2", (8, 64, 32)), ("shared_gate_up", (96, 64)),
+                        ("shared_down", (64, 48)))},
     "layers.3.mixer.qkv_proj": (384, 64),
     "layers.3.mixer.o_proj": (64, 128),
 }

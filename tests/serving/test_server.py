@@ -288,12 +288,13 @@ def test_perf_analyzer_input_data_through_the_load_client(server):
 
 
 def test_load_client_shared_prefix_mode(server):
-    """Prompts sharing their first 48 of 56 token ids, each asking for num_cached_tokens: one after
+    """Prompts sharing their first 80 of 88 token ids, each asking for num_cached_tokens: one after
     another, every request after the first hits the shared prefix if the server caches prefixes
-    (48 is where the first prompt's last full page ends, where a hybrid model's cache snapshots)."""
-    requests = loadgen.shared_prefix_requests(4, prompt_tokens=56, prefix_tokens=48, max_tokens=4, vocab_size=256)
-    assert len({tuple(r["input_ids"][:48]) for r in requests}) == 1
-    assert len({tuple(r["input_ids"][48:]) for r in requests}) == 4 and all(len(r["input_ids"]) == 56 for r in requests)
+    (80 is where the first prompt's last full page ends, where a hybrid model's cache snapshots, and
+    five pages: at least the scheduler's MIN_SNAPSHOT_GAIN_PAGES)."""
+    requests = loadgen.shared_prefix_requests(4, prompt_tokens=88, prefix_tokens=80, max_tokens=4, vocab_size=256)
+    assert len({tuple(r["input_ids"][:80]) for r in requests}) == 1
+    assert len({tuple(r["input_ids"][80:]) for r in requests}) == 4 and all(len(r["input_ids"]) == 88 for r in requests)
     summary = loadgen.run(server.grpc, server.model, requests, num_requests=4, concurrency=1, timeout=120)
     assert summary["succeeded"] == 4 and summary["output_tokens"] == 16, summary
     caching = "vllm:prefix_cache_hits_total" in server.metrics_text()
