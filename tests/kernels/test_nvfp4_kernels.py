@@ -90,7 +90,9 @@ def test_sparse_moe_decode_nvfp4(rng, dtype, tokens):
     the routed one, so the h rows are padded) against the general ops it replaces."""
     e, k, hidden, inter, shared_inter = 7, 3, 80, 32, 48
     x = torch.randn(tokens, hidden, generator=rng).to(dtype).to(DEVICE)
-    logits = torch.randn(tokens, e + 1, generator=rng).to(dtype).to(DEVICE)
+    # Distinct router logits in every row (exact in bf16): torch.topk leaves the order of ties unspecified.
+    router = torch.stack([torch.randperm(e, generator=rng) for _ in range(tokens)]) * 0.25 - 1.5
+    logits = torch.cat([router, torch.randn(tokens, 1, generator=rng)], dim=1).to(dtype).to(DEVICE)
     weights = (
         *random_nvfp4(rng, e, 2 * inter, hidden), *random_nvfp4(rng, e, hidden, inter),
         *random_nvfp4(rng, 2 * shared_inter, hidden), *random_nvfp4(rng, hidden, shared_inter),

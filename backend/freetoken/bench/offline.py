@@ -73,6 +73,14 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
         help="with random weights: nvfp4 makes the linears an NVFP4 checkpoint quantizes (routed and shared "
         "experts, attention projections) random packed NVFP4 weights (none)",
     )
+    group.add_argument(
+        "--routing",
+        choices=["uniform", "fitted"],
+        default="uniform",
+        help="with random weights: fitted biases the routers to the expert skew fitted to published Qwen3 "
+        "routing (bench/routing_trace.py; what an expert cache sees; the floor still counts the experts uniform "
+        "routing touches, exact at batch 1); uniform leaves them near uniform (uniform)",
+    )
     group.add_argument("--compare-transformers", action="store_true", help="also time transformers' generate()")
     group.add_argument("--shared-prefix-len", type=int, default=DEFAULT_SHARED_PREFIX_LEN,
                        help=f"shared-prefix: prompt tokens a priming request caches first ({DEFAULT_SHARED_PREFIX_LEN})")
@@ -100,6 +108,8 @@ def _check(args: argparse.Namespace) -> None:
     shared = args.workload == "shared-prefix"
     if args.input_len is None:
         args.input_len = DEFAULT_PROMPT_LEN if shared else DECODE_INPUT_LEN
+    if args.routing != "uniform" and args.preset is None and args.load_format != "dummy":
+        raise SystemExit("freetoken bench: --routing biases random routers: it needs --preset or --load-format dummy")
     if args.quantization != "none":
         if args.preset is None and args.load_format != "dummy":
             raise SystemExit(
@@ -116,8 +126,8 @@ def _check(args: argparse.Namespace) -> None:
                              f"got {args.shared_prefix_len}")
         if args.prime_tail_len < 0 or args.repeats < 1:
             raise SystemExit("freetoken bench: --prime-tail-len must be >= 0 and --repeats >= 1")
-        if args.compare_transformers:
-            raise SystemExit("freetoken bench: --compare-transformers times the decode workload only")
+        if args.compare_transformers or args.routing != "uniform":
+            raise SystemExit("freetoken bench: --compare-transformers and --routing are for the decode workload only")
 
 
 def engine_config_for(args: argparse.Namespace, model_dir: str):
@@ -320,6 +330,7 @@ def _report_header(args: argparse.Namespace, llm, config) -> dict[str, Any]:
         "num_parameters": parameter_count(engine.model),
         "weight_bytes": sum(p.nbytes for p in engine.model.parameters()),
         "quantization": args.quantization,
+        "routing": args.routing,
         "dtype": str(engine.loaded.dtype).removeprefix("torch."),
         "device": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu",
         "torch": torch.__version__,
@@ -355,6 +366,12 @@ def _run(args: argparse.Namespace, config, json_path: Path | None) -> dict[str, 
     llm = LLM(**dataclasses.asdict(config))
     engine = llm.runtime.engine
     model = engine.model
+    if args.routing == "fitted":
+        from freetoken.bench.routing_trace import bias_routers
+
+        bias_routers(model, args.seed)
+        if engine.graph_runner is not None:
+            engine.graph_runner.capture()  # the graphs of the start ran the routers unbiased
     traffic = decode_traffic_of(model)
     hf_model = None
     if args.compare_transformers:

@@ -63,6 +63,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch import nn
 
 
 @dataclass(frozen=True)
@@ -180,6 +181,22 @@ def router_logit_bias(
         raise ValueError(f"logit_std must be > 0, got {logit_std}")
     bias = _layer_bias(np.random.default_rng(seed), num_layers, num_experts, model)
     return torch.from_numpy(bias * np.float32(logit_std / np.sqrt(1.0 + model.request_skew**2)))
+
+
+def bias_routers(model: nn.Module, seed: int = 0) -> torch.Tensor:
+    """Give every ``SparseMoE`` of a random-weight ``model`` (``load_format="dummy"``, whose router
+    logits are about N(0, 1) per expert: ``models.random_weights``) its layer's
+    ``router_logit_bias``, so a benchmark routes with the fitted corpus skew; returns the bias
+    ``[moe layers, experts]``. CUDA graphs captured before must be captured again."""
+    from freetoken.layers.moe import SparseMoE
+
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    if not blocks:
+        raise ValueError("bias_routers: the model has no sparse MoE block")
+    bias = router_logit_bias(len(blocks), blocks[0].num_experts, seed)
+    for block, layer_bias in zip(blocks, bias):
+        block.router_bias = layer_bias.to(block.gate_weight.device, block.gate_weight.dtype)
+    return bias
 
 
 def _request_segments(trace: np.ndarray, request_tokens: int):

@@ -45,6 +45,9 @@ class SparseMoE(nn.Module):
             self.experts.router = self._route  # the previous layer's prefetch predicts with it
         self.shared_gate_up = new_param(2 * shared_intermediate_size, hidden_size)
         self.shared_down = new_param(hidden_size, shared_intermediate_size)
+        # A bias on the router logits [E], which no released checkpoint has: benchmarks on random
+        # weights set it to route with a real model's expert skew (``bench.routing_trace``).
+        self.router_bias: torch.Tensor | None = None
 
     @property
     def w13(self) -> Weight:
@@ -79,10 +82,17 @@ class SparseMoE(nn.Module):
 
     def _route(self, x: torch.Tensor) -> torch.Tensor:
         """The top-k expert ids of ``x`` (softmax keeps the logits' order)."""
-        return torch.topk(linear(x, self.gate_weight)[:, : self.num_experts], self.top_k, dim=-1).indices
+        return torch.topk(self._gate_logits(x)[:, : self.num_experts], self.top_k, dim=-1).indices
+
+    def _gate_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The router logits [T, E], then the shared expert's gate logit: one GEMM."""
+        gate_logits = linear(x, self.gate_weight)
+        if self.router_bias is not None:
+            gate_logits[:, : self.num_experts] += self.router_bias
+        return gate_logits
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_logits = linear(x, self.gate_weight)
+        gate_logits = self._gate_logits(x)
         if isinstance(self.experts, ResidentExperts) and x.shape[0] <= DECODE_MAX_TOKENS:
             fused = sparse_moe_decode(
                 x, gate_logits, self.w13, self.w2, self.shared_gate_up, self.shared_down, self.top_k, self.renormalize
