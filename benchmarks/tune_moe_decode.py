@@ -18,7 +18,7 @@ import torch
 from triton.testing import do_bench
 
 from freetoken.kernels.triton import moe_decode
-from freetoken.kernels.triton.moe_decode import DecodeTiles, launch_sparse_moe_decode
+from freetoken.kernels.triton.moe_decode import DecodeTiles, sparse_moe_decode_tiled
 
 CUDA = torch.device("cuda")
 BF16 = torch.bfloat16
@@ -58,14 +58,13 @@ def main() -> None:
         logits = [torch.randn(tokens, EXPERTS + 1, dtype=BF16, device=CUDA, generator=gen) for _ in layers]
         touched = [int(torch.unique(g[:, :EXPERTS].topk(TOP_K, dim=1).indices).numel()) for g in logits]
         bytes_per_layer = sum((t + 1) * 3 * INTER * HIDDEN * 2 for t in touched) / LAYERS
-        out = torch.empty(tokens, HIDDEN, dtype=BF16, device=CUDA)
         want = moe_decode.sparse_moe_decode(x, logits[0], *layers[0], TOP_K, True)
         for tiles in CANDIDATES:
             def run(tiles: DecodeTiles = tiles) -> None:
                 for g, weights in zip(logits, layers):
-                    launch_sparse_moe_decode(x, g, *weights, TOP_K, True, out, tiles)
+                    sparse_moe_decode_tiled(x, g, *weights, TOP_K, True, tiles)
 
-            launch_sparse_moe_decode(x, logits[0], *layers[0], TOP_K, True, out, tiles)
+            out = sparse_moe_decode_tiled(x, logits[0], *layers[0], TOP_K, True, tiles)
             # Other reduction steps sum in another order: equal up to bf16 rounding, not bitwise.
             torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-3, msg=lambda m: f"{tiles}: {m}")
             us = do_bench(run, warmup=10, rep=50, return_mode="median") * 1e3 / LAYERS

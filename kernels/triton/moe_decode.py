@@ -168,6 +168,21 @@ def sparse_moe_decode(
     top_k: int,
     renormalize: bool,
 ) -> torch.Tensor:
+    return sparse_moe_decode_tiled(x, gate_logits, w13, w2, shared_gate_up, shared_down, top_k, renormalize, TILES)
+
+
+def sparse_moe_decode_tiled(
+    x: torch.Tensor,
+    gate_logits: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    shared_gate_up: torch.Tensor,
+    shared_down: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    tiles: DecodeTiles,
+) -> torch.Tensor:
+    """``sparse_moe_decode`` launched in the given tiles (``benchmarks/tune_moe_decode.py``)."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter, shared_inter = two_inter // 2, shared_gate_up.shape[0] // 2
@@ -187,35 +202,14 @@ def sparse_moe_decode(
     out = new_empty((num_tokens, hidden), x.dtype, x.device)
     if num_tokens == 0:
         return out
-    launch_sparse_moe_decode(x, gate_logits, w13, w2, shared_gate_up, shared_down, top_k, renormalize, out, TILES)
-    return out
-
-
-def launch_sparse_moe_decode(
-    x: torch.Tensor,
-    gate_logits: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    shared_gate_up: torch.Tensor,
-    shared_down: torch.Tensor,
-    top_k: int,
-    renormalize: bool,
-    out: torch.Tensor,
-    tiles: DecodeTiles,
-) -> None:
-    """The launches of ``sparse_moe_decode`` (shapes already checked) in the given tiles."""
-    num_tokens, hidden = x.shape
-    num_experts, two_inter, _ = w13.shape
-    inter, shared_inter = two_inter // 2, shared_gate_up.shape[0] // 2
     x = x if x.stride(-1) == 1 else x.contiguous()
     gate_logits = gate_logits if gate_logits.stride(-1) == 1 else gate_logits.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()
     shared_gate_up, shared_down = shared_gate_up.contiguous(), shared_down.contiguous()
-    h_width = max(inter, shared_inter)
-    h = new_empty((num_tokens * (top_k + 1), h_width), x.dtype, x.device)
+    h_width, pairs = max(inter, shared_inter), num_tokens * (top_k + 1)
+    h = new_empty((pairs, h_width), x.dtype, x.device)
     top_w = new_empty((num_tokens, top_k), torch.float32, x.device)
     top_i = new_empty((num_tokens, top_k), torch.int32, x.device)
-    pairs = num_tokens * (top_k + 1)
     _gate_up_kernel[(pairs, triton.cdiv(h_width, tiles.gate_up_block_n))](
         x, x.stride(0), gate_logits, gate_logits.stride(0), w13, w13.stride(0), w13.stride(1),
         shared_gate_up, shared_gate_up.stride(0), h, h_width, top_w, top_i,
@@ -230,3 +224,4 @@ def launch_sparse_moe_decode(
         TOP_K=top_k, BLOCK_N=tiles.down_block_n, BLOCK_K=min(pow2(h_width), tiles.down_block_k),
         num_warps=tiles.down_warps,
     )
+    return out
