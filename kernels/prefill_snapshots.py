@@ -33,21 +33,21 @@ class PrefillSnapshots:
     into state row ``slots[j]`` (a snapshot slot, no request's). Sorted by token.
     """
 
-    tokens: torch.Tensor  # [N] int32
-    offsets: torch.Tensor  # [N] int32
-    requests: torch.Tensor  # [N] int32
-    slots: torch.Tensor  # [N] int32
+    tokens: torch.Tensor  # [N] int64
+    offsets: torch.Tensor  # [N] int64
+    requests: torch.Tensor  # [N] int64
+    slots: torch.Tensor  # [N] int64
     # The delta rule's segments: the requests split at their boundaries, S = R + N of them.
-    segment_cu: torch.Tensor  # [S + 1] int32, row offsets of the segments
-    segment_chunks_cu: torch.Tensor  # [S + 1] int32, chunk offsets (chunks of DELTA_RULE_CHUNK per segment)
-    chunk_segment: torch.Tensor  # [num_chunks] int32, the segment of every chunk
-    request_segments: torch.Tensor  # [R + 1] int32, request b's segments are [r[b], r[b + 1])
-    segment_slot: torch.Tensor  # [S] int32, where the state after the segment goes; -1: nowhere
+    segment_cu: torch.Tensor  # [S + 1] int64, row offsets of the segments
+    segment_chunks_cu: torch.Tensor  # [S + 1] int64, chunk offsets (chunks of DELTA_RULE_CHUNK per segment)
+    chunk_segment: torch.Tensor  # [num_chunks] int64, the segment of every chunk
+    request_segments: torch.Tensor  # [R + 1] int64, request b's segments are [r[b], r[b + 1])
+    segment_slot: torch.Tensor  # [S] int64, where the state after the segment goes; -1: nowhere
     num_chunks: int
     # The conv windows: row window_rows[j, i] of the call's conv inputs, or, where window_from_state
     # (a boundary fewer than K - 1 rows into its request), column window_rows[j, i] of the
     # request's conv state as the call found it.
-    window_rows: torch.Tensor  # [N, K - 1] int32
+    window_rows: torch.Tensor  # [N, K - 1] int64
     window_from_state: torch.Tensor | None  # [N, K - 1] bool; None when every window lies in the rows
 
     @property
@@ -100,7 +100,7 @@ def prefill_snapshots(
 
     parts = [tokens, offsets, requests, slots, segment_cu, segment_chunks_cu, chunk_segment,
              request_segments, segment_slot, window_rows.reshape(-1), from_state.reshape(-1)]
-    packed = torch.from_numpy(np.concatenate(parts).astype(np.int32))
+    packed = torch.from_numpy(np.concatenate(parts).astype(np.int64))  # index_copy_ takes int64 only
     if device.type == "cuda":
         packed = packed.pin_memory().to(device, non_blocking=True)
     else:
