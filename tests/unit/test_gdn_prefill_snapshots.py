@@ -84,7 +84,6 @@ def test_snapshots_inside_the_chunk_equal_the_states_of_a_cut():
 
 
 def test_a_snapshot_must_lie_inside_its_request():
-
     cpu = torch.device("cpu")
     for bad in [(0, 0, 5), (0, 7, 5), (2, 1, 5), (1, 3, -1)]:
         with pytest.raises(ValueError, match="snapshot of request"):
