@@ -384,8 +384,9 @@ class Scheduler:
 
     def launched(self, step: ScheduledStep) -> None:
         """The step is queued on the device: its tokens count as computed, its samples in flight.
-        With prefix caching, the prompt pages it completed join the index, the snapshots it copies
-        become hittable, and the boundaries it reached are snapshotted by the next plan."""
+        With prefix caching, the prompt pages it completed join the index, then the snapshots it
+        copies or writes become hittable, and the boundaries its chunks end at are snapshotted by
+        the next plan."""
         cache = self.prefix_cache
         for req, row in zip(step.requests, step.plan.rows):
             req.num_computed += row.num_new
