@@ -37,12 +37,16 @@ class PrefillSnapshots:
     offsets: torch.Tensor  # [N] int64
     requests: torch.Tensor  # [N] int64
     slots: torch.Tensor  # [N] int64
-    # The delta rule's segments: the requests split at their boundaries, S = R + N of them.
+    # The delta rule's segments: the requests split at their boundaries, S = R + N of them, as the
+    # parallel kernels read them (in place of the requests)...
     segment_cu: torch.Tensor  # [S + 1] int64, row offsets of the segments
     segment_chunks_cu: torch.Tensor  # [S + 1] int64, chunk offsets (chunks of DELTA_RULE_CHUNK per segment)
     chunk_segment: torch.Tensor  # [num_chunks] int64, the segment of every chunk
-    request_segments: torch.Tensor  # [R + 1] int64, request b's segments are [r[b], r[b + 1])
-    segment_slot: torch.Tensor  # [S] int64, where the state after the segment goes; -1: nowhere
+    # ... and as the sequential state pass reads them: by request, then by chunk.
+    request_chunks: torch.Tensor  # [R + 1] int64, request b's chunks are [c[b], c[b + 1])
+    chunk_rows: torch.Tensor  # [num_chunks] int64, each chunk's first row
+    chunk_ends: torch.Tensor  # [num_chunks] int64, the end of each chunk's segment
+    chunk_snapshot: torch.Tensor  # [num_chunks] int64, where the state after the chunk goes; -1: nowhere
     num_chunks: int
     # The conv windows: row window_rows[j, i] of the call's conv inputs, or, where window_from_state
     # (a boundary fewer than K - 1 rows into its request), column window_rows[j, i] of the
@@ -87,19 +91,22 @@ def prefill_snapshots(
     np.cumsum(-(-segment_lens // DELTA_RULE_CHUNK), out=segment_chunks_cu[1:])
     num_chunks = int(segment_chunks_cu[-1])
     chunk_segment = np.repeat(np.arange(len(segment_lens)), -(-segment_lens // DELTA_RULE_CHUNK))
-    # Request b's segments: b's own plus one per snapshot of an earlier request or of b.
+    # Request b's first segment: b's own plus one per snapshot of an earlier request.
     before = np.searchsorted(requests, np.arange(len(query_lens) + 1), side="left")
-    request_segments = np.arange(len(query_lens) + 1) + before
-    segment_slot = np.full(len(segment_lens), -1, dtype=np.int64)
-    # The segment ending at snapshot j's token: request r's (j - first of r)-th; j + r overall.
-    segment_slot[np.arange(len(entries)) + requests] = slots
+    request_chunks = segment_chunks_cu[np.arange(len(query_lens) + 1) + before]
+    chunk_rows = segment_cu[chunk_segment] + (np.arange(num_chunks) - segment_chunks_cu[chunk_segment]) * DELTA_RULE_CHUNK
+    chunk_ends = segment_cu[chunk_segment + 1]
+    chunk_snapshot = np.full(num_chunks, -1, dtype=np.int64)
+    # The segment ending at snapshot j's token: request r's (j - first of r)-th, j + r overall;
+    # its last chunk takes the snapshot.
+    chunk_snapshot[segment_chunks_cu[np.arange(len(entries)) + requests + 1] - 1] = slots
 
     window = offsets[:, None] + np.arange(-conv_width, 0)[None, :]  # rows into the request
     from_state = window < 0
     window_rows = np.where(from_state, window + conv_width, tokens[:, None] - offsets[:, None] + window)
 
     parts = [tokens, offsets, requests, slots, segment_cu, segment_chunks_cu, chunk_segment,
-             request_segments, segment_slot, window_rows.reshape(-1), from_state.reshape(-1)]
+             request_chunks, chunk_rows, chunk_ends, chunk_snapshot, window_rows.reshape(-1), from_state.reshape(-1)]
     packed = torch.from_numpy(np.concatenate(parts).astype(np.int64))  # index_copy_ takes int64 only
     if device.type == "cuda":
         packed = packed.pin_memory().to(device, non_blocking=True)
@@ -107,6 +114,6 @@ def prefill_snapshots(
         packed = packed.to(device)
     views = list(packed.split([len(p) for p in parts]))
     n = len(entries)
-    views[9] = views[9].view(n, conv_width)
-    from_state_view = views[10].view(n, conv_width).bool() if from_state.any() else None
-    return PrefillSnapshots(*views[:9], num_chunks, views[9], from_state_view)
+    window_view = views[11].view(n, conv_width)
+    from_state_view = views[12].view(n, conv_width).bool() if from_state.any() else None
+    return PrefillSnapshots(*views[:11], num_chunks, window_view, from_state_view)

@@ -142,7 +142,7 @@ def _intra_chunk_kernel(
 def _state_pass_kernel(
     k_ptr, k_st, k_sh, w_ptr, u_ptr, to_end_ptr, chunk_decay_ptr,
     state_ptr, st_ss, st_sh, st_sk, slot_ptr, cu_ptr, cu_chunks_ptr, states_ptr, v_new_ptr,
-    chunk_segment_ptr, request_segments_ptr, segment_slot_ptr,
+    request_chunks_ptr, chunk_rows_ptr, chunk_ends_ptr, chunk_snapshot_ptr,
     num_tokens, num_v_heads, key_dim, value_dim,
     HEAD_RATIO: tl.constexpr, CHUNK_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     PRECISION: tl.constexpr, SEGMENTED: tl.constexpr,
@@ -152,9 +152,10 @@ def _state_pass_kernel(
     Two dependent products per chunk; the loads do not depend on the state, so they pipeline.
     The state's columns evolve independently, so value blocks need no communication.
 
-    ``SEGMENTED`` (prefix-cache snapshots inside the chunk): ``cu_ptr`` / ``cu_chunks_ptr`` are
-    the segments' (``PrefillSnapshots``), the request's chunks run through its segments in order,
-    and the state after a segment with a snapshot slot is stored there too."""
+    ``SEGMENTED`` (prefix-cache snapshots inside the chunk, ``PrefillSnapshots``): the request's
+    chunks are those of its segments, in order, each chunk's rows read from the per-chunk tables
+    (three independent loads, no chain); the state after a chunk that ends a segment at a snapshot
+    is stored in the snapshot's row too."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     op = w_ptr.dtype.element_ty
@@ -164,8 +165,8 @@ def _state_pass_kernel(
     k_ok = kcols < key_dim
     s_mask = k_ok[:, None] & v_ok[None, :]
     if SEGMENTED:
-        first_chunk = tl.load(cu_chunks_ptr + tl.load(request_segments_ptr + b))
-        num_chunks = tl.load(cu_chunks_ptr + tl.load(request_segments_ptr + b + 1)) - first_chunk
+        first_chunk = tl.load(request_chunks_ptr + b)
+        num_chunks = tl.load(request_chunks_ptr + b + 1) - first_chunk
     else:
         start = tl.load(cu_ptr + b)
         end = tl.load(cu_ptr + b + 1)
@@ -184,9 +185,9 @@ def _state_pass_kernel(
         next_decay = tl.load(chunk_decay_ptr + (first_chunk + c + 1) * num_v_heads + h, mask=c + 1 < num_chunks,
                              other=1.0)
         if SEGMENTED:
-            segment = tl.load(chunk_segment_ptr + first_chunk + c)
-            rows = tl.load(cu_ptr + segment) + (first_chunk + c - tl.load(cu_chunks_ptr + segment)) * CHUNK_SIZE + idx
-            row_ok = rows < tl.load(cu_ptr + segment + 1)
+            rows = tl.load(chunk_rows_ptr + first_chunk + c) + idx
+            row_ok = rows < tl.load(chunk_ends_ptr + first_chunk + c)
+            snapshot = tl.load(chunk_snapshot_ptr + first_chunk + c)
         else:
             rows = start + c * CHUNK_SIZE + idx
             row_ok = rows < end
@@ -204,10 +205,9 @@ def _state_pass_kernel(
         tl.store(v_new_ptr + head_rows[:, None] * value_dim + vcols[None, :], cast(v_new, op),
                  mask=row_ok[:, None] & v_ok[None, :])
         state = state * chunk_decay + dot(cast(k_t.to(tl.float32), op), cast(v_new * to_end[:, None], op), PRECISION)
-        if SEGMENTED:  # the segment's last chunk, and a snapshot ends it: the state goes there
-            snapshot = tl.load(segment_slot_ptr + segment)
-            if (snapshot >= 0) & (first_chunk + c + 1 == tl.load(cu_chunks_ptr + segment + 1)):
-                tl.store(state_ptr + snapshot.to(tl.int64) * st_ss + s_cols, state, mask=s_mask)
+        if SEGMENTED:
+            if snapshot >= 0:  # the chunk ends a segment at a snapshot: the state goes there
+                tl.store(state_ptr + snapshot * st_ss + s_cols, state, mask=s_mask)
     tl.store(s_ptrs, state, mask=s_mask)
 
 
@@ -333,11 +333,12 @@ def gated_delta_rule_prefill(
             cu_chunks[1:].contiguous(), torch.arange(max_chunks, dtype=torch.int32, device=device), right=True,
             out_int32=True,
         )
-        request_segments = segment_slot = cu_chunks  # unread
+        request_chunks = chunk_rows = chunk_ends = chunk_snapshot = cu_chunks  # unread
     else:
         num_segments = num_requests + snapshots.num_snapshots
         segment_cu, cu_chunks, chunk_request = snapshots.segment_cu, snapshots.segment_chunks_cu, snapshots.chunk_segment
-        request_segments, segment_slot = snapshots.request_segments, snapshots.segment_slot
+        request_chunks, chunk_rows, chunk_ends = snapshots.request_chunks, snapshots.chunk_rows, snapshots.chunk_ends
+        chunk_snapshot = snapshots.chunk_snapshot
         max_chunks = snapshots.num_chunks
     operand = k.dtype if k.dtype in (torch.bfloat16, torch.float16) else torch.float32
     precision = dot_precision(v.dtype)
@@ -361,7 +362,7 @@ def gated_delta_rule_prefill(
     _state_pass_kernel[(num_requests, num_v_heads, triton.cdiv(value_dim, pass_v))](
         k, k.stride(0), k.stride(1), w, u, to_end, chunk_decay,
         state, state.stride(0), state.stride(1), state.stride(2), state_slots, segment_cu, cu_chunks, states, v_new,
-        chunk_request, request_segments, segment_slot,
+        request_chunks, chunk_rows, chunk_ends, chunk_snapshot,
         num_tokens, num_v_heads, key_dim, value_dim,
         **common, BLOCK_V=pass_v, SEGMENTED=snapshots is not None, num_warps=4, num_stages=STATE_PASS_STAGES,
     )

@@ -91,5 +91,6 @@ def test_a_snapshot_must_lie_inside_its_request():
     with pytest.raises(ValueError, match="repeats"):
         prefill_snapshots([7, 70], [(1, 3, 5), (1, 3, 6)], 3, cpu)
     layout = prefill_snapshots([7, 0, 70], [(2, 64, 5), (0, 2, 6)], 3, cpu)
-    assert layout.segment_cu.tolist() == [0, 2, 7, 7, 71, 77] and layout.request_segments.tolist() == [0, 2, 3, 5]
-    assert layout.segment_slot.tolist() == [6, -1, -1, 5, -1] and layout.chunk_segment.tolist() == [0, 1, 3, 4]
+    assert layout.segment_cu.tolist() == [0, 2, 7, 7, 71, 77] and layout.chunk_segment.tolist() == [0, 1, 3, 4]
+    assert layout.request_chunks.tolist() == [0, 2, 2, 4] and layout.chunk_rows.tolist() == [0, 2, 7, 71]
+    assert layout.chunk_ends.tolist() == [2, 7, 71, 77] and layout.chunk_snapshot.tolist() == [6, -1, 5, -1]
