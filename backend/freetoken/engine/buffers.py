@@ -284,5 +284,6 @@ def split_decodes(batch: ForwardBatch, num_decode_logits: int) -> tuple[ForwardB
         max_query_len=batch.max_query_len,
         query_lens=batch.query_lens[nd:],
         max_seq_len=batch.max_seq_len,
+        snapshots=batch.snapshots,
     )
     return decodes, chunks
