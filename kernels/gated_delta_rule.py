@@ -109,9 +109,10 @@ def gated_delta_rule_prefill_reference(
         # request's end (the final state, into its own slot).
         for offset, destination in [*sorted(cuts.get(b, [])), (end - start, slot)]:
             segment_end = start + offset
-            heads_first = [x[segment_start:segment_end].transpose(0, 1).float() for x in (qn, kn, v, g, beta)]
-            o, s = chunked_delta_rule(*heads_first, s)
-            out[segment_start:segment_end] = o.transpose(0, 1)
+            if segment_end > segment_start:  # a padded layout's dummy snapshots are empty segments
+                heads_first = [x[segment_start:segment_end].transpose(0, 1).float() for x in (qn, kn, v, g, beta)]
+                o, s = chunked_delta_rule(*heads_first, s)
+                out[segment_start:segment_end] = o.transpose(0, 1)
             state[destination] = s
             segment_start = segment_end
     return out.to(v.dtype)

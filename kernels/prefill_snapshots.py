@@ -67,6 +67,33 @@ def prefill_snapshots(
 ) -> PrefillSnapshots:
     """The layout of ``snapshots`` = ``(request, offset, slot)`` in a prefill call of requests with
     ``query_lens`` rows; ``conv_width`` is the conv kernel's ``K - 1``."""
+    parts, num_chunks = snapshot_tables(query_lens, snapshots, conv_width)
+    packed = torch.from_numpy(np.concatenate(parts))
+    if device.type == "cuda":
+        packed = packed.pin_memory().to(device, non_blocking=True)
+    else:
+        packed = packed.to(device)
+    views = list(packed.split([len(p) for p in parts]))
+    n = len(snapshots)
+    from_state = views[12].view(n, conv_width).bool() if parts[12].any() else None
+    return PrefillSnapshots(*views[:11], num_chunks, views[11].view(n, conv_width), from_state)
+
+
+def snapshot_tables(
+    query_lens: Sequence[int],
+    snapshots: Sequence[tuple[int, int, int]],
+    conv_width: int,
+    capacity: tuple[int, int] | None = None,
+) -> tuple[list[np.ndarray], int]:
+    """The host tables of ``PrefillSnapshots`` (its tensors' order, ``window_from_state`` as 0/1),
+    all int64 (``index_copy_`` takes int64 indices only), and the chunk count.
+
+    ``capacity = (num_snapshots, num_chunks)`` pads them to those fixed sizes, as a CUDA graph
+    needs (``engine.prefill_graphs``): the extra snapshots are dummies at offset 0 of the last
+    request (a padding row): zero-length segments, whose conv window is read from slot 0's state
+    (the padding row's) into slot 0, and that store no delta-rule state; the extra chunks belong
+    to no segment (``chunk_segment`` past the last), so every kernel skips them.
+    """
     entries = sorted(snapshots)
     cu = np.zeros(len(query_lens) + 1, dtype=np.int64)
     np.cumsum(query_lens, out=cu[1:])
@@ -80,6 +107,11 @@ def prefill_snapshots(
             raise ValueError(f"snapshot of request {request} at offset {offset}: slot {slot}")
     if len({(r, o) for r, o, _ in entries}) != len(entries):
         raise ValueError(f"snapshots {entries}: a boundary repeats")
+    num_real = len(entries)
+    if capacity is not None:
+        if num_real > capacity[0]:
+            raise ValueError(f"{num_real} snapshots, room for {capacity[0]}")
+        entries += [(len(query_lens) - 1, 0, 0)] * (capacity[0] - num_real)
     requests = np.array([r for r, _, _ in entries], dtype=np.int64)
     offsets = np.array([o for _, o, _ in entries], dtype=np.int64)
     tokens = cu[requests] + offsets
@@ -99,7 +131,16 @@ def prefill_snapshots(
     chunk_snapshot = np.full(num_chunks, -1, dtype=np.int64)
     # The segment ending at snapshot j's token: request r's (j - first of r)-th, j + r overall;
     # its last chunk takes the snapshot.
-    chunk_snapshot[segment_chunks_cu[np.arange(len(entries)) + requests + 1] - 1] = slots
+    real = np.arange(num_real)
+    chunk_snapshot[segment_chunks_cu[real + requests[real] + 1] - 1] = slots[real]
+    if capacity is not None:
+        if num_chunks > capacity[1]:
+            raise ValueError(f"{num_chunks} delta-rule chunks, room for {capacity[1]}")
+        pad = capacity[1] - num_chunks
+        chunk_segment = np.concatenate([chunk_segment, np.full(pad, len(segment_lens), np.int64)])
+        chunk_rows, chunk_ends = (np.concatenate([t, np.zeros(pad, np.int64)]) for t in (chunk_rows, chunk_ends))
+        chunk_snapshot = np.concatenate([chunk_snapshot, np.full(pad, -1, np.int64)])
+        num_chunks = capacity[1]
 
     window = offsets[:, None] + np.arange(-conv_width, 0)[None, :]  # rows into the request
     from_state = window < 0
@@ -107,13 +148,4 @@ def prefill_snapshots(
 
     parts = [tokens, offsets, requests, slots, segment_cu, segment_chunks_cu, chunk_segment,
              request_chunks, chunk_rows, chunk_ends, chunk_snapshot, window_rows.reshape(-1), from_state.reshape(-1)]
-    packed = torch.from_numpy(np.concatenate(parts).astype(np.int64))  # index_copy_ takes int64 only
-    if device.type == "cuda":
-        packed = packed.pin_memory().to(device, non_blocking=True)
-    else:
-        packed = packed.to(device)
-    views = list(packed.split([len(p) for p in parts]))
-    n = len(entries)
-    window_view = views[11].view(n, conv_width)
-    from_state_view = views[12].view(n, conv_width).bool() if from_state.any() else None
-    return PrefillSnapshots(*views[:11], num_chunks, window_view, from_state_view)
+    return [p.astype(np.int64) for p in parts], num_chunks

@@ -69,9 +69,16 @@ class EngineConfig:
         "state snapshots the prefix cache keeps, each one slot of recurrent state (~63 MB at Qwen3.6-35B-A3B; "
         "default: max_running_requests, 0 with prefix caching off)",
     )
-    enforce_eager: bool = option(False, "run every step eagerly: no CUDA graphs for decode steps")
+    enforce_eager: bool = option(False, "run every step eagerly: no CUDA graphs (decode or prefill)")
     cuda_graph_max_bs: int | None = option(
         None, "largest decode batch replayed from a CUDA graph (default: max_running_requests); larger ones run eagerly"
+    )
+    prefill_cuda_graph_max_tokens: int = option(
+        1024, "largest prefill-only step, in tokens, replayed from a CUDA graph (buckets 64, 128, 256, 512, then "
+        "multiples of 256 up to it, at most max_prefill_length); 0: prefill always eager"
+    )
+    prefill_cuda_graph_max_seqs: int = option(
+        1, "most requests in a prefill-only step replayed from a CUDA graph (one graph per count and bucket)"
     )
 
     @property
@@ -98,6 +105,10 @@ class EngineConfig:
             raise ValueError(f"max_snapshot_slots must be >= 0, got {self.max_snapshot_slots}")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
+        if self.prefill_cuda_graph_max_tokens < 0:
+            raise ValueError(f"prefill_cuda_graph_max_tokens must be >= 0, got {self.prefill_cuda_graph_max_tokens}")
+        if self.prefill_cuda_graph_max_seqs < 1:
+            raise ValueError(f"prefill_cuda_graph_max_seqs must be >= 1, got {self.prefill_cuda_graph_max_seqs}")
         if self.gpu_memory_gib is not None and self.gpu_memory_gib <= 0:
             raise ValueError(f"gpu_memory_gib must be > 0, got {self.gpu_memory_gib}")
         if self.expert_cache_slots is not None and self.expert_cache_slots < 1:

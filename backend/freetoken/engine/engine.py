@@ -10,6 +10,7 @@ from freetoken.config import EngineConfig
 from freetoken.batch import ForwardBatch
 from freetoken.engine.buffers import StepBuffers, split_decodes
 from freetoken.engine.graph_runner import DecodeGraphRunner
+from freetoken.engine.prefill_graphs import PrefillGraphRunner, prefill_capture_sizes
 from freetoken.engine.memory import PoolSizes, size_expert_cache, size_pools
 from freetoken.experts.cache import CacheCounters
 from freetoken.experts.offload import ExpertOffload
@@ -93,12 +94,20 @@ class Engine:
         self.sampler = SlotSampler(num_slots, self.model.vocab_size, self.device)
         self.outputs = OutputRing(max_rows, self.device)
         self.graph_runner: DecodeGraphRunner | None = None
+        self.prefill_runner: PrefillGraphRunner | None = None
         if self._graphs_wanted():
             max_bs = min(config.cuda_graph_max_bs or config.max_running_requests, config.max_running_requests)
             self.graph_runner = DecodeGraphRunner(
                 self.model, self.device, max_bs, self.max_pages_per_request, self.max_model_len, use_graphs=True
             )
             self.graph_runner.capture()
+            sizes = self._prefill_graph_sizes()
+            if sizes:
+                self.prefill_runner = PrefillGraphRunner(
+                    self.model, self.device, sizes, config.prefill_cuda_graph_max_seqs, self.max_pages_per_request,
+                    self.max_model_len, use_graphs=True,
+                )
+                self.prefill_runner.capture(self.graph_runner.pool)
 
     def _graphs_wanted(self) -> bool:
         """CUDA graphs on CUDA with the Triton kernels, unless ``enforce_eager``. The torch reference
@@ -112,6 +121,16 @@ class Engine:
             logger.info("CUDA graphs off: kernel_backend torch reads sizes back to the host")
             return False
         return True
+
+    def _prefill_graph_sizes(self) -> list[int]:
+        """The token buckets of the prefill graphs (none if off). Their static batch always takes
+        snapshots inside the forward (fixed-size tables), so a model that cannot (Qwen4-Exp: its
+        PLE windows and n-gram context have no in-forward snapshot) prefills eagerly."""
+        cap = min(self.config.prefill_cuda_graph_max_tokens, self.config.max_prefill_length)
+        if cap and not self.model.snapshots_in_forward:
+            logger.info("prefill CUDA graphs off: %s takes no snapshots inside a forward", type(self.model).__name__)
+            return []
+        return prefill_capture_sizes(cap)
 
     def expert_cache_counters(self) -> tuple[CacheCounters, int] | None:
         """The expert cache's counters and its slots; None when the experts are resident."""
@@ -141,24 +160,33 @@ class Engine:
             self.model.reset_slots(self._slot_tensor(plan.reset_slots))
         self.sampler.admit(plan.admissions)
 
-    def _prefill_snapshots(self, plan: StepPlan) -> PrefillSnapshots:
-        """The plan's in-forward snapshots, by prefill row (the rows after the decodes)."""
+    @staticmethod
+    def _snapshot_entries(plan: StepPlan) -> list[tuple[int, int, int]]:
+        """The plan's in-forward snapshots as ``(prefill row, offset, slot)`` (rows after the decodes)."""
         first = plan.num_decodes
         for snapshot in plan.snapshots:
             if snapshot.row < first or snapshot.row >= len(plan.rows):
                 raise ValueError(f"snapshot {snapshot}: row {snapshot.row} is no prefill row of the plan")
-        query_lens = [row.num_new for row in plan.rows[first:]]
-        return self.model.prefill_snapshots(query_lens, [(s.row - first, s.offset, s.slot) for s in plan.snapshots])
+        return [(s.row - first, s.offset, s.slot) for s in plan.snapshots]
+
+    def _prefill_snapshots(self, plan: StepPlan) -> PrefillSnapshots:
+        """The plan's in-forward snapshots' device layout, by prefill row."""
+        query_lens = [row.num_new for row in plan.rows[plan.num_decodes :]]
+        return self.model.prefill_snapshots(query_lens, self._snapshot_entries(plan))
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> StepOutput:
         """Queue the plan's forward and sampling; the result comes through the returned output."""
         self._prepare(plan)
         staged = self.buffers.stage(plan, self.sampler.last_token)
-        if plan.snapshots:
-            staged.batch.snapshots = self._prefill_snapshots(plan)
-        decode_logits = sum(1 for row in plan.rows[: plan.num_decodes] if row.samples)
-        logits = self._forward(staged.batch, decode_logits)
+        prefill = self.prefill_runner
+        if prefill is not None and prefill.supports(staged.batch, len(plan.snapshots)):
+            logits = prefill.run(staged.batch, self._snapshot_entries(plan))
+        else:
+            if plan.snapshots:
+                staged.batch.snapshots = self._prefill_snapshots(plan)
+            decode_logits = sum(1 for row in plan.rows[: plan.num_decodes] if row.samples)
+            logits = self._forward(staged.batch, decode_logits)
         host_slots = [row.slot for row in plan.sampling_rows]
         if not host_slots:  # prompt chunks only
             return self.outputs.send(torch.zeros(0, dtype=torch.int64, device=self.device), None, [])

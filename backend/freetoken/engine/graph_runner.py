@@ -58,6 +58,7 @@ class DecodeGraphRunner:
         self.cu_seqlens = torch.arange(max_batch_size + 1, dtype=torch.int32, device=device)
         self.rows = torch.arange(max_batch_size, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool: tuple | None = None  # the graphs' memory pool, which the prefill graphs share
         # Every graph leaves its logits here: one [max_batch_size, vocab] buffer, not one per size
         # (float32 rows of a 248k vocabulary are 1 MB each).
         self.logits = (
@@ -135,6 +136,7 @@ class DecodeGraphRunner:
                 self.logits[:size].copy_(self.model(batch))
             pool = graph.pool()
             self.graphs[size] = graph
+        self.pool = pool
         torch.cuda.synchronize()
         logger.info(
             "CUDA graphs: captured %d decode batch sizes (%s) in %.1f s",

@@ -62,6 +62,11 @@ class CausalLM(nn.Module, ABC):
         prefill rows have ``query_lens`` new tokens (``ForwardBatch.snapshots``)."""
         raise NotImplementedError(f"{type(self).__name__} takes no snapshots inside a forward")
 
+    def snapshot_conv_width(self) -> int:
+        """The conv window (``K - 1`` rows) an in-forward snapshot copies: the width of the
+        fixed-size snapshot tables a prefill CUDA graph replays (``engine.prefill_graphs``)."""
+        raise NotImplementedError(f"{type(self).__name__} takes no snapshots inside a forward")
+
     @abstractmethod
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """float32 logits ``[len(batch.logits_indices), vocab_size]``."""

@@ -125,8 +125,10 @@ class Qwen3_5MoeModel(CausalLM):
         self, query_lens: Sequence[int], snapshots: Sequence[tuple[int, int, int]]
     ) -> PrefillSnapshots:
         """Its only per-slot states are the Gated DeltaNet layers' (all of one conv width)."""
-        conv_width = self._linear_layers()[0].conv_kernel - 1
-        return prefill_snapshots(query_lens, snapshots, conv_width, self.embed_tokens.device)
+        return prefill_snapshots(query_lens, snapshots, self.snapshot_conv_width(), self.embed_tokens.device)
+
+    def snapshot_conv_width(self) -> int:
+        return self._linear_layers()[0].conv_kernel - 1
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         hidden = F.embedding(batch.input_ids, self.embed_tokens)
