@@ -181,21 +181,17 @@ class PrefillGraphRunner:
         """Copy the step's rows into rows ``[0, r)``, the padding into row ``r``, its sampling rows'
         logits indices to the front, and its snapshots (``(row, offset, slot)``) into the tables."""
         t, r, n = batch.num_tokens, batch.num_requests, shape.tokens
-        for static, given in ((self.input_ids, batch.input_ids), (self.positions, batch.positions),
-                              (self.kv_locations, batch.kv_locations)):
-            static[:t].copy_(given)
-            static[t:n].zero_()
-        self.cu_seqlens[: r + 1].copy_(batch.cu_seqlens)
-        self.cu_seqlens[r + 1].fill_(n)
-        self.seq_lens[:r].copy_(batch.seq_lens)
-        self.seq_lens[r].fill_(n - t)
-        self.state_slots[:r].copy_(batch.state_slots)
-        self.state_slots[r].zero_()
-        self.page_table[:r].copy_(batch.page_table)
-        self.page_table[r].zero_()
         wanted = batch.logits_indices.shape[0]
-        self.logits_indices[:wanted].copy_(batch.logits_indices)
-        self.logits_indices[wanted : r + 1].zero_()
+        given = (batch.input_ids, batch.positions, batch.kv_locations, batch.cu_seqlens, batch.seq_lens,
+                 batch.state_slots, batch.page_table, batch.logits_indices)
+        static = (self.input_ids[:t], self.positions[:t], self.kv_locations[:t], self.cu_seqlens[: r + 1],
+                  self.seq_lens[:r], self.state_slots[:r], self.page_table[:r], self.logits_indices[:wanted])
+        torch._foreach_copy_(list(static), list(given))  # one launch for the rows
+        padding = [self.input_ids[t:n], self.positions[t:n], self.kv_locations[t:n], self.state_slots[r : r + 1],
+                   self.page_table[r], self.logits_indices[wanted : r + 1]]
+        torch._foreach_zero_([p for p in padding if p.numel()])
+        self.cu_seqlens[r + 1].fill_(n)
+        self.seq_lens[r].fill_(n - t)
         self.snapshots[shape].load([*batch.query_lens, n - t], snapshots)
 
     def run(self, batch: ForwardBatch, snapshots: Sequence[tuple[int, int, int]]) -> torch.Tensor:
