@@ -75,6 +75,16 @@ def test_route_matches_topk_softmax(rng, dtype, renormalize):
     torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=1e-7)
 
 
+def test_route_takes_the_lowest_index_among_ties(rng):
+    """Equal probabilities go to the lower expert index first, as the general routing kernel."""
+    from freetoken.kernels.triton.moe_decode import route
+
+    experts, top_k = 11, 6
+    gate_logits = torch.randint(0, 3, (5, experts + 1), generator=rng).float().to(DEVICE)
+    order = torch.sort(gate_logits[:, :experts], dim=1, descending=True, stable=True).indices
+    assert torch.equal(route(gate_logits, experts, top_k, False)[1].long(), order[:, :top_k])
+
+
 def test_decode_tiles_rejects_a_block_not_a_power_of_two():
     from freetoken.kernels.triton.moe_decode import DecodeTiles
 
