@@ -19,7 +19,7 @@ Qwen3.6-35B-A3B shape, 13 us at the H200's bandwidth):
 3. ``_down_kernel``, one program per (token, block of hidden columns): the down rows of all the
    token's choices as one gathered ``[top_k, block_n, block_k]`` load (per-choice expert offsets),
    beside the shared expert's rows; each choice's projection rounded and scaled by its routing
-   weight, summed in float32 in choice order, plus ``sigmoid(gate) · shared``.
+   weight, summed in float32 (a fixed order, no atomics), plus ``sigmoid(gate) · shared``.
 
 ``DecodeTiles`` sets the launch shapes; ``benchmarks/tune_moe_decode.py`` times the candidates on
 the GPU. Rounding follows the reference (projections, SiLU, products and the combine rounded to the
@@ -184,10 +184,9 @@ def _down_kernel(
         ws = tl.load(sd_ptr + n[:, None] * sd_sn + k[None, :], mask=n_ok[:, None] & ks_ok[None, :], other=0.0)
         acc_shared += tl.sum(ws.to(tl.float32) * hs[None, :], 1)
     scaled = round_as(round_as(acc, dtype) * weight[:, None], dtype)
-    # Summed one choice after another (the selections are exact), as the reference's rounding.
-    routed = tl.zeros([BLOCK_N], tl.float32)
-    for j in tl.static_range(TOP_K):
-        routed += tl.sum(tl.where(c[:, None] == j, scaled, 0.0), 0)
+    # One float32 sum over the choices in a fixed (tree) order: deterministic, as the reference's
+    # (expert order) differs from both it and choice order only in float32 rounding.
+    routed = tl.sum(scaled, 0)
     gate = round_as(tl.sigmoid(tl.load(logits_ptr + t * l_st + num_experts).to(tl.float32)), dtype)
     out = round_as(routed, dtype) + round_as(gate * round_as(acc_shared, dtype), dtype)
     tl.store(out_ptr + t * hidden + n, cast(out, dtype), mask=n_ok)
