@@ -8,6 +8,7 @@ Each timing runs the block over ``LAYERS`` layers' weights in turn (about 200 MB
 more than the 60 MB L2), so no layer finds its experts cached by the previous call, as in a real step.
 ``graph`` is the time per layer replayed from a CUDA graph, as the engine decodes (the figure to tune
 on); ``eager`` the same launches from Python, where at one token the host's launch cost can dominate.
+Every variant's layers are first checked against the torch reference, replayed from a graph.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Callable
 
 import torch
@@ -35,9 +36,11 @@ HIDDEN, EXPERTS, TOP_K, INTER, SHARED_INTER = 2048, 256, 8, 512, 512
 LAYERS = 4
 
 # Gate/up: rows x reduction step (2048: the whole hidden in one load), pairs per program, warps;
-# down: rows x step (512: the whole intermediate), warps. The last is the old default's tiles.
+# down: rows x step (512: the whole intermediate), warps; programmatic dependent launch. The last is
+# the old default's tiles.
 CANDIDATES = [
     moe_decode.TILES,
+    replace(moe_decode.TILES, pdl=False),
     DecodeTiles(gate_up_block_n=8),
     DecodeTiles(gate_up_block_n=8, gate_up_block_k=1024),
     DecodeTiles(gate_up_block_n=16, gate_up_block_k=512),
@@ -65,7 +68,7 @@ def layer_weights(gen: torch.Generator) -> tuple[torch.Tensor, ...]:
 def label(tiles: DecodeTiles) -> str:
     t = tiles
     return (f"gate/up {t.gate_up_block_n}x{t.gate_up_block_k} p{t.gate_up_pairs} w{t.gate_up_warps}, "
-            f"down {t.down_block_n}x{t.down_block_k} w{t.down_warps}")
+            f"down {t.down_block_n}x{t.down_block_k} w{t.down_warps}{', pdl' if t.pdl else ''}")
 
 
 def variants() -> list[tuple[str, dict | None, Block]]:
@@ -79,6 +82,20 @@ def variants() -> list[tuple[str, dict | None, Block]]:
         block = lambda x, g, w, tiles=tiles: sparse_moe_decode_tiled(x, g, *w, TOP_K, True, tiles)  # noqa: E731
         found.append((name, asdict(tiles), block))
     return found
+
+
+def graph_error(run: Callable[[], list[torch.Tensor]], wants: list[torch.Tensor]) -> float:
+    """The largest relative error to the reference over the layers of ``run`` replayed (twice) from a
+    CUDA graph, as the engine runs them: each layer's buffers at the previous layer's addresses."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = run()
+    errors = []
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        errors += [((out.float() - want).norm() / want.norm()).item() for out, want in zip(outs, wants)]
+    return max(errors)
 
 
 def per_kernel_us(fn: Callable[[], None], calls_per_fn: int, repeats: int = 5) -> str:
@@ -110,15 +127,15 @@ def main() -> None:
         logits = [torch.randn(tokens, EXPERTS + 1, dtype=BF16, device=CUDA, generator=gen) for _ in layers]
         touched = [int(torch.unique(g[:, :EXPERTS].topk(TOP_K, dim=1).indices).numel()) for g in logits]
         bytes_per_layer = sum((t + 1) * 3 * INTER * HIDDEN * 2 for t in touched) / LAYERS
-        want = sparse_moe_decode_reference(x, logits[0], *layers[0], TOP_K, True).float()
+        wants = [sparse_moe_decode_reference(x, g, *w, TOP_K, True).float() for g, w in zip(logits, layers)]
         print(f"T={tokens}: {bytes_per_layer / 1e6:.1f} MB/layer; us/layer (TB/s), graph | eager", flush=True)
         rows = []
         for name, tiles, block in blocks:
-            def run(block: Block = block) -> None:
-                for g, weights in zip(logits, layers):
-                    block(x, g, weights)
+            def run(block: Block = block) -> list[torch.Tensor]:
+                return [block(x, g, weights) for g, weights in zip(logits, layers)]
 
-            err = ((block(x, logits[0], layers[0]).float() - want).norm() / want.norm()).item()
+            run()  # compiles
+            err = graph_error(run, wants)
             if not err <= 1e-2:  # bf16 rounding in other places than the reference: about 3e-3
                 raise AssertionError(f"{name}: relative error {err:.3g} to the reference")
             graph_us = do_bench_cudagraph(run, rep=20, return_mode="median") * 1e3 / LAYERS
@@ -130,7 +147,8 @@ def main() -> None:
         best = min(rows[1:], key=lambda r: r["graph_us"])
         print(f"  best: {best['graph_us']:.1f} us/layer ({best['graph_TB/s']:.2f} TB/s) {best['variant']}; "
               f"old: {rows[0]['graph_us']:.1f}", flush=True)
-        for name, _, block in blocks[1::-1]:  # the default, then the old kernels
+        # Without PDL: under it a launch's time includes its wait for the previous one.
+        for name, _, block in (blocks[2], blocks[0]):
             breakdown = per_kernel_us(lambda block=block: [block(x, g, w) for g, w in zip(logits, layers)], LAYERS)
             print(f"  per kernel (us): {breakdown}  [{name}]", flush=True)
         results += rows

@@ -28,13 +28,14 @@ activations' dtype). Grids depend only on the token count, so the launches are c
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 
 import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels.triton._common import cast, device_function, new_empty, pow2, round_as
+from freetoken.kernels.triton._common import INTERPRETED, cast, device_function, new_empty, pow2, round_as
 
 # One warp routes a token: 256 logits are 8 per lane, and every reduction stays within the warp.
 ROUTE_WARPS = 1
@@ -44,7 +45,9 @@ ROUTE_WARPS = 1
 class DecodeTiles:
     """Launch shapes: rows per program (``*_block_n``), the reduction step (``*_block_k``, capped at
     the reduced dimension: at the cap one load covers it), (token, expert) pairs per gate/up program
-    (``gate_up_pairs``) and warps. All powers of two."""
+    (``gate_up_pairs``) and warps, all powers of two; ``pdl``: programmatic dependent launch, where
+    the GPU has it (sm_90 on), so each launch starts while the previous one finishes and the down
+    pass's weight loads overlap the gate/up pass."""
 
     gate_up_block_n: int = 4
     gate_up_block_k: int = 2048
@@ -53,11 +56,12 @@ class DecodeTiles:
     down_block_n: int = 4
     down_block_k: int = 512
     down_warps: int = 8
+    pdl: bool = True
 
     def __post_init__(self) -> None:
         for field in fields(self):
             value = getattr(self, field.name)
-            if value < 1 or value & (value - 1):
+            if not isinstance(value, bool) and (value < 1 or value & (value - 1)):
                 raise ValueError(f"DecodeTiles.{field.name} must be a power of two, got {value}")
 
 
@@ -105,8 +109,11 @@ def _choice(row_ptr, num_experts, j, TOP_K: tl.constexpr, RENORMALIZE: tl.conste
 @triton.jit
 def _route_kernel(
     logits_ptr, l_st, topw_ptr, topi_ptr, num_experts,
-    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # the router logits are the previous launch's output; the gate/up programs may start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     weights, experts = _top_k(logits_ptr + t * l_st, num_experts, TOP_K, RENORMALIZE, BLOCK_E)
     c = tl.arange(0, BLOCK_E)
@@ -118,8 +125,11 @@ def _route_kernel(
 def _gate_up_kernel(
     x_ptr, x_st, w13_ptr, w13_se, w13_sn, sw_ptr, sw_sn, topi_ptr, h_ptr, h_width,
     num_pairs, hidden, inter, shared_inter,
-    TOP_K: tl.constexpr, PAIRS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    TOP_K: tl.constexpr, PAIRS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # the expert ids are the routing launch's output; the down programs may start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # Pair q = t·(TOP_K + 1) + j: token t's choice j, or its shared expert at j = TOP_K.
     q = tl.program_id(0) * PAIRS + tl.arange(0, PAIRS)
     q_ok = q < num_pairs
@@ -156,17 +166,22 @@ def _gate_up_kernel(
 def _down_kernel(
     h_ptr, h_width, w2_ptr, w2_se, w2_sn, sd_ptr, sd_sn, topw_ptr, topi_ptr, logits_ptr, l_st, out_ptr,
     hidden, inter, shared_inter, num_experts,
-    TOP_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
+    # Under PDL this runs while the gate/up launch finishes: the routing launch before it is done
+    # (each gate/up program waited for it before letting this one start), so the routing is read
+    # here, from L2 (.cg: L1 may hold an earlier layer's ids at the same address), and the weights
+    # streamed; ``h``, the gate/up output, only after the wait.
     t = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < hidden
     c = tl.arange(0, BLOCK_C)
     c_ok = c < TOP_K
     dtype = out_ptr.dtype.element_ty
-    expert = tl.load(topi_ptr + t * TOP_K + c, mask=c_ok, other=0).to(tl.int64)
+    expert = tl.load(topi_ptr + t * TOP_K + c, mask=c_ok, other=0, cache_modifier=".cg").to(tl.int64)
     # The weights as the reference holds them: rounded to the activations' dtype.
-    weight = cast(tl.load(topw_ptr + t * TOP_K + c, mask=c_ok, other=0.0), dtype).to(tl.float32)
+    weight = tl.load(topw_ptr + t * TOP_K + c, mask=c_ok, other=0.0, cache_modifier=".cg")
+    weight = cast(weight, dtype).to(tl.float32)
     h_rows = h_ptr + (t.to(tl.int64) * (TOP_K + 1) + c) * h_width
     h_shared = h_ptr + (t.to(tl.int64) * (TOP_K + 1) + TOP_K) * h_width
     w_rows = w2_ptr + expert[:, None] * w2_se + n[None, :] * w2_sn
@@ -174,14 +189,15 @@ def _down_kernel(
     acc_shared = tl.zeros([BLOCK_N], tl.float32)
     for k0 in range(0, h_width, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < inter
-        hv = tl.load(h_rows[:, None] + k[None, :], mask=c_ok[:, None] & k_ok[None, :], other=0.0)
+        k_ok, ks_ok = k < inter, k < shared_inter
         mask = c_ok[:, None, None] & n_ok[None, :, None] & k_ok[None, None, :]
         w = tl.load(w_rows[:, :, None] + k[None, None, :], mask=mask, other=0.0)
-        acc += tl.sum(w.to(tl.float32) * hv.to(tl.float32)[:, None, :], 2)
-        ks_ok = k < shared_inter
-        hs = tl.load(h_shared + k, mask=ks_ok, other=0.0).to(tl.float32)
         ws = tl.load(sd_ptr + n[:, None] * sd_sn + k[None, :], mask=n_ok[:, None] & ks_ok[None, :], other=0.0)
+        if PDL:  # returns at once after the first step
+            tl.extra.cuda.gdc_wait()
+        hv = tl.load(h_rows[:, None] + k[None, :], mask=c_ok[:, None] & k_ok[None, :], other=0.0)
+        hs = tl.load(h_shared + k, mask=ks_ok, other=0.0).to(tl.float32)
+        acc += tl.sum(w.to(tl.float32) * hv.to(tl.float32)[:, None, :], 2)
         acc_shared += tl.sum(ws.to(tl.float32) * hs[None, :], 1)
     scaled = round_as(round_as(acc, dtype) * weight[:, None], dtype)
     # One float32 sum over the choices in a fixed (tree) order: deterministic, as the reference's
@@ -192,19 +208,30 @@ def _down_kernel(
     tl.store(out_ptr + t * hidden + n, cast(out, dtype), mask=n_ok)
 
 
+@functools.cache
+def _pdl_available() -> bool:
+    """Whether the kernels are compiled for a GPU with programmatic dependent launch (sm_90 on)."""
+    if INTERPRETED:
+        return False
+    target = triton.runtime.driver.active.get_current_target()
+    return target.backend == "cuda" and target.arch >= 90
+
+
 def route(
-    gate_logits: torch.Tensor, num_experts: int, top_k: int, renormalize: bool
+    gate_logits: torch.Tensor, num_experts: int, top_k: int, renormalize: bool, pdl: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights [T, top_k] float32, expert ids [T, top_k] int32)`` of the router logits
     ``gate_logits[:, :num_experts]`` (row stride free, unit column stride): ``moe_topk_softmax``'s
-    choices, with the weights not yet rounded to the activations' dtype."""
+    choices, with the weights not yet rounded to the activations' dtype. ``pdl``: launched to start
+    while the previous launch finishes (``DecodeTiles.pdl``)."""
     num_tokens = gate_logits.shape[0]
     top_w = new_empty((num_tokens, top_k), torch.float32, gate_logits.device)
     top_i = new_empty((num_tokens, top_k), torch.int32, gate_logits.device)
     if num_tokens:
         _route_kernel[(num_tokens,)](
             gate_logits, gate_logits.stride(0), top_w, top_i, num_experts,
-            TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=pow2(num_experts), num_warps=ROUTE_WARPS,
+            TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=pow2(num_experts), PDL=pdl, num_warps=ROUTE_WARPS,
+            launch_pdl=pdl,
         )
     return top_w, top_i
 
@@ -259,17 +286,18 @@ def sparse_moe_decode_tiled(
     shared_gate_up, shared_down = shared_gate_up.contiguous(), shared_down.contiguous()
     h_width, pairs = max(inter, shared_inter), num_tokens * (top_k + 1)
     h = new_empty((pairs, h_width), x.dtype, x.device)
-    top_w, top_i = route(gate_logits, num_experts, top_k, renormalize)
+    pdl = tiles.pdl and _pdl_available()
+    top_w, top_i = route(gate_logits, num_experts, top_k, renormalize, pdl)
     _gate_up_kernel[(triton.cdiv(pairs, tiles.gate_up_pairs), triton.cdiv(h_width, tiles.gate_up_block_n))](
         x, x.stride(0), w13, w13.stride(0), w13.stride(1), shared_gate_up, shared_gate_up.stride(0), top_i,
         h, h_width, pairs, hidden, inter, shared_inter,
         TOP_K=top_k, PAIRS=tiles.gate_up_pairs, BLOCK_N=tiles.gate_up_block_n,
-        BLOCK_K=min(pow2(hidden), tiles.gate_up_block_k), num_warps=tiles.gate_up_warps,
+        BLOCK_K=min(pow2(hidden), tiles.gate_up_block_k), PDL=pdl, num_warps=tiles.gate_up_warps, launch_pdl=pdl,
     )
     _down_kernel[(num_tokens, triton.cdiv(hidden, tiles.down_block_n))](
         h, h_width, w2, w2.stride(0), w2.stride(1), shared_down, shared_down.stride(0), top_w, top_i,
         gate_logits, gate_logits.stride(0), out, hidden, inter, shared_inter, num_experts,
         TOP_K=top_k, BLOCK_C=pow2(top_k), BLOCK_N=tiles.down_block_n,
-        BLOCK_K=min(pow2(h_width), tiles.down_block_k), num_warps=tiles.down_warps,
+        BLOCK_K=min(pow2(h_width), tiles.down_block_k), PDL=pdl, num_warps=tiles.down_warps, launch_pdl=pdl,
     )
     return out
