@@ -21,8 +21,11 @@ Qwen3.6-35B-A3B shape, 13 us at the H200's bandwidth):
    beside the shared expert's rows; each choice's projection rounded and scaled by its routing
    weight, summed in float32 (a fixed order, no atomics), plus ``sigmoid(gate) · shared``.
 
-``DecodeTiles`` sets the launch shapes; ``benchmarks/tune_moe_decode.py`` times the candidates on
-the GPU. Rounding follows the reference (projections, SiLU, products and the combine rounded to the
+Where the GPU has programmatic dependent launch (sm_90 on; ``DecodeTiles.pdl``), each of the three
+starts while the previous one finishes and waits (``griddepcontrol.wait``) only before reading its
+output: the gate/up programs are resident when the routing is done, and the down programs stream
+their weights while the gate/up pass ends. ``DecodeTiles`` sets the launch shapes;
+``benchmarks/tune_moe_decode.py`` times the candidates on the GPU. Rounding follows the reference (projections, SiLU, products and the combine rounded to the
 activations' dtype). Grids depend only on the token count, so the launches are capture-safe.
 """
 
