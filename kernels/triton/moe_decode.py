@@ -25,7 +25,9 @@ Where the GPU has programmatic dependent launch (sm_90 on; ``DecodeTiles.pdl``),
 starts while the previous one finishes and waits (``griddepcontrol.wait``) only before reading its
 output: the gate/up programs are resident when the routing is done, and the down programs stream
 their weights while the gate/up pass ends. ``DecodeTiles`` sets the launch shapes;
-``benchmarks/tune_moe_decode.py`` times the candidates on the GPU. Rounding follows the reference (projections, SiLU, products and the combine rounded to the
+``benchmarks/tune_moe_decode.py`` times the candidates on the GPU.
+
+Rounding follows the reference (projections, SiLU, products and the combine rounded to the
 activations' dtype). Grids depend only on the token count, so the launches are capture-safe.
 """
 
