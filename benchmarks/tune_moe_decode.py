@@ -36,22 +36,21 @@ HIDDEN, EXPERTS, TOP_K, INTER, SHARED_INTER = 2048, 256, 8, 512, 512
 LAYERS = 4
 
 # Gate/up: rows x reduction step (2048: the whole hidden in one load), pairs per program, warps;
-# down: rows x step (512: the whole intermediate), warps; programmatic dependent launch. The last is
-# the old default's tiles.
+# down: rows x step (512: the whole intermediate), warps; programmatic dependent launch. Each
+# candidate changes the default (TILES, the H200 sweep's best at one token) in one or two fields.
 CANDIDATES = [
     moe_decode.TILES,
     replace(moe_decode.TILES, pdl=False),
-    DecodeTiles(gate_up_block_n=8),
-    DecodeTiles(gate_up_block_n=8, gate_up_block_k=1024),
-    DecodeTiles(gate_up_block_n=16, gate_up_block_k=512),
-    DecodeTiles(gate_up_block_n=2, gate_up_pairs=2),
-    DecodeTiles(gate_up_warps=4),
-    DecodeTiles(down_block_n=2, down_warps=4),
-    DecodeTiles(down_block_n=4, down_warps=4),
-    DecodeTiles(down_block_n=8),
-    DecodeTiles(down_block_n=8, down_block_k=256),
-    DecodeTiles(down_block_n=16, down_block_k=128, down_warps=4),
-    DecodeTiles(gate_up_block_n=16, gate_up_block_k=256, gate_up_warps=4, down_block_n=8, down_block_k=256, down_warps=4),
+    replace(moe_decode.TILES, gate_up_block_n=8),
+    replace(moe_decode.TILES, gate_up_block_n=8, gate_up_block_k=1024),
+    replace(moe_decode.TILES, gate_up_block_n=16, gate_up_block_k=512),
+    replace(moe_decode.TILES, gate_up_block_n=2, gate_up_pairs=2),
+    replace(moe_decode.TILES, gate_up_warps=4),
+    replace(moe_decode.TILES, down_block_n=4, down_block_k=512),
+    replace(moe_decode.TILES, down_block_n=2, down_block_k=512, down_warps=4),
+    replace(moe_decode.TILES, down_block_n=8, down_block_k=512),
+    replace(moe_decode.TILES, down_block_n=16, down_block_k=128, down_warps=4),
+    replace(moe_decode.TILES, gate_up_warps=4, down_block_n=16, down_block_k=128, down_warps=4),
 ]
 
 Block = Callable[[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]], torch.Tensor]

@@ -58,8 +58,8 @@ class DecodeTiles:
     gate_up_block_k: int = 2048
     gate_up_pairs: int = 1
     gate_up_warps: int = 8
-    down_block_n: int = 4
-    down_block_k: int = 512
+    down_block_n: int = 8
+    down_block_k: int = 256
     down_warps: int = 8
     pdl: bool = True
 
