@@ -88,8 +88,9 @@ class GatedDeltaNet(nn.Module):
         )
 
     def reset_slots(self, slots: torch.Tensor) -> None:
-        self.conv_state[slots] = 0
-        self.recurrent_state[slots] = 0
+        # index_fill_, not ``[slots] = 0``: that copies the 0 to the device and synchronizes.
+        self.conv_state.index_fill_(0, slots, 0)
+        self.recurrent_state.index_fill_(0, slots, 0)
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         copy_rows(self.conv_state, src, dst)
