@@ -8,9 +8,11 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from freetoken import LLM, SamplingParams
 from freetoken.engine.prefill_graphs import GraphShape
+from freetoken.plan import PageUpdate, PlanRow, RowSnapshot, StepPlan
 from oracle import DEMO, EOS, PAGE_SIZE, checkpoint, reference_greedy
 from prefix_prompts import WARM_HITS, shared_prefix_prompts
 
@@ -82,3 +84,34 @@ def test_prefill_graphs_off():
     assert LLM(model=demo, device="cuda", kernel_backend="torch").runtime.engine.prefill_runner is None
     off = LLM(model=demo, device="cuda", prefill_cuda_graph_max_tokens=0).runtime.engine
     assert off.prefill_runner is None and off.graph_runner is not None
+
+
+def test_a_replay_does_not_synchronize_and_equals_the_eager_forward():
+    """A 70-token prompt chunk with a snapshot at 64 (bucket 128): loading and replaying its graph
+    never makes the host wait; its logits and the snapshot's states are the eager forward's."""
+    llm = LLM(model=str(checkpoint(CASE)), dtype="float32", device="cuda", page_size=PAGE_SIZE)
+    engine = llm.runtime.engine
+    runner, snapshot = engine.prefill_runner, engine.pool_sizes.num_slots
+    plan = StepPlan(rows=[PlanRow(1, 0, 70, True, tuple(range(70)))], page_updates=[PageUpdate(1, 0, tuple(range(1, 19)))],
+                    snapshots=[RowSnapshot(0, 64, snapshot)])
+    layers = [layer.mixer for layer in engine.model.layers if hasattr(layer.mixer, "recurrent_state")]
+
+    def states() -> list[torch.Tensor]:
+        return [t[[1, snapshot]].clone() for g in layers for t in (g.conv_state, g.recurrent_state)]
+
+    staged = engine.buffers.stage(plan, engine.sampler.last_token)
+    assert runner.supports(staged.batch, 1) and runner.shape_of(staged.batch) == GraphShape(1, 128)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        replayed = runner.run(staged.batch, engine._snapshot_entries(plan)).clone()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    replayed_states = states()
+    engine.model.reset_slots(torch.tensor([1, snapshot], device="cuda"))
+    staged = engine.buffers.stage(StepPlan(rows=plan.rows, snapshots=plan.snapshots), engine.sampler.last_token)
+    staged.batch.snapshots = engine._prefill_snapshots(plan)
+    eager = engine.model(staged.batch)
+    torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
+    for got, want in zip(replayed_states, states()):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
