@@ -75,7 +75,7 @@ class EngineConfig:
     )
     prefill_cuda_graph_max_tokens: int = option(
         1024, "largest prefill-only step, in tokens, replayed from a CUDA graph (buckets 64, 128, 256, 512, then "
-        "multiples of 256 up to it, at most max_prefill_length); 0: prefill always eager"
+        "multiples of 128 up to it, at most max_prefill_length); 0: prefill always eager"
     )
     prefill_cuda_graph_max_seqs: int = option(
         1, "most requests in a prefill-only step replayed from a CUDA graph (one graph per count and bucket)"

@@ -57,8 +57,8 @@ def test_prefill_capture_sizes():
     assert prefill_capture_sizes(0) == []
     assert prefill_capture_sizes(48) == [48]
     assert prefill_capture_sizes(512) == [64, 128, 256, 512]
-    assert prefill_capture_sizes(1024) == [64, 128, 256, 512, 768, 1024]
-    assert prefill_capture_sizes(1000) == [64, 128, 256, 512, 768, 1000]
+    assert prefill_capture_sizes(1024) == [64, 128, 256, 512, 640, 768, 896, 1024]
+    assert prefill_capture_sizes(1000) == [64, 128, 256, 512, 640, 768, 896, 1000]
 
 
 def test_padded_snapshot_tables_run_the_delta_rule_as_the_exact_ones():

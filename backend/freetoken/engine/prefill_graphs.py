@@ -50,12 +50,13 @@ MAX_SNAPSHOTS_PER_ROW = 2
 
 
 def prefill_capture_sizes(max_tokens: int) -> list[int]:
-    """64, 128, 256, 512, then every multiple of 256 below ``max_tokens``, then ``max_tokens``
-    (none for 0). A prefix hit's remainder is a few hundred tokens past a page boundary: 528 in
-    the shared-prefix benchmark, whose bucket is 768."""
+    """64, 128, 256, 512, then every multiple of 128 below ``max_tokens``, then ``max_tokens``
+    (none for 0). A prefix hit's remainder is a few hundred tokens past a page boundary (528 in
+    the shared-prefix benchmark, whose bucket is 640): above 512 the padding a bucket adds is
+    what the forward costs beyond the routed experts' weights, so the steps are finer there."""
     if max_tokens <= 0:
         return []
-    sizes = {s for s in (64, 128, 256, *range(512, max_tokens, 256)) if s < max_tokens}
+    sizes = {s for s in (64, 128, 256, *range(512, max_tokens, 128)) if s < max_tokens}
     return sorted(sizes | {max_tokens})
 
 
