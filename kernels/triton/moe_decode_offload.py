@@ -1,0 +1,169 @@
+"""Triton few-token sparse MoE block of an offloaded layer: ``kernels/triton/moe_decode.py``'s two
+passes, each routed expert read from its cache slot or, on a miss, from pinned host memory.
+
+Every (token, choice) program of the gate/up pass routes its token (``_choice``), loads the
+expert's slot from the layer's slot map and picks the base of the expert's rows with ``tl.where``:
+the slot in the device cache, or the expert in the host tensor (pinned host memory is addressable
+from kernels through unified virtual addressing; a miss streams its rows over PCIe, read once per
+(token, choice) as the resident block reads HBM). The down pass loads the slot again: the map does
+not change during a step (every update is queued between steps, ``experts.slots``), and an entry
+always points at a copy of its expert's weights, so each load alone is safe. Both copies of an
+expert hold the same values, so hit or miss changes no result bit.
+
+The routed ids go to the caller's ``routed`` buffer, a miss as ``-1 - e``; the rest (rounding,
+launch shapes, the shared expert) is the resident block's, with its device functions and tiles.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from freetoken.kernels.triton._common import cast, new_empty, pow2, round_as
+from freetoken.kernels.triton.moe_decode import TILES, _choice, _down_row, _gate_up_row
+
+
+@triton.jit
+def _offload_gate_up_kernel(
+    x_ptr, x_st, logits_ptr, l_st, map_ptr, slot_w13_ptr, host_w13_ptr, w13_se, w13_sn, sw_ptr, sw_sn,
+    h_ptr, h_width, topw_ptr, topi_ptr,
+    hidden, inter, shared_inter, num_experts,
+    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    p = tl.program_id(0)
+    t = p // (TOP_K + 1)
+    j = p % (TOP_K + 1)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    dtype = h_ptr.dtype.element_ty
+    x_row = x_ptr + t * x_st
+    if j < TOP_K:
+        weight, expert = _choice(logits_ptr + t * l_st, num_experts, j, TOP_K, RENORMALIZE, BLOCK_E)
+        slot = tl.load(map_ptr + expert)
+        hit = slot >= 0
+        if tl.program_id(1) == 0:
+            tl.store(topw_ptr + t * TOP_K + j, weight)
+            tl.store(topi_ptr + t * TOP_K + j, tl.where(hit, expert, -1 - expert))
+        w_base = tl.where(
+            hit, slot_w13_ptr + slot.to(tl.int64) * w13_se, host_w13_ptr + expert.to(tl.int64) * w13_se
+        )
+        acc_gate, acc_up = _gate_up_row(x_row, w_base, w13_sn, hidden, inter, n, BLOCK_N, BLOCK_K)
+        limit = inter
+    else:
+        acc_gate, acc_up = _gate_up_row(x_row, sw_ptr, sw_sn, hidden, shared_inter, n, BLOCK_N, BLOCK_K)
+        limit = shared_inter
+    gate = round_as(acc_gate, dtype)
+    h = round_as(gate * tl.sigmoid(gate), dtype) * round_as(acc_up, dtype)
+    tl.store(h_ptr + p.to(tl.int64) * h_width + n, cast(h, dtype), mask=n < limit)
+
+
+@triton.jit
+def _offload_down_kernel(
+    h_ptr, h_width, map_ptr, slot_w2_ptr, host_w2_ptr, w2_se, w2_sn, sd_ptr, sd_sn, topw_ptr, topi_ptr,
+    logits_ptr, l_st, out_ptr,
+    hidden, inter, shared_inter, num_experts,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    t = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < hidden
+    dtype = out_ptr.dtype.element_ty
+    pairs = t.to(tl.int64) * (TOP_K + 1)
+    routed = tl.zeros([BLOCK_N], tl.float32)
+    for j in range(TOP_K):
+        code = tl.load(topi_ptr + t * TOP_K + j)
+        expert = tl.where(code >= 0, code, -1 - code)
+        slot = tl.load(map_ptr + expert)
+        w_base = tl.where(
+            slot >= 0, slot_w2_ptr + slot.to(tl.int64) * w2_se, host_w2_ptr + expert.to(tl.int64) * w2_se
+        )
+        # The weight as the reference holds it: rounded to the activations' dtype.
+        weight = cast(tl.load(topw_ptr + t * TOP_K + j), dtype).to(tl.float32)
+        acc = _down_row(h_ptr + (pairs + j) * h_width, w_base, w2_sn, inter, n, n_ok, BLOCK_N, BLOCK_K)
+        routed += round_as(round_as(acc, dtype) * weight, dtype)
+    shared = _down_row(h_ptr + (pairs + TOP_K) * h_width, sd_ptr, sd_sn, shared_inter, n, n_ok, BLOCK_N, BLOCK_K)
+    gate = round_as(tl.sigmoid(tl.load(logits_ptr + t * l_st + num_experts).to(tl.float32)), dtype)
+    out = round_as(routed, dtype) + round_as(gate * round_as(shared, dtype), dtype)
+    tl.store(out_ptr + t * hidden + n, cast(out, dtype), mask=n_ok)
+
+
+def _check(x, gate_logits, slot_map, slot_w13, slot_w2, host_w13, host_w2, shared_gate_up, shared_down,
+           top_k, routed) -> None:
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = host_w13.shape
+    inter, shared_inter = two_inter // 2, shared_gate_up.shape[0] // 2
+    expert_shapes = ((2 * inter, hidden), (hidden, inter))
+    if (
+        gate_logits.shape != (num_tokens, num_experts + 1)
+        or host_w13.shape[2] != hidden
+        or host_w2.shape != (num_experts, hidden, inter)
+        or (tuple(slot_w13.shape[1:]), tuple(slot_w2.shape[1:])) != expert_shapes
+        or slot_w13.shape[0] != slot_w2.shape[0]
+        or slot_map.shape != (num_experts,)
+        or shared_gate_up.shape != (2 * shared_inter, hidden)
+        or shared_down.shape != (hidden, shared_inter)
+        or routed.shape != (num_tokens, top_k)
+        or not 0 < top_k <= num_experts
+    ):
+        raise ValueError(
+            f"sparse_moe_decode_offload: x {tuple(x.shape)}, gate_logits {tuple(gate_logits.shape)}, "
+            f"slot_map {tuple(slot_map.shape)}, slot_w13 {tuple(slot_w13.shape)}, slot_w2 {tuple(slot_w2.shape)}, "
+            f"host_w13 {tuple(host_w13.shape)}, host_w2 {tuple(host_w2.shape)}, "
+            f"shared_gate_up {tuple(shared_gate_up.shape)}, shared_down {tuple(shared_down.shape)}, "
+            f"routed {tuple(routed.shape)}, top_k {top_k} disagree"
+        )
+    if slot_map.dtype != torch.int32 or routed.dtype != torch.int32 or not routed.is_contiguous():
+        raise ValueError(
+            f"sparse_moe_decode_offload: slot_map ({slot_map.dtype}) and routed ({routed.dtype}, contiguous "
+            f"{routed.is_contiguous()}) must be contiguous int32"
+        )
+    for name, w in (("slot_w13", slot_w13), ("slot_w2", slot_w2), ("host_w13", host_w13), ("host_w2", host_w2)):
+        if not w.is_contiguous():
+            raise ValueError(f"sparse_moe_decode_offload: {name} must be contiguous (slot and host rows share strides)")
+
+
+def sparse_moe_decode_offload(
+    x: torch.Tensor,
+    gate_logits: torch.Tensor,
+    slot_map: torch.Tensor,
+    slot_w13: torch.Tensor,
+    slot_w2: torch.Tensor,
+    host_w13: torch.Tensor,
+    host_w2: torch.Tensor,
+    shared_gate_up: torch.Tensor,
+    shared_down: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    routed: torch.Tensor,
+) -> torch.Tensor:
+    _check(x, gate_logits, slot_map, slot_w13, slot_w2, host_w13, host_w2, shared_gate_up, shared_down, top_k, routed)
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = host_w13.shape
+    inter, shared_inter = two_inter // 2, shared_gate_up.shape[0] // 2
+    out = new_empty((num_tokens, hidden), x.dtype, x.device)
+    if num_tokens == 0:
+        return out
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    gate_logits = gate_logits if gate_logits.stride(-1) == 1 else gate_logits.contiguous()
+    shared_gate_up, shared_down = shared_gate_up.contiguous(), shared_down.contiguous()
+    h_width, pairs = max(inter, shared_inter), num_tokens * (top_k + 1)
+    h = new_empty((pairs, h_width), x.dtype, x.device)
+    top_w = new_empty((num_tokens, top_k), torch.float32, x.device)
+    tiles = TILES
+    _offload_gate_up_kernel[(pairs, triton.cdiv(h_width, tiles.gate_up_block_n))](
+        x, x.stride(0), gate_logits, gate_logits.stride(0), slot_map, slot_w13, host_w13,
+        host_w13.stride(0), host_w13.stride(1), shared_gate_up, shared_gate_up.stride(0), h, h_width, top_w, routed,
+        hidden, inter, shared_inter, num_experts,
+        TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=pow2(num_experts),
+        BLOCK_N=tiles.gate_up_block_n, BLOCK_K=min(pow2(hidden), tiles.gate_up_block_k),
+        num_warps=tiles.gate_up_warps,
+    )
+    _offload_down_kernel[(num_tokens, triton.cdiv(hidden, tiles.down_block_n))](
+        h, h_width, slot_map, slot_w2, host_w2, host_w2.stride(0), host_w2.stride(1), shared_down,
+        shared_down.stride(0), top_w, routed, gate_logits, gate_logits.stride(0), out,
+        hidden, inter, shared_inter, num_experts,
+        TOP_K=top_k, BLOCK_N=tiles.down_block_n, BLOCK_K=min(pow2(h_width), tiles.down_block_k),
+        num_warps=tiles.down_warps,
+    )
+    return out
