@@ -63,8 +63,10 @@ def test_offloaded_preempted_requests_equal_transformers(family):
 
 def test_counters_add_up_to_the_routed_uses():
     """hits + misses = the distinct (layer, expert) pairs each forward routes to (counted here from
-    the router, apart from the cache); bytes copied = misses x one expert's bytes. Twelve slots for
-    four layers of eight experts: hits and misses both."""
+    the router, apart from the cache); every forward here has at most 8 tokens, so all run the
+    zero-copy decode path, where a miss is read from host memory and copied in later, at most once:
+    bytes copied <= misses x one expert's bytes (the eager path's equality: the NVFP4 test). Twelve
+    slots for four layers of eight experts: hits and misses both."""
     family, num_slots = "qwen3_5_moe", 12
     llm = _llm(family, max_prefill_length=8, slots=num_slots)
     model = llm.runtime.engine.model
@@ -84,7 +86,7 @@ def test_counters_add_up_to_the_routed_uses():
     expert_bytes = 3 * text.moe_intermediate_size * text.hidden_size * 4  # gate, up, down rows; float32
     assert stats.hits + stats.misses == sum(uses) > 0
     assert stats.hits > 0 and stats.misses > 0
-    assert stats.bytes_copied == stats.misses * expert_bytes
+    assert stats.bytes_copied % expert_bytes == 0 and 0 < stats.bytes_copied <= stats.misses * expert_bytes
     assert stats.prefetched == stats.prefetch_hits == 0
     slots = llm.runtime.engine.offload.slots
     assert [tuple(t.shape) for t in slots.tensors] == [

@@ -14,7 +14,10 @@ from freetoken.experts.eviction import EvictionPolicy, ExpertKey
 @dataclass
 class CacheCounters:
     """Since start. A use is one layer's routed expert in one forward (however many tokens chose it):
-    ``hits + misses`` is the number of uses."""
+    ``hits + misses`` is the number of uses. On the eager path a miss is copied in before the layer
+    runs; in a zero-copy decode forward (``experts.slots``) a miss is read from host memory and
+    copied in for later steps, once however many steps in flight missed it: there
+    ``bytes_copied`` counts the copies, at most one per miss."""
 
     hits: int = 0
     misses: int = 0
@@ -68,6 +71,34 @@ class SlotTable:
                 continue
             self.counters.misses += 1
             placed.append((expert, self._place(key, protected, evicted)))
+        return placed, evicted
+
+    def observe(self, layer: int, experts: list[int], hits: list[bool]) -> tuple[list[tuple[int, int]], list[ExpertKey]]:
+        """One zero-copy decode forward's routed experts of ``layer`` (distinct, in routing order),
+        as the kernel read them: ``hits[i]`` from a slot, else from host memory (``experts.slots``).
+        Counts them so, tells the policy, and makes the missed ones cached for the next steps:
+        those not cached since, as many as the slots outside this layer's routed experts allow (a
+        forward may route more experts than the cache holds: the rest keep being read from host
+        memory). A hit evicted since its step ran is not copied back until a step misses it, so
+        there is at most one copy per miss.
+        Returns what ``admit`` does; the caller fills the slots later (``DeviceSlots.fill_deferred``)."""
+        self.policy.access([(layer, e) for e in experts])
+        for expert, hit in zip(experts, hits):
+            if hit:
+                self.counters.hits += 1
+                key = (layer, expert)
+                if key in self._prefetched:
+                    self._prefetched.discard(key)
+                    self.counters.prefetch_hits += 1
+            else:
+                self.counters.misses += 1
+        protected = {(layer, e) for e in experts}
+        room = self.num_slots - sum(1 for key in protected if key in self._slot_of)
+        missed = [e for e, hit in zip(experts, hits) if not hit and (layer, e) not in self._slot_of]
+        placed: list[tuple[int, int]] = []
+        evicted: list[ExpertKey] = []
+        for expert in missed[: max(0, room)]:
+            placed.append((expert, self._place((layer, expert), protected, evicted)))
         return placed, evicted
 
     def prefetch(

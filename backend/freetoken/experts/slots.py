@@ -2,10 +2,45 @@
 ``w2 [S, H, I]``, or NVFP4's packed codes and scales of each), the map ``(layer, expert) -> slot``,
 and the copies that fill slots from host memory.
 
-On CUDA the copies run on a stream of their own: it first waits for the compute stream (a slot
-given up may still be read by a kernel queued there), and the compute stream waits for the copies'
-event before the experts run, so whatever the compute stream queued in between (the shared expert)
-overlaps the transfer. On the CPU the copies are plain copies.
+On CUDA the copies run on a stream of their own, so the compute stream overlaps them. Two ways
+fill slots:
+
+- **Eager** (``fill``; prefill and steps over ``layers.moe.DECODE_MAX_TOKENS`` tokens, which read
+  the routed ids on the host): the copy stream first waits for the compute stream (a slot given up
+  may still be read by a kernel queued there), the map is updated at once, and the compute stream
+  waits for the copies' event (``wait``) before the layer's experts run, so the shared expert
+  queued in between overlaps the transfer.
+- **Deferred** (``fill_deferred`` then ``commit``; the zero-copy decode forwards, which may be CUDA
+  graph replays): their kernels read a mapped expert from its slot and an unmapped one from pinned
+  host memory, and the host learns their routed ids only after the step
+  (``experts.decode_log``). Every map update is a small device op queued on the compute stream
+  between two steps, never inside one.
+
+Why the deferred updates are safe. Invariant: at every moment, in the order the compute stream
+runs, ``slot_map[l, e] = s >= 0`` only while slot ``s`` holds all of expert ``(l, e)``'s weights
+(and -1 always means: read host memory, which always holds them). Then every read any kernel makes
+through the map is of the right weights, whichever value it finds, and since both copies hold the
+same values, no result depends on when an update lands. The updates keep it:
+
+1. Evicting ``V`` from slot ``s``: ``slot_map[V] = -1`` is queued on the compute stream, after
+   every step already queued (those may still read ``s`` as ``V``: that is still true) and before
+   any later one, which sees -1.
+2. Copying ``X`` into ``s``: the copy stream waits for an event recorded on the compute stream
+   after that -1, so it overwrites ``s`` only once every kernel that could read ``V`` there has
+   finished; copies into one slot are in order on the one copy stream.
+3. Mapping ``X`` to ``s``: ``commit`` queues ``slot_map[X] = s`` on the compute stream only after
+   the copy's event has completed (``Event.query``; the compute stream also waits on that event,
+   so the order is CUDA's, not only the host's), so no kernel finds ``s`` before it holds ``X``;
+   until then ``X`` is read from host memory. ``commit(wait=True)`` (before an eager layer, which
+   reads the map) makes the compute stream wait for the pending copies instead.
+4. An expert evicted while its copy is pending is dropped from the pending map writes before its
+   slot is handed on (in ``fill`` as in ``fill_deferred``), so no stale ``slot_map[X] = s`` can
+   land after ``s`` was given to another expert.
+
+The eager path keeps the invariant for every kernel that can observe the map: its ``slot_map[X] =
+s`` lands before the copy is done, but the only kernels queued between that write and ``wait``
+are the layer's shared expert and prefetch bookkeeping, which do not read slots. On the CPU the
+copies are plain copies and the same updates run in the same order.
 """
 
 from __future__ import annotations
@@ -29,6 +64,8 @@ class DeviceSlots:
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._ready: torch.cuda.Event | None = None
         self._ahead: dict[int, list[torch.cuda.Event]] = {}  # layer -> its prefetches' copies
+        # Deferred fills whose map entry is not written yet: key -> (slot, the copy's event or None).
+        self._pending: dict[ExpertKey, tuple[int, torch.cuda.Event | None]] = {}
 
     @property
     def nbytes(self) -> int:
@@ -47,6 +84,8 @@ class DeviceSlots:
              evicted: list[ExpertKey], ahead: bool = False) -> None:
         """Copy ``layer``'s experts into their slots (``placed``: (expert, slot)) and update the map.
         ``ahead``: a prefetch for a later layer, which only that layer's ``wait`` waits for."""
+        for key in evicted:
+            self._pending.pop(key, None)
         if not placed:
             return
         if self._stream is None:
@@ -65,10 +104,63 @@ class DeviceSlots:
                 self._ahead.setdefault(layer, []).append(event)
             else:
                 self._ready = event
-        rows = [k[0] for k in evicted] + [layer] * len(placed)
-        cols = [k[1] for k in evicted] + [e for e, _ in placed]
-        values = [-1] * len(evicted) + [s for _, s in placed]
-        index = torch.tensor([rows, cols, values], dtype=torch.int64).to(self.device)
+        self._write_map(evicted + [(layer, e) for e, _ in placed], [-1] * len(evicted) + [s for _, s in placed])
+
+    def fill_deferred(self, fills: list[tuple[int, int, int]], evicted: list[ExpertKey],
+                      host_parts: list[list[torch.Tensor]]) -> None:
+        """Between steps: unmap ``evicted`` now, copy ``fills`` ((layer, expert, slot)) from
+        ``host_parts[layer]`` on the copy stream; ``commit`` maps them once copied (module docstring)."""
+        for key in evicted:
+            self._pending.pop(key, None)
+        if evicted:
+            self._write_map(evicted, [-1] * len(evicted))
+        if not fills:
+            return
+        event = None
+        if self._stream is None:
+            for layer, expert, slot in fills:
+                for dst, src in zip(self.tensors, host_parts[layer]):
+                    dst[slot].copy_(src[expert])
+        else:
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))  # after the -1 writes
+            with torch.cuda.stream(self._stream):
+                for layer, expert, slot in fills:
+                    for dst, src in zip(self.tensors, host_parts[layer]):
+                        dst[slot].copy_(src[expert], non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+        for layer, expert, slot in fills:
+            self._pending[(layer, expert)] = (slot, event)
+
+    def commit(self, wait: bool = False) -> None:
+        """Map the deferred fills whose copies are done (all of them with ``wait``: the compute
+        stream waits for their copies)."""
+        done = [(key, slot, event) for key, (slot, event) in self._pending.items()
+                if wait or event is None or event.query()]
+        if not done:
+            return
+        stream = torch.cuda.current_stream(self.device) if self._stream is not None else None
+        for event in {id(e): e for _, _, e in done if e is not None}.values():
+            assert stream is not None
+            stream.wait_event(event)
+        for key, _, _ in done:
+            del self._pending[key]
+        self._write_map([key for key, _, _ in done], [slot for _, slot, _ in done])
+
+    def is_pending(self, key: ExpertKey) -> bool:
+        """``key`` was given a slot whose copy is not mapped yet."""
+        return key in self._pending
+
+    def _write_map(self, keys: list[ExpertKey], values: list[int]) -> None:
+        """``slot_map[key] = value`` for each pair, one device op on the compute stream (from pinned
+        memory on CUDA: no host sync)."""
+        if not keys:
+            return
+        pinned = self.device.type == "cuda"
+        rows = [layer for layer, _ in keys]
+        cols = [expert for _, expert in keys]
+        index = torch.tensor([rows, cols, values], dtype=torch.int64, pin_memory=pinned)
+        index = index.to(self.device, non_blocking=pinned)
         self.slot_map[index[0], index[1]] = index[2].to(torch.int32)
 
     def wait(self, layer: int) -> None:

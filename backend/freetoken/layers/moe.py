@@ -40,7 +40,7 @@ class SparseMoE(nn.Module):
         self.intermediate = moe_intermediate_size
         self.shared_intermediate = shared_intermediate_size
         self.gate_weight = new_param(num_experts + 1, hidden_size)
-        self.experts = make_store(num_experts, moe_intermediate_size, hidden_size)
+        self.experts = make_store(num_experts, moe_intermediate_size, hidden_size, top_k)
         if isinstance(self.experts, OffloadedExperts):
             self.experts.router = self._route  # the previous layer's prefetch predicts with it
         self.shared_gate_up = new_param(2 * shared_intermediate_size, hidden_size)
@@ -99,6 +99,10 @@ class SparseMoE(nn.Module):
             )
             if fused is not None:
                 return fused
+        elif isinstance(self.experts, OffloadedExperts) and self.experts.decodes(x.shape[0]):
+            return self.experts.decode(
+                x, gate_logits, self.shared_gate_up, self.shared_down, self.top_k, self.renormalize
+            )
         router_logits, shared_gate = gate_logits[:, : self.num_experts], gate_logits[:, self.num_experts :]
         weights, ids = kernels.moe_topk_softmax(router_logits, self.top_k, self.renormalize)
         routing = self.experts.prepare(x, ids)  # offloaded: the missing experts' copies start

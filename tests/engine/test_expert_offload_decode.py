@@ -1,0 +1,134 @@
+"""MoE expert offload's zero-copy decode path on the CPU (issue 11): forwards of at most
+``DECODE_MAX_TOKENS`` tokens read each routed expert from its cache slot or from host memory in one
+kernel, without a host sync; the routed ids reach the host after the step and the misses are
+copied in between steps (``experts.slots``). Checked: float32 greedy tokens equal transformers'
+with a cache smaller than one layer's experts (also through a graph runner's padded batches), the
+slot map's invariant at every kernel call, the counters, and the deferred updates' ordering."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from freetoken import LLM, kernels
+from freetoken.experts.cache import SlotTable
+from freetoken.experts.decode_log import RoutedRecord
+from freetoken.experts.eviction import LRUPolicy
+from freetoken.experts.offload import ExpertOffload
+from freetoken.experts.slots import DeviceSlots
+from freetoken.layers.moe import SparseMoE
+from graph_padding import with_padded_decode
+from oracle import DEMO, PAGE_SIZE, assert_greedy_batch, batch_prompts, checkpoint
+
+SLOTS = {"qwen3_5_moe": 3, "qwen4_exp": 2}  # 4 layers of 8 / of 4 experts, top-2
+
+
+def check_invariant(offload: ExpertOffload) -> None:
+    """Every mapped entry's slot holds its expert's host weights, and the table agrees: each cached
+    expert is mapped to its slot or its copy is still pending."""
+    slots, table = offload.slots, offload.table
+    for layer in range(len(offload.layers)):
+        parts = offload.layers[layer].host_parts()
+        for expert in range(offload.num_experts):
+            key, slot = (layer, expert), int(slots.slot_map[layer, expert])
+            if slot >= 0:
+                assert table.slot_of(key) == slot, f"{key} mapped to {slot}, the table says {table.slot_of(key)}"
+                assert all(torch.equal(dst[slot], src[expert]) for dst, src in zip(slots.tensors, parts))
+            elif table.slot_of(key) is not None:
+                assert slots.is_pending(key), f"{key} cached in the table but neither mapped nor pending"
+
+
+@pytest.mark.parametrize("family,padded", [("qwen3_5_moe", True), ("qwen4_exp", False)], ids=str)
+def test_zero_copy_decode_greedy_equals_transformers(monkeypatch, family, padded):
+    llm = LLM(model=str(checkpoint(DEMO[family])), dtype="float32", device="cpu", max_prefill_length=16,
+              page_size=PAGE_SIZE, moe_offload=True, expert_cache_slots=SLOTS[family])
+    engine = llm.runtime.engine
+    offload = engine.offload
+    assert offload.zero_copy
+    runner = with_padded_decode(llm, 8) if padded else None
+    codes: list[torch.Tensor] = []
+    decode = kernels.sparse_moe_decode_offload
+
+    def checked(*args):
+        check_invariant(offload)
+        out = decode(*args)
+        codes.append(args[-1].clone())
+        return out
+
+    monkeypatch.setattr(kernels, "sparse_moe_decode_offload", checked)
+    # The uses each forward routes to, from the router apart from the cache: the distinct experts of
+    # the forward's real tokens (a padded batch's padding rows are not uses).
+    routed: list[torch.Tensor] = []
+    forwards: list[int] = []
+
+    def route(module: SparseMoE, inputs: tuple[torch.Tensor]) -> None:
+        routed.append(module._route(inputs[0]))
+
+    for m in engine.model.modules():
+        if isinstance(m, SparseMoE):
+            m.register_forward_pre_hook(route)
+    collect = engine._collect_routing
+
+    def logged(forward_tokens: int, real_tokens: int) -> None:
+        forwards.append(real_tokens)
+        collect(forward_tokens, real_tokens)
+
+    monkeypatch.setattr(engine, "_collect_routing", logged)
+    assert_greedy_batch(llm, DEMO[family], batch_prompts(DEMO[family])[:4])
+
+    every = torch.cat([c.flatten() for c in codes])
+    assert (every >= 0).any() and (every < 0).any(), "the decode kernels saw no hits or no misses"
+    layers = len(offload.layers)
+    assert len(routed) == layers * len(forwards)
+    uses = sum(routed[f * layers + l][:real].unique().numel() for f, real in enumerate(forwards) for l in range(layers))
+    stats = llm.runtime.stats().expert_cache
+    assert stats.hits + stats.misses == uses
+    assert 0 < stats.bytes_copied <= stats.misses * offload.expert_bytes
+    if runner is not None:
+        assert any(n < size for n, size in runner.runs), "no padded decode batch ran"
+    check_invariant(offload)
+
+
+def test_deferred_fills_map_only_once_copied_and_evictions_at_once():
+    parts = [torch.arange(6 * 4, dtype=torch.float32).view(6, 4), -torch.arange(6 * 2, dtype=torch.float32).view(6, 2)]
+    slots = DeviceSlots(parts, num_slots=2, num_layers=1, device=torch.device("cpu"))
+    slots.fill_deferred([(0, 3, 0)], [], [parts])
+    assert slots.slot_map[0, 3] == -1 and slots.is_pending((0, 3))
+    assert torch.equal(slots.tensors[0][0], parts[0][3]) and torch.equal(slots.tensors[1][0], parts[1][3])
+    slots.commit()
+    assert slots.slot_map[0, 3] == 0 and not slots.is_pending((0, 3))
+    # evicting a mapped expert unmaps it at once; its successor is mapped only at the commit
+    slots.fill_deferred([(0, 4, 0)], [(0, 3)], [parts])
+    assert slots.slot_map[0, 3] == -1 and slots.slot_map[0, 4] == -1
+    slots.commit()
+    assert slots.slot_map[0, 4] == 0
+    # a pending expert evicted before its commit is never mapped (its slot went on to another)
+    slots.fill_deferred([(0, 1, 1)], [], [parts])
+    slots.fill_deferred([(0, 2, 1)], [(0, 1)], [parts])
+    slots.commit()
+    assert slots.slot_map[0].tolist() == [-1, -1, 1, -1, 0, -1]
+    assert torch.equal(slots.tensors[0][1], parts[0][2])
+    # the eager path's fill drops a pending expert it evicts, too
+    slots.fill_deferred([(0, 5, 1)], [(0, 2)], [parts])
+    slots.fill(0, parts, [(3, 1)], [(0, 5)])
+    slots.commit()
+    assert slots.slot_map[0].tolist() == [-1, -1, -1, 1, 0, -1]
+
+
+def test_observe_counts_the_kernels_reads_and_admits_the_misses():
+    table = SlotTable(3, LRUPolicy(), expert_bytes=10)
+    assert table.observe(0, [4, 1], [False, False]) == ([(4, 0), (1, 1)], [])
+    # a hit is counted, not copied; a miss cached since (a step in flight missed it too) is not copied again
+    assert table.observe(0, [4, 1, 2], [True, False, False]) == ([(2, 2)], [])
+    counters = table.counters
+    assert (counters.hits, counters.misses, counters.bytes_copied) == (1, 4, 30)
+    # more routed experts than slots outside this layer's: as many as fit, the rest stay in host memory
+    placed, evicted = table.observe(1, [0, 5, 6, 7], [False] * 4)
+    assert [e for e, _ in placed] == [0, 5, 6] and len(evicted) == 3
+    # a hit whose expert was evicted since its step ran is not copied back
+    assert table.observe(0, [4], [True]) == ([], [])
+
+
+def test_routed_record_decodes_hits_and_misses_of_the_real_tokens():
+    ids = torch.tensor([[[3, -1 - 5], [-1 - 5, 2], [7, 7]]], dtype=torch.int32)  # 1 layer, 3 rows, top-2
+    assert RoutedRecord(ids, 2, None).layer(0) == ([3, 5, 2], [True, False, True])
