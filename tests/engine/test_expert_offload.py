@@ -232,4 +232,8 @@ def test_bench_reports_the_expert_cache(tmp_path, capsys):
     assert cache["slots"] == 4 and cache["misses"] > 0
     assert cache["hit_rate"] == pytest.approx(cache["hits"] / (cache["hits"] + cache["misses"]))
     assert cache["copy_floor_ms_per_step"] == pytest.approx(cache["bytes_copied"] / 55e9 / result["steps"] * 1e3)
+    config = json.loads((checkpoint(DEMO["qwen3_5_moe"]) / "config.json").read_text())
+    text = config.get("text_config", config)
+    expert_bytes = 3 * text["moe_intermediate_size"] * text["hidden_size"] * 4  # gate, up, down rows; float32
+    assert cache["miss_floor_ms_per_step"] == pytest.approx(cache["misses"] * expert_bytes / 55e9 / result["steps"] * 1e3)
     assert "batch 2: expert cache of 4 slots: hit rate" in capsys.readouterr().out

@@ -14,28 +14,13 @@ from freetoken import LLM, kernels
 from freetoken.experts.cache import SlotTable
 from freetoken.experts.decode_log import RoutedRecord
 from freetoken.experts.eviction import LRUPolicy
-from freetoken.experts.offload import ExpertOffload
 from freetoken.experts.slots import DeviceSlots
 from freetoken.layers.moe import SparseMoE
+from expert_cache_checks import check_slot_map_invariant
 from graph_padding import with_padded_decode
 from oracle import DEMO, PAGE_SIZE, assert_greedy_batch, batch_prompts, checkpoint
 
 SLOTS = {"qwen3_5_moe": 3, "qwen4_exp": 2}  # 4 layers of 8 / of 4 experts, top-2
-
-
-def check_invariant(offload: ExpertOffload) -> None:
-    """Every mapped entry's slot holds its expert's host weights, and the table agrees: each cached
-    expert is mapped to its slot or its copy is still pending."""
-    slots, table = offload.slots, offload.table
-    for layer in range(len(offload.layers)):
-        parts = offload.layers[layer].host_parts()
-        for expert in range(offload.num_experts):
-            key, slot = (layer, expert), int(slots.slot_map[layer, expert])
-            if slot >= 0:
-                assert table.slot_of(key) == slot, f"{key} mapped to {slot}, the table says {table.slot_of(key)}"
-                assert all(torch.equal(dst[slot], src[expert]) for dst, src in zip(slots.tensors, parts))
-            elif table.slot_of(key) is not None:
-                assert slots.is_pending(key), f"{key} cached in the table but neither mapped nor pending"
 
 
 @pytest.mark.parametrize("family,padded", [("qwen3_5_moe", True), ("qwen4_exp", False)], ids=str)
@@ -50,7 +35,7 @@ def test_zero_copy_decode_greedy_equals_transformers(monkeypatch, family, padded
     decode = kernels.sparse_moe_decode_offload
 
     def checked(*args):
-        check_invariant(offload)
+        check_slot_map_invariant(offload)
         out = decode(*args)
         codes.append(args[-1].clone())
         return out
@@ -86,7 +71,7 @@ def test_zero_copy_decode_greedy_equals_transformers(monkeypatch, family, padded
     assert 0 < stats.bytes_copied <= stats.misses * offload.expert_bytes
     if runner is not None:
         assert any(n < size for n, size in runner.runs), "no padded decode batch ran"
-    check_invariant(offload)
+    check_slot_map_invariant(offload)
 
 
 def test_deferred_fills_map_only_once_copied_and_evictions_at_once():

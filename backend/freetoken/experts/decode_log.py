@@ -23,12 +23,15 @@ class RoutedRecord:
     ids: torch.Tensor  # host [layers, max tokens, top_k] int32; rows past num_tokens are stale
     num_tokens: int  # the forward's real tokens (a graph's padding rows are not uses)
     event: torch.cuda.Event | None
+    _rows: list[list[int]] | None = None
 
     def layer(self, layer: int) -> tuple[list[int], list[bool]]:
         """Layer ``layer``'s routed experts, distinct in routing order, and whether each was read
         from a slot (a hit) or from host memory."""
+        if self._rows is None:  # one conversion for all layers (a step reads every layer's)
+            self._rows = self.ids[:, : self.num_tokens].reshape(self.ids.shape[0], -1).tolist()
         hits: dict[int, bool] = {}
-        for code in self.ids[layer, : self.num_tokens].flatten().tolist():
+        for code in self._rows[layer]:
             hits.setdefault(code if code >= 0 else -1 - code, code >= 0)
         return list(hits), list(hits.values())
 
