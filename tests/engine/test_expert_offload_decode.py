@@ -20,16 +20,27 @@ from expert_cache_checks import check_slot_map_invariant
 from graph_padding import with_padded_decode
 from oracle import DEMO, PAGE_SIZE, assert_greedy_batch, batch_prompts, checkpoint
 
-SLOTS = {"qwen3_5_moe": 3, "qwen4_exp": 2}  # 4 layers of 8 / of 4 experts, top-2
+# Demo models: 4 layers of 8 (Qwen3.5) / of 4 (Qwen4-Exp) experts, top-2. Caches smaller than one
+# layer's experts, and one of half the experts (16 of 32: it evicts ahead, ``SlotTable.reserve``).
+CASES = [("qwen3_5_moe", True, 3), ("qwen3_5_moe", False, 16), ("qwen4_exp", False, 2)]
 
 
-@pytest.mark.parametrize("family,padded", [("qwen3_5_moe", True), ("qwen4_exp", False)], ids=str)
-def test_zero_copy_decode_greedy_equals_transformers(monkeypatch, family, padded):
+@pytest.mark.parametrize("family,padded,slots", CASES, ids=str)
+def test_zero_copy_decode_greedy_equals_transformers(monkeypatch, family, padded, slots):
     llm = LLM(model=str(checkpoint(DEMO[family])), dtype="float32", device="cpu", max_prefill_length=16,
-              page_size=PAGE_SIZE, moe_offload=True, expert_cache_slots=SLOTS[family])
+              page_size=PAGE_SIZE, moe_offload=True, expert_cache_slots=slots)
     engine = llm.runtime.engine
     offload = engine.offload
     assert offload.zero_copy
+    reserved: list[int] = []
+    reserve = offload.table.reserve
+
+    def counted_reserve(count, protected):
+        evicted = reserve(count, protected)
+        reserved.append(len(evicted))
+        return evicted
+
+    monkeypatch.setattr(offload.table, "reserve", counted_reserve)
     runner = with_padded_decode(llm, 8) if padded else None
     codes: list[torch.Tensor] = []
     decode = kernels.sparse_moe_decode_offload
@@ -71,6 +82,8 @@ def test_zero_copy_decode_greedy_equals_transformers(monkeypatch, family, padded
     assert 0 < stats.bytes_copied <= stats.misses * offload.expert_bytes
     if runner is not None:
         assert any(n < size for n, size in runner.runs), "no padded decode batch ran"
+    if slots >= 16:
+        assert sum(reserved) > 0, "no expert was evicted ahead"
     check_slot_map_invariant(offload)
 
 
@@ -112,6 +125,16 @@ def test_observe_counts_the_kernels_reads_and_admits_the_misses():
     assert [e for e, _ in placed] == [0, 5, 6] and len(evicted) == 3
     # a hit whose expert was evicted since its step ran is not copied back
     assert table.observe(0, [4], [True]) == ([], [])
+
+
+def test_reserve_evicts_ahead_outside_the_protected_and_hands_out_the_oldest_free_first():
+    table = SlotTable(4, LRUPolicy(), expert_bytes=10)
+    table.observe(0, [0, 1, 2, 3], [False] * 4)
+    assert table.reserve(2, {(0, 3)}) == [(0, 0), (0, 1)]  # least recently used first
+    assert table.reserve(2, {(0, 3)}) == []  # two free already
+    assert table.reserve(4, {(0, 2), (0, 3)}) == []  # nothing evictable outside the protected
+    placed, evicted = table.observe(1, [7, 8, 9], [False] * 3)
+    assert placed == [(7, 0), (8, 1), (9, 2)] and evicted == [(0, 2)]  # the reserve's slots, then a victim's
 
 
 def test_routed_record_decodes_hits_and_misses_of_the_real_tokens():

@@ -6,6 +6,7 @@ Pure host state: the device tensors and copies are ``experts.slots``. One table 
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 from freetoken.experts.eviction import EvictionPolicy, ExpertKey
@@ -37,7 +38,8 @@ class SlotTable:
         self.policy = policy
         self.counters = CacheCounters()
         self._slot_of: dict[ExpertKey, int] = {}
-        self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
+        # Oldest first: a slot evicted ahead (``reserve``) is handed out after those freed before it.
+        self._free = deque(range(num_slots))
         self._prefetched: set[ExpertKey] = set()  # copied ahead of their layer, not used since
 
     def slot_of(self, key: ExpertKey) -> int | None:
@@ -101,6 +103,18 @@ class SlotTable:
             placed.append((expert, self._place((layer, expert), protected, evicted)))
         return placed, evicted
 
+    def reserve(self, count: int, protected: set[ExpertKey]) -> list[ExpertKey]:
+        """Evict (outside ``protected``) until ``count`` slots are free, at most down to
+        ``protected``; returns the evicted keys. The zero-copy decode path evicts ahead so that the
+        next step's misses find slots no step in flight can still read (``experts.slots``)."""
+        evicted: list[ExpertKey] = []
+        while len(self._free) < min(count, self.num_slots) and len(self._slot_of) > len(protected & self._slot_of.keys()):
+            victim = self.policy.evict(protected)
+            self._free.append(self._slot_of.pop(victim))
+            self._prefetched.discard(victim)
+            evicted.append(victim)
+        return evicted
+
     def prefetch(
         self, layer: int, experts: list[int], running: set[ExpertKey]
     ) -> tuple[list[tuple[int, int]], list[ExpertKey]]:
@@ -123,7 +137,7 @@ class SlotTable:
         """A slot for ``key``: a free one, else the policy's victim outside ``protected``."""
         self.counters.bytes_copied += self.expert_bytes
         if self._free:
-            slot = self._free.pop()
+            slot = self._free.popleft()
         else:
             victim = self.policy.evict(protected)
             slot = self._slot_of.pop(victim)

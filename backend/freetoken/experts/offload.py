@@ -31,6 +31,8 @@ from freetoken.experts.slots import DeviceSlots
 
 logger = logging.getLogger(__name__)
 
+RESERVE_DIVISOR = 16  # the zero-copy path keeps at most num_slots / this free ahead of its misses
+
 
 class HostExperts(Protocol):
     num_experts: int
@@ -142,15 +144,20 @@ class ExpertOffload:
         assert slots is not None
         fills: dict[ExpertKey, tuple[int, int, int]] = {}
         evicted: list[ExpertKey] = []
+        routed: set[ExpertKey] = set()
         for layer in range(len(self.layers)):
             experts, hits = record.layer(layer)
             if not experts:
                 continue
+            routed.update((layer, e) for e in experts)
             placed, gone = table.observe(layer, experts, hits)
             for key in gone:  # a slot given earlier in this record is handed on: that copy is moot
                 fills.pop(key, None)
             evicted += gone
             fills.update(((layer, e), (layer, e, slot)) for e, slot in placed)
+        # Evict ahead for the next settle's misses: slots whose release is behind the step in flight
+        # (at most a 16th of the cache, which a small cache could not spare).
+        evicted += table.reserve(min(len(fills), table.num_slots // RESERVE_DIVISOR), routed | fills.keys())
         slots.fill_deferred(list(fills.values()), evicted, self._parts)
 
     def between_steps(self) -> None:

@@ -24,18 +24,27 @@ same values, no result depends on when an update lands. The updates keep it:
 
 1. Evicting ``V`` from slot ``s``: ``slot_map[V] = -1`` is queued on the compute stream, after
    every step already queued (those may still read ``s`` as ``V``: that is still true) and before
-   any later one, which sees -1.
-2. Copying ``X`` into ``s``: the copy stream waits for an event recorded on the compute stream
-   after that -1, so it overwrites ``s`` only once every kernel that could read ``V`` there has
+   any later one, which sees -1; then an event ``R`` is recorded there: once it completed, no
+   kernel reads ``s`` as ``V``.
+2. Copying ``X`` into ``s``: the copy stream first waits for ``s``'s ``R`` (none if ``s`` was never
+   mapped), so it overwrites ``s`` only once every kernel that could read ``V`` there has
    finished; copies into one slot are in order on the one copy stream.
-3. Mapping ``X`` to ``s``: ``commit`` queues ``slot_map[X] = s`` on the compute stream only after
-   the copy's event has completed (``Event.query``; the compute stream also waits on that event,
-   so the order is CUDA's, not only the host's), so no kernel finds ``s`` before it holds ``X``;
-   until then ``X`` is read from host memory. ``commit(wait=True)`` (before an eager layer, which
-   reads the map) makes the compute stream wait for the pending copies instead.
+3. Mapping ``X`` to ``s``: ``commit`` queues on the compute stream a wait for the copy's event,
+   then ``slot_map[X] = s``, so in the compute stream's order no kernel finds ``s`` before it holds
+   ``X``; until then ``X`` is read from host memory.
 4. An expert evicted while its copy is pending is dropped from the pending map writes before its
    slot is handed on (in ``fill`` as in ``fill_deferred``), so no stale ``slot_map[X] = s`` can
    land after ``s`` was given to another expert.
+
+Latency. Step ``N``'s ids are settled while step ``N + 1`` runs (the overlapped loop resolves
+``N`` after launching ``N + 1``), so ``N + 1`` misses again what ``N`` missed. The misses of
+``N`` take slots evicted one settle earlier (``SlotTable.reserve`` keeps as many free as the last
+settle filled), whose ``R`` is behind the step that was then in flight: their copies start at
+once, during ``N + 1``, and ``commit`` maps them before ``N + 2`` (its wait costs nothing once the
+copies are done, which they are unless they take longer than a step). A copy into a slot evicted
+in the same settle waits for ``N + 1`` to end, and is mapped once done (``Event.query``), so
+the step after does not stall on it. A miss is thus read from host memory by two steps, then
+copied once.
 
 The eager path keeps the invariant for every kernel that can observe the map: its ``slot_map[X] =
 s`` lands before the copy is done, but the only kernels queued between that write and ``wait``
@@ -64,8 +73,12 @@ class DeviceSlots:
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._ready: torch.cuda.Event | None = None
         self._ahead: dict[int, list[torch.cuda.Event]] = {}  # layer -> its prefetches' copies
-        # Deferred fills whose map entry is not written yet: key -> (slot, the copy's event or None).
-        self._pending: dict[ExpertKey, tuple[int, torch.cuda.Event | None]] = {}
+        # Deferred fills whose map entry is not written yet: key -> (slot, the copy's event or None,
+        # whether the copy started at once: ``commit``).
+        self._pending: dict[ExpertKey, tuple[int, torch.cuda.Event | None, bool]] = {}
+        self._mapped: dict[ExpertKey, int] = {}  # the host's copy of the map's entries >= 0
+        # Slots unmapped by the deferred path: the event after which no step in flight reads them.
+        self._released: dict[int, torch.cuda.Event | None] = {}
 
     @property
     def nbytes(self) -> int:
@@ -86,6 +99,8 @@ class DeviceSlots:
         ``ahead``: a prefetch for a later layer, which only that layer's ``wait`` waits for."""
         for key in evicted:
             self._pending.pop(key, None)
+        for _, slot in placed:  # the copy stream waits for all queued work: any release is covered
+            self._released.pop(slot, None)
         if not placed:
             return
         if self._stream is None:
@@ -109,43 +124,66 @@ class DeviceSlots:
     def fill_deferred(self, fills: list[tuple[int, int, int]], evicted: list[ExpertKey],
                       host_parts: list[list[torch.Tensor]]) -> None:
         """Between steps: unmap ``evicted`` now, copy ``fills`` ((layer, expert, slot)) from
-        ``host_parts[layer]`` on the copy stream; ``commit`` maps them once copied (module docstring)."""
+        ``host_parts[layer]`` on the copy stream; ``commit`` maps them (module docstring)."""
+        released = [slot for slot in map(self._slot_held, evicted) if slot is not None]
         for key in evicted:
             self._pending.pop(key, None)
         if evicted:
             self._write_map(evicted, [-1] * len(evicted))
+        release = None
+        if self._stream is not None and released:
+            release = torch.cuda.Event()
+            release.record(torch.cuda.current_stream(self.device))  # after the -1 writes
+        for slot in released:
+            self._released[slot] = release
         if not fills:
             return
-        event = None
         if self._stream is None:
             for layer, expert, slot in fills:
                 for dst, src in zip(self.tensors, host_parts[layer]):
                     dst[slot].copy_(src[expert])
-        else:
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))  # after the -1 writes
-            with torch.cuda.stream(self._stream):
-                for layer, expert, slot in fills:
+                self._released.pop(slot, None)
+                self._pending[(layer, expert)] = (slot, None, True)
+            return
+        # Slots no step in flight can read first (never mapped, or released by an event that has
+        # completed), then those released later: the copy stream waits for their release events.
+        events = {slot: self._released.pop(slot, None) for _, _, slot in fills}
+        clean = [f for f in fills if events[f[2]] is None or events[f[2]].query()]
+        later = [f for f in fills if not (events[f[2]] is None or events[f[2]].query())]
+        with torch.cuda.stream(self._stream):
+            for group, is_clean in ((clean, True), (later, False)):
+                if not group:
+                    continue
+                for event in {id(e): e for e in (events[f[2]] for f in group) if e is not None}.values():
+                    self._stream.wait_event(event)
+                for layer, expert, slot in group:
                     for dst, src in zip(self.tensors, host_parts[layer]):
                         dst[slot].copy_(src[expert], non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self._stream)
-        for layer, expert, slot in fills:
-            self._pending[(layer, expert)] = (slot, event)
+                copied = torch.cuda.Event()
+                copied.record(self._stream)
+                for layer, expert, slot in group:
+                    self._pending[(layer, expert)] = (slot, copied, is_clean)
 
     def commit(self, wait: bool = False) -> None:
-        """Map the deferred fills whose copies are done (all of them with ``wait``: the compute
-        stream waits for their copies)."""
-        done = [(key, slot, event) for key, (slot, event) in self._pending.items()
-                if wait or event is None or event.query()]
+        """Map the deferred fills: on the compute stream, a wait for each copy's event, then the map
+        writes. Taken: fills into clean slots (their copies started when queued and run during the
+        step in flight: the next step would seldom wait for them) and the others once their copies
+        are done (``Event.query``); all of them with ``wait``."""
+        done = [(key, slot, event) for key, (slot, event, clean) in self._pending.items()
+                if wait or clean or event is None or event.query()]
         if not done:
             return
-        stream = torch.cuda.current_stream(self.device) if self._stream is not None else None
         for event in {id(e): e for _, _, e in done if e is not None}.values():
-            assert stream is not None
-            stream.wait_event(event)
+            torch.cuda.current_stream(self.device).wait_event(event)
         for key, _, _ in done:
             del self._pending[key]
         self._write_map([key for key, _, _ in done], [slot for _, slot, _ in done])
+
+    def _slot_held(self, key: ExpertKey) -> int | None:
+        """The slot ``key`` is mapped to or being copied into (None: neither)."""
+        if key in self._pending:
+            return self._pending[key][0]
+        return self._mapped.get(key)
 
     def is_pending(self, key: ExpertKey) -> bool:
         """``key`` was given a slot whose copy is not mapped yet."""
@@ -162,6 +200,11 @@ class DeviceSlots:
         index = torch.tensor([rows, cols, values], dtype=torch.int64, pin_memory=pinned)
         index = index.to(self.device, non_blocking=pinned)
         self.slot_map[index[0], index[1]] = index[2].to(torch.int32)
+        for key, value in zip(keys, values):
+            if value < 0:
+                self._mapped.pop(key, None)
+            else:
+                self._mapped[key] = value
 
     def wait(self, layer: int) -> None:
         """The compute stream waits for ``layer``'s copies queued so far (before it reads the slots)."""
