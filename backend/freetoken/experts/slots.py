@@ -148,8 +148,9 @@ class DeviceSlots:
         # Slots no step in flight can read first (never mapped, or released by an event that has
         # completed), then those released later: the copy stream waits for their release events.
         events = {slot: self._released.pop(slot, None) for _, _, slot in fills}
-        clean = [f for f in fills if events[f[2]] is None or events[f[2]].query()]
-        later = [f for f in fills if not (events[f[2]] is None or events[f[2]].query())]
+        done = {slot: event is None or event.query() for slot, event in events.items()}  # asked once
+        clean = [f for f in fills if done[f[2]]]
+        later = [f for f in fills if not done[f[2]]]
         with torch.cuda.stream(self._stream):
             for group, is_clean in ((clean, True), (later, False)):
                 if not group:
