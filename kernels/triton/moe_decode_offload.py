@@ -12,6 +12,8 @@ expert hold the same values, so hit or miss changes no result bit.
 
 The routed ids go to the caller's ``routed`` buffer, a miss as ``-1 - e``; the rest (rounding,
 launch shapes, the shared expert) is the resident block's, with its device functions and tiles.
+NVFP4 experts pick the base of each of their three parts (packed codes, block scales, row
+scales) the same way.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import triton.language as tl
 
 from freetoken.kernels.triton._common import cast, new_empty, pow2, round_as
 from freetoken.kernels.triton.moe_decode import TILES, _choice, _down_row, _gate_up_row
+from freetoken.kernels.triton import nvfp4_decode
+from freetoken.kernels.triton.nvfp4_decode import _down, _gate_up
 
 
 @triton.jit
@@ -165,5 +169,164 @@ def sparse_moe_decode_offload(
         hidden, inter, shared_inter, num_experts,
         TOP_K=top_k, BLOCK_N=tiles.down_block_n, BLOCK_K=min(pow2(h_width), tiles.down_block_k),
         num_warps=tiles.down_warps,
+    )
+    return out
+
+
+@triton.jit
+def _offload_nvfp4_gate_up_kernel(
+    x_ptr, x_st, logits_ptr, l_st, map_ptr,
+    slot_w_ptr, slot_s_ptr, slot_r_ptr, host_w_ptr, host_s_ptr, host_r_ptr, sw_ptr, sw_s_ptr, sw_r_ptr,
+    h_ptr, h_width, topw_ptr, topi_ptr,
+    hidden, inter, shared_inter, num_experts,
+    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    p = tl.program_id(0)
+    t = p // (TOP_K + 1)
+    j = p % (TOP_K + 1)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    dtype = h_ptr.dtype.element_ty
+    x_row = x_ptr + t * x_st
+    if j < TOP_K:
+        weight, expert = _choice(logits_ptr + t * l_st, num_experts, j, TOP_K, RENORMALIZE, BLOCK_E)
+        slot = tl.load(map_ptr + expert)
+        hit = slot >= 0
+        if tl.program_id(1) == 0:
+            tl.store(topw_ptr + t * TOP_K + j, weight)
+            tl.store(topi_ptr + t * TOP_K + j, tl.where(hit, expert, -1 - expert))
+        rows = tl.where(hit, slot, expert).to(tl.int64) * 2 * inter  # first row of the flattened [* x 2I, H]
+        gate, up = _gate_up(
+            x_row, tl.where(hit, slot_w_ptr, host_w_ptr) + rows * (hidden // 2),
+            tl.where(hit, slot_s_ptr, host_s_ptr) + rows * (hidden // 16), tl.where(hit, slot_r_ptr, host_r_ptr) + rows,
+            hidden, inter, n, BLOCK_N, BLOCK_K,
+        )
+        limit = inter
+    else:
+        gate, up = _gate_up(x_row, sw_ptr, sw_s_ptr, sw_r_ptr, hidden, shared_inter, n, BLOCK_N, BLOCK_K)
+        limit = shared_inter
+    gate = round_as(gate, dtype)
+    h = round_as(gate * tl.sigmoid(gate), dtype) * round_as(up, dtype)
+    tl.store(h_ptr + p.to(tl.int64) * h_width + n, cast(h, dtype), mask=n < limit)
+
+
+@triton.jit
+def _offload_nvfp4_down_kernel(
+    h_ptr, h_width, map_ptr, slot_w_ptr, slot_s_ptr, slot_r_ptr, host_w_ptr, host_s_ptr, host_r_ptr,
+    sd_ptr, sd_s_ptr, sd_r_ptr, topw_ptr, topi_ptr, logits_ptr, l_st, out_ptr,
+    hidden, inter, shared_inter, num_experts,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    t = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < hidden
+    dtype = out_ptr.dtype.element_ty
+    pairs = t.to(tl.int64) * (TOP_K + 1)
+    routed = tl.zeros([BLOCK_N], tl.float32)
+    for j in range(TOP_K):
+        code = tl.load(topi_ptr + t * TOP_K + j)
+        expert = tl.where(code >= 0, code, -1 - code)
+        slot = tl.load(map_ptr + expert)
+        hit = slot >= 0
+        rows = tl.where(hit, slot, expert).to(tl.int64) * hidden  # first row of the flattened [* x H, I]
+        # The weight as the reference holds it: rounded to the activations' dtype.
+        weight = cast(tl.load(topw_ptr + t * TOP_K + j), dtype).to(tl.float32)
+        acc = _down(
+            h_ptr + (pairs + j) * h_width, tl.where(hit, slot_w_ptr, host_w_ptr) + rows * (inter // 2),
+            tl.where(hit, slot_s_ptr, host_s_ptr) + rows * (inter // 16), tl.where(hit, slot_r_ptr, host_r_ptr) + rows,
+            inter, n, n_ok, BLOCK_N, BLOCK_K,
+        )
+        routed += round_as(round_as(acc, dtype) * weight, dtype)
+    shared = _down(h_ptr + (pairs + TOP_K) * h_width, sd_ptr, sd_s_ptr, sd_r_ptr, shared_inter, n, n_ok, BLOCK_N, BLOCK_K)
+    gate = round_as(tl.sigmoid(tl.load(logits_ptr + t * l_st + num_experts).to(tl.float32)), dtype)
+    out = round_as(routed, dtype) + round_as(gate * round_as(shared, dtype), dtype)
+    tl.store(out_ptr + t * hidden + n, cast(out, dtype), mask=n_ok)
+
+
+def sparse_moe_decode_offload_nvfp4(
+    x: torch.Tensor,
+    gate_logits: torch.Tensor,
+    slot_map: torch.Tensor,
+    slot_w13_packed: torch.Tensor,
+    slot_w13_scales: torch.Tensor,
+    slot_w13_row_scales: torch.Tensor,
+    slot_w2_packed: torch.Tensor,
+    slot_w2_scales: torch.Tensor,
+    slot_w2_row_scales: torch.Tensor,
+    host_w13_packed: torch.Tensor,
+    host_w13_scales: torch.Tensor,
+    host_w13_row_scales: torch.Tensor,
+    host_w2_packed: torch.Tensor,
+    host_w2_scales: torch.Tensor,
+    host_w2_row_scales: torch.Tensor,
+    shared_gate_up_packed: torch.Tensor,
+    shared_gate_up_scales: torch.Tensor,
+    shared_gate_up_row_scales: torch.Tensor,
+    shared_down_packed: torch.Tensor,
+    shared_down_scales: torch.Tensor,
+    shared_down_row_scales: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    routed: torch.Tensor,
+) -> torch.Tensor:
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = host_w13_packed.shape
+    inter, shared_inter = two_inter // 2, shared_gate_up_packed.shape[0] // 2
+    num_slots = slot_w13_packed.shape[0]
+    if (
+        gate_logits.shape != (num_tokens, num_experts + 1)
+        or slot_map.shape != (num_experts,)
+        or routed.shape != (num_tokens, top_k)
+        or not 0 < top_k <= num_experts
+    ):
+        raise ValueError(
+            f"sparse_moe_decode_offload_nvfp4: x {tuple(x.shape)}, gate_logits {tuple(gate_logits.shape)}, "
+            f"slot_map {tuple(slot_map.shape)}, routed {tuple(routed.shape)}, {num_experts} experts, top_k {top_k} "
+            "disagree"
+        )
+    if slot_map.dtype != torch.int32 or routed.dtype != torch.int32 or not routed.is_contiguous():
+        raise ValueError("sparse_moe_decode_offload_nvfp4: slot_map and routed must be contiguous int32")
+    check = nvfp4_decode._check
+    check("host w13", host_w13_packed, host_w13_scales, host_w13_row_scales, (num_experts, two_inter, hidden))
+    check("host w2", host_w2_packed, host_w2_scales, host_w2_row_scales, (num_experts, hidden, inter))
+    check("slot w13", slot_w13_packed, slot_w13_scales, slot_w13_row_scales, (num_slots, two_inter, hidden))
+    check("slot w2", slot_w2_packed, slot_w2_scales, slot_w2_row_scales, (num_slots, hidden, inter))
+    check("shared_gate_up", shared_gate_up_packed, shared_gate_up_scales, shared_gate_up_row_scales,
+          (2 * shared_inter, hidden))
+    check("shared_down", shared_down_packed, shared_down_scales, shared_down_row_scales, (hidden, shared_inter))
+    routed_parts = (slot_w13_packed, slot_w13_scales, slot_w13_row_scales, slot_w2_packed, slot_w2_scales,
+                    slot_w2_row_scales, host_w13_packed, host_w13_scales, host_w13_row_scales, host_w2_packed,
+                    host_w2_scales, host_w2_row_scales)
+    if not all(part.is_contiguous() for part in routed_parts):
+        raise ValueError("sparse_moe_decode_offload_nvfp4: the slot and host parts must be contiguous (copies of "
+                         "host memory would defeat the zero-copy read)")
+    out = new_empty((num_tokens, hidden), x.dtype, x.device)
+    if num_tokens == 0:
+        return out
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    gate_logits = gate_logits if gate_logits.stride(-1) == 1 else gate_logits.contiguous()
+
+    def weight(packed, scales, row_scales):
+        return packed.contiguous(), scales.contiguous().view(torch.uint8), row_scales.contiguous()
+
+    h_width = max(inter, shared_inter)
+    h = new_empty((num_tokens * (top_k + 1), h_width), x.dtype, x.device)
+    top_w = new_empty((num_tokens, top_k), torch.float32, x.device)
+    block_k = nvfp4_decode.BLOCK_K
+    _offload_nvfp4_gate_up_kernel[(num_tokens * (top_k + 1), triton.cdiv(h_width, nvfp4_decode.GATE_UP_BLOCK_N))](
+        x, x.stride(0), gate_logits, gate_logits.stride(0), slot_map,
+        *weight(slot_w13_packed, slot_w13_scales, slot_w13_row_scales),
+        *weight(host_w13_packed, host_w13_scales, host_w13_row_scales),
+        *weight(shared_gate_up_packed, shared_gate_up_scales, shared_gate_up_row_scales),
+        h, h_width, top_w, routed, hidden, inter, shared_inter, num_experts,
+        TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=pow2(num_experts),
+        BLOCK_N=nvfp4_decode.GATE_UP_BLOCK_N, BLOCK_K=min(pow2(hidden), block_k), num_warps=4,
+    )
+    _offload_nvfp4_down_kernel[(num_tokens, triton.cdiv(hidden, nvfp4_decode.DOWN_BLOCK_N))](
+        h, h_width, slot_map, *weight(slot_w2_packed, slot_w2_scales, slot_w2_row_scales),
+        *weight(host_w2_packed, host_w2_scales, host_w2_row_scales),
+        *weight(shared_down_packed, shared_down_scales, shared_down_row_scales),
+        top_w, routed, gate_logits, gate_logits.stride(0), out, hidden, inter, shared_inter, num_experts,
+        TOP_K=top_k, BLOCK_N=nvfp4_decode.DOWN_BLOCK_N, BLOCK_K=min(pow2(h_width), block_k), num_warps=4,
     )
     return out

@@ -89,3 +89,43 @@ def test_sparse_moe_decode_offload_rejects_mismatched_shapes(rng):
         sparse_moe_decode_offload(*args[:2], args[2][:-1], *args[3:], 2, True, _routed(2, 2))
     with pytest.raises(ValueError, match="routed"):
         sparse_moe_decode_offload(*args, 2, True, _routed(2, 3))
+
+
+def _nvfp4(rng, *shape):
+    """Random NVFP4 parts on the host: every code byte, e4m3 scales without NaN, small row scales."""
+    *lead, rows, cols = shape
+    packed = torch.randint(0, 256, (*lead, rows, cols // 2), generator=rng, dtype=torch.uint8)
+    scales = torch.randint(0, 0x7F, (*lead, rows, cols // 16), generator=rng, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    row_scales = torch.rand(*lead, rows, generator=rng) * 2**-6 * cols**-0.5 + 1e-4
+    return [packed, scales, row_scales]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_sparse_moe_decode_offload_nvfp4(rng, dtype, tokens):
+    """NVFP4 experts, every part split alike between scattered slots (holding other values than the
+    host) and pinned host memory; against the reference (the resident NVFP4 block's on the experts
+    as read), in float32 arithmetic as the resident NVFP4 kernel test holds it."""
+    from freetoken.kernels.triton.moe_decode_offload import sparse_moe_decode_offload_nvfp4
+
+    experts, top_k, hidden, inter, shared_inter, num_slots = 7, 3, 80, 32, 48, 5
+    pin = DEVICE.type == "cuda"
+    x = torch.randn(tokens, hidden, generator=rng).to(dtype).to(DEVICE)
+    router = torch.stack([torch.randperm(experts, generator=rng) for _ in range(tokens)]) * 0.25 - 1.5
+    logits = torch.cat([router, torch.randn(tokens, 1, generator=rng)], dim=1).to(dtype).to(DEVICE)
+    first, second = torch.topk(router[0], top_k).indices[:2].tolist()
+    cached = sorted((set(torch.randperm(experts, generator=rng)[:3].tolist()) | {first}) - {second})
+    slot_map = torch.full((experts,), -1, dtype=torch.int32)
+    slot_map[cached] = torch.randperm(num_slots, generator=rng)[: len(cached)].to(torch.int32)
+    host = _nvfp4(rng, experts, 2 * inter, hidden) + _nvfp4(rng, experts, hidden, inter)
+    host = [p.pin_memory() if pin else p for p in host]
+    slots = [p.to(DEVICE) for p in _nvfp4(rng, num_slots, 2 * inter, hidden) + _nvfp4(rng, num_slots, hidden, inter)]
+    shared = [p.to(DEVICE) for p in _nvfp4(rng, 2 * shared_inter, hidden) + _nvfp4(rng, hidden, shared_inter)]
+    slot_map = slot_map.to(DEVICE)
+    got_routed, want_routed = _routed(tokens, top_k), _routed(tokens, top_k)
+    got = sparse_moe_decode_offload_nvfp4(x, logits, slot_map, *slots, *host, *shared, top_k, True, got_routed)
+    want = ref.sparse_moe_decode_offload_nvfp4_reference(
+        x.float(), logits.float(), slot_map, *slots, *host, *shared, top_k, True, want_routed)
+    assert_close(got.float(), want, dtype=dtype)
+    assert torch.equal(got_routed, want_routed)
+    assert want_routed[0, 0] >= 0 and want_routed[0, 1] < 0

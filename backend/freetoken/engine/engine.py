@@ -110,8 +110,8 @@ class Engine:
         if self.config.enforce_eager or self.device.type != "cuda":
             return False
         if self.offload is not None and not self.offload.zero_copy:
-            logger.info("CUDA graphs off: moe_offload of NVFP4 experts decides on the host which experts to copy "
-                        "in each layer (no zero-copy decode kernel for packed experts)")
+            logger.info("CUDA graphs off: moe_offload without the zero-copy decode decides on the host which "
+                        "experts to copy in each layer")
             return False
         if get_kernel_backend() is KernelBackend.TORCH:
             logger.info("CUDA graphs off: kernel_backend torch reads sizes back to the host")

@@ -6,12 +6,12 @@ The models build their MoE blocks through one factory (``experts.store.make_stor
 layer here, so no model file knows about offloading. Once the weights are loaded and the pools
 sized, ``allocate`` makes the device cache.
 
-Two paths run an offloaded layer. Decode forwards of at most ``decode_tokens`` tokens (dense
-experts) run the zero-copy decode kernel: a miss is read from pinned host memory, nothing syncs,
+Two paths run an offloaded layer. Decode forwards of at most ``decode_tokens`` tokens run the
+zero-copy decode kernel (dense or NVFP4 experts, the shared expert stored alike): a miss is read from pinned host memory, nothing syncs,
 so the step can be a CUDA graph; their routed ids reach the host after the step
 (``experts.decode_log``) and ``settle`` counts them and copies the missed experts in for the next
-steps (``experts.slots`` has the ordering argument). Larger forwards, and NVFP4 experts, read the
-routed ids on the host in each layer and copy the misses in before the layer runs (``begin``).
+steps (``experts.slots`` has the ordering argument). Larger forwards read the routed ids on the
+host in each layer and copy the misses in before the layer runs (``begin``).
 """
 
 from __future__ import annotations
@@ -46,6 +46,9 @@ class HostExperts(Protocol):
 
     def is_nvfp4(self) -> bool: ...
 
+    def zero_copy_ready(self) -> bool:
+        """The zero-copy decode kernel can run this layer (its shared expert stored as its experts)."""
+
 
 class ExpertOffload:
     def __init__(self, policy: str, pin: bool, prefetch: bool = False) -> None:
@@ -58,7 +61,7 @@ class ExpertOffload:
         self.layers: list[HostExperts] = []
         self.table: SlotTable | None = None
         self.slots: DeviceSlots | None = None
-        self.log: RoutedLog | None = None  # the zero-copy decode forwards' routed ids (dense experts)
+        self.log: RoutedLog | None = None  # the zero-copy decode forwards' routed ids
         self.nvfp4 = False
         self._parts: list[list[torch.Tensor]] = []
 
@@ -84,8 +87,8 @@ class ExpertOffload:
     def allocate(self, num_slots: int, device: torch.device, decode_tokens: int = 0) -> None:
         """The device cache of ``num_slots`` experts, after loading (NVFP4 loading replaces the dense
         host weights by packed ones, which are pinned here). Forwards of at most ``decode_tokens``
-        tokens run the zero-copy decode kernel when the experts are dense (NVFP4 experts: always
-        the eager path, which has no packed zero-copy kernel)."""
+        tokens run the zero-copy decode kernel, when every layer's routed and shared experts are
+        stored alike (both dense or both NVFP4)."""
         kinds = {layer.is_nvfp4() for layer in self.layers}
         if len(kinds) != 1:
             raise ValueError("moe_offload: every layer's experts must be stored alike (all NVFP4 or all dense)")
@@ -101,8 +104,11 @@ class ExpertOffload:
                         p.data = p.data.pin_memory()
         self.table = SlotTable(num_slots, make_policy(self.policy), self.expert_bytes)
         self.slots = DeviceSlots(self._parts[0], num_slots, len(self.layers), device)
-        if decode_tokens > 0 and not self.nvfp4:
+        if decode_tokens > 0 and all(layer.zero_copy_ready() for layer in self.layers):
             self.log = RoutedLog(len(self.layers), decode_tokens, self.layers[0].top_k, device)
+        else:
+            logger.info("moe_offload: no zero-copy decode (a layer's shared expert is stored unlike its "
+                        "experts): every forward reads its routed ids on the host, without CUDA graphs")
         logger.info(
             "expert cache: %d slots of %.2f MiB (%.2f GiB) for %d layers x %d experts (%.1f%%), policy %s",
             num_slots, self.expert_bytes / 2**20, self.slots.nbytes / 2**30, len(self.layers), self.num_experts,

@@ -69,6 +69,8 @@ class OffloadedExperts(nn.Module):
         self.offload = offload  # not a module: shared by every layer
         self.layer = offload.register(self)
         self.router: Callable[[torch.Tensor], torch.Tensor] | None = None  # x -> topk ids, set by the MoE block
+        # The MoE block's shared expert (gate_up, down), set by the block: the decode kernel runs it too.
+        self.shared: Callable[[], tuple[Weight, Weight]] | None = None
 
     def predict(self, x: torch.Tensor) -> list[int]:
         assert self.router is not None, "prefetch needs the MoE block's router (SparseMoE sets it)"
@@ -80,22 +82,34 @@ class OffloadedExperts(nn.Module):
     def is_nvfp4(self) -> bool:
         return isinstance(self.w13, NVFP4Weight) and isinstance(self.w2, NVFP4Weight)
 
+    def zero_copy_ready(self) -> bool:
+        """The zero-copy decode kernel can run this layer: routed and shared experts both dense, or
+        both NVFP4 (``kernels.moe_decode_offload``)."""
+        assert self.shared is not None, "the MoE block sets its shared expert"
+        weights = (self.w13, self.w2, *self.shared())
+        return all(isinstance(w, torch.Tensor) for w in weights) or all(isinstance(w, NVFP4Weight) for w in weights)
+
     def decodes(self, num_tokens: int) -> bool:
         return self.offload.decodes(num_tokens)
 
-    def decode(self, x: torch.Tensor, gate_logits: torch.Tensor, shared_gate_up: Weight, shared_down: Weight,
-               top_k: int, renormalize: bool) -> torch.Tensor:
+    def decode(self, x: torch.Tensor, gate_logits: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
         """The MoE block after its router GEMM for a decode forward (``decodes``): every routed
         expert from its cache slot or from pinned host memory; the routed ids go to the offload's
         log (``experts.decode_log``). No host sync."""
-        if not (isinstance(shared_gate_up, torch.Tensor) and isinstance(shared_down, torch.Tensor)):
-            raise TypeError("moe_offload: the zero-copy decode needs a dense shared expert when the routed "
-                            f"experts are dense, got {type(shared_gate_up).__name__} / {type(shared_down).__name__}")
         slots = self.offload.slots
-        assert slots is not None and isinstance(self.w13, torch.Tensor) and isinstance(self.w2, torch.Tensor)
+        assert slots is not None and self.shared is not None
+        shared_gate_up, shared_down = self.shared()
+        slot_map, routed = slots.slot_map[self.layer], self.offload.routed_out(self.layer, x.shape[0])
+        if self.offload.nvfp4:
+            assert isinstance(shared_gate_up, NVFP4Weight) and isinstance(shared_down, NVFP4Weight)
+            return kernels.sparse_moe_decode_offload_nvfp4(
+                x, gate_logits, slot_map, *slots.tensors, *self.host_parts(), *_parts(shared_gate_up),
+                *_parts(shared_down), top_k, renormalize, routed,
+            )
+        assert isinstance(shared_gate_up, torch.Tensor) and isinstance(shared_down, torch.Tensor)
         return kernels.sparse_moe_decode_offload(
-            x, gate_logits, slots.slot_map[self.layer], slots.tensors[0], slots.tensors[1], self.w13, self.w2,
-            shared_gate_up, shared_down, top_k, renormalize, self.offload.routed_out(self.layer, x.shape[0]),
+            x, gate_logits, slot_map, slots.tensors[0], slots.tensors[1], self.w13, self.w2,
+            shared_gate_up, shared_down, top_k, renormalize, routed,
         )
 
     def prepare(self, x: torch.Tensor, topk_ids: torch.Tensor) -> _Passes:
