@@ -111,8 +111,9 @@ PREFETCH_SLOTS = {"qwen3_5_moe": 12, "qwen4_exp": 6}  # one layer's experts and 
 
 @families
 def test_prefetch_greedy_equals_transformers_and_counts(family):
-    """The next layer's router on this layer's input picks experts to copy ahead: tokens unchanged;
-    prefetches are not uses (hits + misses still count the routed ones), their bytes are counted."""
+    """The next layer's router on this layer's input picks experts to copy ahead (prefill chunks:
+    the eager path): tokens unchanged; prefetches are not uses (hits + misses still count the
+    routed ones), their bytes are counted."""
     llm = _llm(family, slots=PREFETCH_SLOTS[family], expert_prefetch=True)
     uses = []
 
@@ -127,7 +128,10 @@ def test_prefetch_greedy_equals_transformers_and_counts(family):
     stats = llm.runtime.stats().expert_cache
     assert stats.hits + stats.misses == sum(uses)
     assert 0 < stats.prefetch_hits <= stats.prefetched
-    assert stats.bytes_copied == (stats.misses + stats.prefetched) * llm.runtime.engine.offload.expert_bytes
+    # every copy is a miss's or a prefetch's (a zero-copy decode miss is copied at most once)
+    expert_bytes = llm.runtime.engine.offload.expert_bytes
+    assert stats.bytes_copied % expert_bytes == 0
+    assert stats.prefetched * expert_bytes < stats.bytes_copied <= (stats.misses + stats.prefetched) * expert_bytes
 
 
 def test_one_pass_when_the_cache_holds_everything():

@@ -21,8 +21,9 @@ from graph_padding import with_padded_decode
 from oracle import DEMO, PAGE_SIZE, assert_greedy_batch, batch_prompts, checkpoint
 
 # Demo models: 4 layers of 8 (Qwen3.5) / of 4 (Qwen4-Exp) experts, top-2. Caches smaller than one
-# layer's experts, and one of half the experts (16 of 32: it evicts ahead, ``SlotTable.reserve``).
-CASES = [("qwen3_5_moe", True, 3), ("qwen3_5_moe", False, 16), ("qwen4_exp", False, 2)]
+# layer's experts (one slot: a layer's admission evicts the one an earlier layer of the same step
+# just took), and one of half the experts (16 of 32: it evicts ahead, ``SlotTable.reserve``).
+CASES = [("qwen3_5_moe", True, 3), ("qwen3_5_moe", False, 16), ("qwen4_exp", False, 1)]
 
 
 @pytest.mark.parametrize("family,padded,slots", CASES, ids=str)
@@ -41,6 +42,19 @@ def test_zero_copy_decode_greedy_equals_transformers(monkeypatch, family, padded
         return evicted
 
     monkeypatch.setattr(offload.table, "reserve", counted_reserve)
+    copies: list[int] = []  # experts copied into slots, by either path
+    fill, fill_deferred = offload.slots.fill, offload.slots.fill_deferred
+
+    def counted_fill(layer, host_parts, placed, evicted, ahead=False):
+        copies.append(len(placed))
+        fill(layer, host_parts, placed, evicted, ahead)
+
+    def counted_fill_deferred(fills, evicted, host_parts):
+        copies.append(len(fills))
+        fill_deferred(fills, evicted, host_parts)
+
+    monkeypatch.setattr(offload.slots, "fill", counted_fill)
+    monkeypatch.setattr(offload.slots, "fill_deferred", counted_fill_deferred)
     runner = with_padded_decode(llm, 8) if padded else None
     codes: list[torch.Tensor] = []
     decode = kernels.sparse_moe_decode_offload
@@ -79,6 +93,7 @@ def test_zero_copy_decode_greedy_equals_transformers(monkeypatch, family, padded
     uses = sum(routed[f * layers + l][:real].unique().numel() for f, real in enumerate(forwards) for l in range(layers))
     stats = llm.runtime.stats().expert_cache
     assert stats.hits + stats.misses == uses
+    assert stats.bytes_copied == sum(copies) * offload.expert_bytes
     assert 0 < stats.bytes_copied <= stats.misses * offload.expert_bytes
     if runner is not None:
         assert any(n < size for n, size in runner.runs), "no padded decode batch ran"

@@ -157,8 +157,9 @@ class ExpertOffload:
                 continue
             routed.update((layer, e) for e in experts)
             placed, gone = table.observe(layer, experts, hits)
-            for key in gone:  # a slot given earlier in this record is handed on: that copy is moot
-                fills.pop(key, None)
+            for key in gone:  # a slot given earlier in this record is handed on: that copy is not made
+                if fills.pop(key, None) is not None:
+                    table.counters.bytes_copied -= table.expert_bytes
             evicted += gone
             fills.update(((layer, e), (layer, e, slot)) for e, slot in placed)
         # Evict ahead for the next settle's misses: slots whose release is behind the step in flight

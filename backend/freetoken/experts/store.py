@@ -2,9 +2,9 @@
 
 ``SparseMoE`` routes, then asks its store in two calls: ``prepare(topk_ids)`` (an offloaded store
 queues the copies of the experts it misses) and, after the shared expert was queued (it overlaps
-those copies), ``compute(x, topk_weights, routing)``. A decode forward of an offloaded store with
-dense experts (``decodes``) instead runs the whole block after the router GEMM as one zero-copy
-kernel (``decode``; ``experts.offload``).
+those copies), ``compute(x, topk_weights, routing)``. A decode forward of an offloaded store
+(``decodes``) instead runs the whole block after the router GEMM as one zero-copy kernel
+(``decode``; ``experts.offload``).
 
 - ``ResidentExperts``: the fused ``w13 [E, 2I, H]`` / ``w2 [E, H, I]`` on the device.
 - ``OffloadedExperts``: the same tensors in host memory; they run from the device cache of
