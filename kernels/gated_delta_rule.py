@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from freetoken.kernels.dispatch import op
+from freetoken.kernels.prefill_snapshots import DELTA_RULE_CHUNK, PrefillSnapshots
 
-CHUNK_SIZE = 64
+CHUNK_SIZE = DELTA_RULE_CHUNK
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -81,23 +82,38 @@ def gated_delta_rule_prefill_reference(
     state: torch.Tensor,
     state_slots: torch.Tensor,
     cu_seqlens: torch.Tensor,
+    snapshots: PrefillSnapshots | None = None,
 ) -> torch.Tensor:
     """Chunks of several requests: ``q, k [T, Hk, Dk]``, ``v [T, Hv, Dv]``, ``g, beta [T, Hv]``.
 
-    Each request starts from ``state[state_slots[b]]`` and leaves its final state there.
-    Returns ``o [T, Hv, Dv]`` in ``v``'s dtype.
+    Each request starts from ``state[state_slots[b]]`` and leaves its final state there. With
+    ``snapshots``, a request is run as segments split at its snapshot boundaries (each chunked from
+    its own start, as chunks cut there would be), and the state after each such segment is stored
+    in the snapshot's row of ``state``. Returns ``o [T, Hv, Dv]`` in ``v``'s dtype.
     """
     num_v_heads = v.shape[1]
     qn, kn = _prepare(q, k, num_v_heads)
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     starts = cu_seqlens.tolist()
+    cuts: dict[int, list[tuple[int, int]]] = {}  # request -> [(offset, snapshot row)], ascending
+    if snapshots is not None:
+        for request, offset, slot in zip(*(t.tolist() for t in (snapshots.requests, snapshots.offsets, snapshots.slots))):
+            cuts.setdefault(request, []).append((offset, slot))
     for b, slot in enumerate(state_slots.tolist()):
         start, end = starts[b], starts[b + 1]
         if end == start:
             continue
-        heads_first = [x[start:end].transpose(0, 1).float() for x in (qn, kn, v, g, beta)]
-        o, state[slot] = chunked_delta_rule(*heads_first, state[slot].float())
-        out[start:end] = o.transpose(0, 1)
+        s = state[slot].float()
+        segment_start = start
+        # The segments end at each snapshot boundary (the state stored in its row), then at the
+        # request's end (the final state, into its own slot).
+        for offset, destination in [*sorted(cuts.get(b, [])), (end - start, slot)]:
+            segment_end = start + offset
+            heads_first = [x[segment_start:segment_end].transpose(0, 1).float() for x in (qn, kn, v, g, beta)]
+            o, s = chunked_delta_rule(*heads_first, s)
+            out[segment_start:segment_end] = o.transpose(0, 1)
+            state[destination] = s
+            segment_start = segment_end
     return out.to(v.dtype)
 
 

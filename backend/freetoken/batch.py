@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from freetoken.kernels.prefill_snapshots import PrefillSnapshots
 
 
 @dataclass
@@ -29,6 +33,9 @@ class ForwardBatch:
     # max_model_len in a CUDA graph): scratch sized from it needs no device->host sync.
     max_seq_len: int
     query_lens: list[int]  # new tokens per request (host copy)
+    # States the forward writes into snapshot slots at boundaries inside the prefill rows, indexed
+    # like ``prefill_part()`` (its rows and tokens); None: none this step.
+    snapshots: PrefillSnapshots | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -69,6 +69,17 @@ class PageUpdate:
     pages: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class RowSnapshot:
+    """A prefix-cache snapshot taken by the forward itself: the state of row ``row`` after its
+    first ``offset`` new tokens (a boundary inside its chunk, ``0 < offset < num_new``) is written
+    into snapshot slot ``slot``, so the chunk need not be cut there."""
+
+    row: int
+    offset: int
+    slot: int
+
+
 @dataclass
 class StepPlan:
     """One forward step. Rows with one new token come first (``ForwardBatch`` order)."""
@@ -82,6 +93,8 @@ class StepPlan:
     # snapshots (request slot -> snapshot slot) and restores (snapshot slot -> request slot).
     # Destinations are distinct; snapshot slots (ids >= the request slots) appear only here.
     copy_slots: list[tuple[int, int]] = field(default_factory=list)
+    # Snapshots inside prefill rows, taken during the forward (models with ``snapshots_in_forward``).
+    snapshots: list[RowSnapshot] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -94,7 +94,8 @@ class Runtime:
             snapshot_slots = range(sizes.num_slots, sizes.num_state_slots)
             prefix_cache = PrefixCache(pages, snapshot_slots, self.engine.model.prefix_alignment(config.page_size))
         self.scheduler = Scheduler(
-            pages, slots, config.max_prefill_length, config.max_running_requests, prefix_cache
+            pages, slots, config.max_prefill_length, config.max_running_requests, prefix_cache,
+            snapshots_in_forward=self.engine.model.snapshots_in_forward,
         )
         self.max_total_tokens = min(self.engine.max_model_len, pages.capacity * pages.page_size)
         self.eos_token_ids = set(self.engine.loaded.eos_token_ids)

@@ -30,9 +30,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from freetoken.kernels.prefill_snapshots import DELTA_RULE_CHUNK, PrefillSnapshots
 from freetoken.kernels.triton._common import cast, device_function, dot, dot_precision, new_empty, pow2
 
-CHUNK = 64
+CHUNK = DELTA_RULE_CHUNK
 # Loads of the state pass are issued this many chunks minus one ahead: with 2 (round 1) the next
 # chunk's W and keys were requested only after this chunk's products, so every chunk waited for them.
 STATE_PASS_STAGES = 3
@@ -141,14 +142,20 @@ def _intra_chunk_kernel(
 def _state_pass_kernel(
     k_ptr, k_st, k_sh, w_ptr, u_ptr, to_end_ptr, chunk_decay_ptr,
     state_ptr, st_ss, st_sh, st_sk, slot_ptr, cu_ptr, cu_chunks_ptr, states_ptr, v_new_ptr,
+    request_chunks_ptr, chunk_rows_ptr, chunk_ends_ptr, chunk_snapshot_ptr,
     num_tokens, num_v_heads, key_dim, value_dim,
     HEAD_RATIO: tl.constexpr, CHUNK_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, SEGMENTED: tl.constexpr,
 ):
     """The only sequential part, per (request, head, block of value dims): for each chunk, store
     the state at its start, ``v' = U − W·S`` (stored), ``S = e^γ_last S + k̂ᵀ (e^(γ_last−γ) v')``.
     Two dependent products per chunk; the loads do not depend on the state, so they pipeline.
-    The state's columns evolve independently, so value blocks need no communication."""
+    The state's columns evolve independently, so value blocks need no communication.
+
+    ``SEGMENTED`` (prefix-cache snapshots inside the chunk, ``PrefillSnapshots``): the request's
+    chunks are those of its segments, in order, each chunk's rows read from the per-chunk tables
+    (three independent loads, no chain); the state after a chunk that ends a segment at a snapshot
+    is stored in the snapshot's row too."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     op = w_ptr.dtype.element_ty
@@ -157,23 +164,33 @@ def _state_pass_kernel(
     kcols = tl.arange(0, BLOCK_K)
     k_ok = kcols < key_dim
     s_mask = k_ok[:, None] & v_ok[None, :]
-    start = tl.load(cu_ptr + b)
-    end = tl.load(cu_ptr + b + 1)
-    first_chunk = tl.load(cu_chunks_ptr + b)
+    if SEGMENTED:
+        first_chunk = tl.load(request_chunks_ptr + b)
+        num_chunks = tl.load(request_chunks_ptr + b + 1) - first_chunk
+    else:
+        start = tl.load(cu_ptr + b)
+        end = tl.load(cu_ptr + b + 1)
+        first_chunk = tl.load(cu_chunks_ptr + b)
+        num_chunks = tl.cdiv(end - start, CHUNK_SIZE)
     slot = tl.load(slot_ptr + b).to(tl.int64)
-    s_ptrs = state_ptr + slot * st_ss + h * st_sh + kcols[:, None] * st_sk + vcols[None, :]
+    s_cols = h * st_sh + kcols[:, None] * st_sk + vcols[None, :]
+    s_ptrs = state_ptr + slot * st_ss + s_cols
     state = tl.load(s_ptrs, mask=s_mask, other=0.0)
     idx = tl.arange(0, CHUNK_SIZE)
     kp = k_ptr + (h // HEAD_RATIO) * k_sh
-    num_chunks = tl.cdiv(end - start, CHUNK_SIZE)
     # The chunk decay is loaded a chunk ahead by hand: the software pipeline prefetches tensors only.
     next_decay = tl.load(chunk_decay_ptr + first_chunk * num_v_heads + h, mask=num_chunks > 0, other=1.0)
     for c in range(0, num_chunks):
         chunk_decay = next_decay
         next_decay = tl.load(chunk_decay_ptr + (first_chunk + c + 1) * num_v_heads + h, mask=c + 1 < num_chunks,
                              other=1.0)
-        rows = start + c * CHUNK_SIZE + idx
-        row_ok = rows < end
+        if SEGMENTED:
+            rows = tl.load(chunk_rows_ptr + first_chunk + c) + idx
+            row_ok = rows < tl.load(chunk_ends_ptr + first_chunk + c)
+            snapshot = tl.load(chunk_snapshot_ptr + first_chunk + c)
+        else:
+            rows = start + c * CHUNK_SIZE + idx
+            row_ok = rows < end
         head_rows = h.to(tl.int64) * num_tokens + rows
         chunk = (first_chunk + c) * num_v_heads + h
         tl.store(states_ptr + chunk.to(tl.int64) * (key_dim * value_dim) + kcols[:, None] * value_dim + vcols[None, :],
@@ -188,6 +205,9 @@ def _state_pass_kernel(
         tl.store(v_new_ptr + head_rows[:, None] * value_dim + vcols[None, :], cast(v_new, op),
                  mask=row_ok[:, None] & v_ok[None, :])
         state = state * chunk_decay + dot(cast(k_t.to(tl.float32), op), cast(v_new * to_end[:, None], op), PRECISION)
+        if SEGMENTED:
+            if snapshot >= 0:  # the chunk ends a segment at a snapshot: the state goes there
+                tl.store(state_ptr + snapshot * st_ss + s_cols, state, mask=s_mask)
     tl.store(s_ptrs, state, mask=s_mask)
 
 
@@ -286,11 +306,13 @@ def gated_delta_rule_prefill(
     state: torch.Tensor,
     state_slots: torch.Tensor,
     cu_seqlens: torch.Tensor,
+    snapshots: PrefillSnapshots | None = None,
 ) -> torch.Tensor:
     """Three launches: the chunk inverses applied as W and U (parallel over every chunk of every
     request and head), the sequential state pass, the outputs (parallel). Intermediates are stored
     in the dot-operand dtype: the activations' half-precision dtype (full-rate tensor cores),
-    float32 in float32 runs."""
+    float32 in float32 runs. With ``snapshots`` the chunks are those of the requests' segments
+    (laid out on the host) and the state pass also stores the states at the snapshot boundaries."""
     _check(q, k, v, g, beta, state)
     q, k, v, g, beta = _unit_stride(q, k, v, g, beta)
     num_tokens, num_v_heads, value_dim = v.shape
@@ -300,13 +322,24 @@ def gated_delta_rule_prefill(
     if num_tokens == 0 or num_requests == 0:
         return out
     device = v.device
-    lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    cu_chunks = F.pad(torch.cumsum((lens + CHUNK - 1) // CHUNK, 0), (1, 0)).to(torch.int32)
-    max_chunks = triton.cdiv(num_tokens, CHUNK) + num_requests
-    # The request of every chunk (num_requests past the last one), found on the device.
-    chunk_request = torch.searchsorted(
-        cu_chunks[1:].contiguous(), torch.arange(max_chunks, dtype=torch.int32, device=device), right=True, out_int32=True
-    )
+    if snapshots is None:
+        num_segments = num_requests
+        segment_cu = cu_seqlens
+        lens = cu_seqlens[1:] - cu_seqlens[:-1]
+        cu_chunks = F.pad(torch.cumsum((lens + CHUNK - 1) // CHUNK, 0), (1, 0)).to(torch.int32)
+        max_chunks = triton.cdiv(num_tokens, CHUNK) + num_requests
+        # The request of every chunk (num_requests past the last one), found on the device.
+        chunk_request = torch.searchsorted(
+            cu_chunks[1:].contiguous(), torch.arange(max_chunks, dtype=torch.int32, device=device), right=True,
+            out_int32=True,
+        )
+        request_chunks = chunk_rows = chunk_ends = chunk_snapshot = cu_chunks  # unread
+    else:
+        num_segments = num_requests + snapshots.num_snapshots
+        segment_cu, cu_chunks, chunk_request = snapshots.segment_cu, snapshots.segment_chunks_cu, snapshots.chunk_segment
+        request_chunks, chunk_rows, chunk_ends = snapshots.request_chunks, snapshots.chunk_rows, snapshots.chunk_ends
+        chunk_snapshot = snapshots.chunk_snapshot
+        max_chunks = snapshots.num_chunks
     operand = k.dtype if k.dtype in (torch.bfloat16, torch.float16) else torch.float32
     precision = dot_precision(v.dtype)
     block_k, block_v = pow2(key_dim, 16), pow2(value_dim, 16)
@@ -319,8 +352,8 @@ def gated_delta_rule_prefill(
     chunk_decay = new_empty((max_chunks, num_v_heads), torch.float32, device)
     _intra_chunk_kernel[(max_chunks, num_v_heads)](
         k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), beta, beta.stride(0), g, g.stride(0),
-        cu_seqlens, cu_chunks, chunk_request, w, u, to_end, chunk_decay,
-        num_requests, num_tokens, num_v_heads, key_dim, value_dim,
+        segment_cu, cu_chunks, chunk_request, w, u, to_end, chunk_decay,
+        num_segments, num_tokens, num_v_heads, key_dim, value_dim,
         **common, BLOCK_V=block_v, num_warps=4,
     )
     states = new_empty((max_chunks, num_v_heads, key_dim, value_dim), operand, device)
@@ -328,15 +361,16 @@ def gated_delta_rule_prefill(
     pass_v = state_pass_block_v(num_requests * num_v_heads, value_dim, device)
     _state_pass_kernel[(num_requests, num_v_heads, triton.cdiv(value_dim, pass_v))](
         k, k.stride(0), k.stride(1), w, u, to_end, chunk_decay,
-        state, state.stride(0), state.stride(1), state.stride(2), state_slots, cu_seqlens, cu_chunks, states, v_new,
+        state, state.stride(0), state.stride(1), state.stride(2), state_slots, segment_cu, cu_chunks, states, v_new,
+        request_chunks, chunk_rows, chunk_ends, chunk_snapshot,
         num_tokens, num_v_heads, key_dim, value_dim,
-        **common, BLOCK_V=pass_v, num_warps=4, num_stages=STATE_PASS_STAGES,
+        **common, BLOCK_V=pass_v, SEGMENTED=snapshots is not None, num_warps=4, num_stages=STATE_PASS_STAGES,
     )
     out_v = min(block_v, OUTPUT_BLOCK_V)
     _output_kernel[(max_chunks * triton.cdiv(value_dim, out_v), num_v_heads)](
         q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), g, g.stride(0),
-        cu_seqlens, cu_chunks, chunk_request, states, v_new, out,
-        num_requests, num_tokens, num_v_heads, key_dim, value_dim, key_dim**-0.5,
+        segment_cu, cu_chunks, chunk_request, states, v_new, out,
+        num_segments, num_tokens, num_v_heads, key_dim, value_dim, key_dim**-0.5,
         **common, BLOCK_V=out_v, num_warps=4,
     )
     return out

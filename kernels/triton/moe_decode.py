@@ -1,161 +1,244 @@
-"""Triton sparse MoE block for a few tokens (decode): routing, routed and shared experts in two launches.
+"""Triton sparse MoE block for a few tokens (decode): routing, routed and shared experts in three launches.
 
 ``sparse_moe_decode`` replaces, after the router GEMM, the eleven launches of the general path
 (top-k softmax, count, scatter, grouped gate/up, grouped down, per-token sum, shared gate/up GEMM,
-SiLU-and-mul, shared down GEMM, combine) with two:
+SiLU-and-mul, shared down GEMM, combine) with three, each shaped so that its weight loads are
+issued together (at one token the block is a pure weight stream: about 56 MB per layer at the
+Qwen3.6-35B-A3B shape, 13 us at the H200's bandwidth):
 
-1. ``_gate_up_kernel``, one program per (token, choice or shared expert, block of intermediate
-   columns): the program finds its token's ``j``-th expert from the router logits itself (softmax
-   and top-k over one row, cheap next to the weight rows it reads; lowest index among ties, as the
-   general kernel), the column block 0 program stores the routing weight and expert id, and every
-   program writes its ``silu(gate) · up`` block. No sort: each (token, expert) pair reads its
-   expert's rows, so an expert two tokens share is read twice (from L2 when they run together);
-   that is why the layers take this path only for a few tokens (``layers.moe.DECODE_MAX_TOKENS``).
-2. ``_down_kernel``, one program per (token, block of hidden columns): the down projections of the
-   token's choices, each rounded and scaled by its routing weight, summed in float32, plus
-   ``sigmoid(gate) · shared`` (the shared expert's down projection). ``DecodeTiles`` sets the
-   launch shape; ``benchmarks/tune_moe_decode.py`` times the candidates on the GPU (the default
-   was the fastest at one token on the H200; docs/benchmarks.md).
+1. ``_route_kernel``, one program per token: softmax and top-k over its router logits (lowest
+   index among ties, as the general kernel), optionally renormalized; writes the float32 routing
+   weights and int32 expert ids. Done once here, the eight dependent reductions no longer delay
+   every gate/up program's first weight load (docs/benchmarks.md, issue 9).
+2. ``_gate_up_kernel``, one program per (``gate_up_pairs`` consecutive (token, choice or shared
+   expert) pairs, block of intermediate columns): loads its pairs' expert ids and streams their gate
+   and up rows as one gathered ``[pairs, block_n, block_k]`` load each, writing ``silu(gate) · up``.
+   No sort: each pair reads its expert's rows, so an expert two tokens share is read twice (from L2
+   when they run together); that is why the layers take this path only for a few tokens
+   (``layers.moe.DECODE_MAX_TOKENS``).
+3. ``_down_kernel``, one program per (token, block of hidden columns): the down rows of all the
+   token's choices as one gathered ``[top_k, block_n, block_k]`` load (per-choice expert offsets),
+   beside the shared expert's rows; each choice's projection rounded and scaled by its routing
+   weight, summed in float32 (a fixed order, no atomics), plus ``sigmoid(gate) · shared``.
+
+Where the GPU has programmatic dependent launch (sm_90 on; ``DecodeTiles.pdl``), each of the three
+starts while the previous one finishes and waits (``griddepcontrol.wait``) only before reading its
+output: the gate/up programs are resident when the routing is done, and the down programs stream
+their weights while the gate/up pass ends. ``DecodeTiles`` sets the launch shapes;
+``benchmarks/tune_moe_decode.py`` times the candidates on the GPU.
 
 Rounding follows the reference (projections, SiLU, products and the combine rounded to the
-activations' dtype). Grids depend only on the token count, so the launch is capture-safe.
+activations' dtype). Grids depend only on the token count, so the launches are capture-safe.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, fields
 
 import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels.triton._common import cast, device_function, new_empty, pow2, round_as
+from freetoken.kernels.triton._common import INTERPRETED, cast, device_function, new_empty, pow2, round_as
+
+# One warp routes a token: 256 logits are 8 per lane, and every reduction stays within the warp.
+ROUTE_WARPS = 1
 
 
 @dataclass(frozen=True)
 class DecodeTiles:
-    """Launch shape of the two passes: rows per program (``block_n``), the reduction step
-    (``block_k``, capped at the reduced dimension) and warps."""
+    """Launch shapes: rows per program (``*_block_n``), the reduction step (``*_block_k``, capped at
+    the reduced dimension: at the cap one load covers it), (token, expert) pairs per gate/up program
+    (``gate_up_pairs``) and warps, all powers of two; ``pdl``: programmatic dependent launch, where
+    the GPU has it (sm_90 on), so each launch starts while the previous one finishes and the down
+    pass's weight loads overlap the gate/up pass."""
 
-    gate_up_block_n: int = 16
-    gate_up_block_k: int = 256
-    gate_up_warps: int = 4
+    gate_up_block_n: int = 4
+    gate_up_block_k: int = 2048
+    gate_up_pairs: int = 1
+    gate_up_warps: int = 8
     down_block_n: int = 8
     down_block_k: int = 256
-    down_warps: int = 4
+    down_warps: int = 8
+    pdl: bool = True
+
+    def __post_init__(self) -> None:
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, bool) and (value < 1 or value & (value - 1)):
+                raise ValueError(f"DecodeTiles.{field.name} must be a power of two, got {value}")
 
 
 TILES = DecodeTiles()
 
 
 @device_function
-def _choice(row_ptr, num_experts, j, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr):
-    """(routing weight in float32, expert id) of choice ``j`` of one token's router logits."""
+def _top_k(row_ptr, num_experts, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr):
+    """(routing weights in float32, expert ids), both ``[BLOCK_E]`` with choice ``c`` in lane ``c``
+    (lanes from ``TOP_K`` on hold zeros), of one token's router logits.
+
+    The choices compare the probabilities' bits as int32 (non-negative floats order as their bits
+    do): a warp reduces 32-bit integers in one instruction (``redux.sync``), floats in five shuffles."""
     e = tl.arange(0, BLOCK_E)
     ok = e < num_experts
     logits = tl.load(row_ptr + e, mask=ok, other=0.0).to(tl.float32)
     logits = tl.where(ok, logits, float("-inf"))
     p = tl.exp(logits - tl.max(logits, 0))
-    p = tl.where(ok, p / tl.sum(p, 0), -1.0)
+    key = tl.where(ok, (p / tl.sum(p, 0)).to(tl.int32, bitcast=True), -1)
     total = tl.sum(tl.zeros([BLOCK_E], tl.float32), 0)
-    weight = total
-    expert = tl.sum(tl.zeros([BLOCK_E], tl.int32), 0)
+    weights = tl.zeros([BLOCK_E], tl.float32)
+    experts = tl.zeros([BLOCK_E], tl.int32)
     for c in tl.static_range(TOP_K):
-        best = tl.max(p, 0)
-        best_i = tl.min(tl.where(p == best, e, BLOCK_E), 0)
+        best_key = tl.max(key, 0)
+        best_i = tl.min(tl.where(key == best_key, e, BLOCK_E), 0)
+        best = best_key.to(tl.float32, bitcast=True)
         total += best
-        weight = tl.where(j == c, best, weight)
-        expert = tl.where(j == c, best_i, expert)
-        p = tl.where(e == best_i, -2.0, p)
+        weights = tl.where(e == c, best, weights)
+        experts = tl.where(e == c, best_i, experts)
+        key = tl.where(e == best_i, -1, key)
     if RENORMALIZE:
-        weight = weight / total
-    return weight, expert
+        weights = weights / total
+    return weights, experts
 
 
 @device_function
-def _gate_up_row(x_row, w_base, w_sn, hidden, inter, n, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Float32 ``(x·w_gate[n], x·w_up[n])`` of one row ``x`` against a ``[2·inter, hidden]`` weight."""
-    n_ok = n < inter
-    acc_gate = tl.zeros([BLOCK_N], tl.float32)
-    acc_up = tl.zeros([BLOCK_N], tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < hidden
-        xv = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        mask = n_ok[:, None] & k_ok[None, :]
-        w_gate = tl.load(w_base + n[:, None] * w_sn + k[None, :], mask=mask, other=0.0).to(tl.float32)
-        w_up = tl.load(w_base + (inter + n)[:, None] * w_sn + k[None, :], mask=mask, other=0.0).to(tl.float32)
-        acc_gate += tl.sum(w_gate * xv, 1)
-        acc_up += tl.sum(w_up * xv, 1)
-    return acc_gate, acc_up
+def _choice(row_ptr, num_experts, j, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr):
+    """(routing weight in float32, expert id) of choice ``j`` of one token's router logits (the
+    NVFP4 decode block routes inside its gate/up programs)."""
+    weights, experts = _top_k(row_ptr, num_experts, TOP_K, RENORMALIZE, BLOCK_E)
+    lane = tl.arange(0, BLOCK_E) == j
+    return tl.sum(tl.where(lane, weights, 0.0), 0), tl.sum(tl.where(lane, experts, 0), 0)
 
 
-@device_function
-def _down_row(h_row, w_base, w_sn, inter, n, n_ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Float32 ``h·w[n]`` of one row ``h [inter]`` against a ``[hidden, inter]`` weight."""
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < inter
-        hv = tl.load(h_row + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        w = tl.load(w_base + n[:, None] * w_sn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * hv, 1)
-    return acc
+@triton.jit
+def _route_kernel(
+    logits_ptr, l_st, topw_ptr, topi_ptr, num_experts,
+    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr,
+):
+    if PDL:  # the router logits are the previous launch's output; the gate/up programs may start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    t = tl.program_id(0)
+    weights, experts = _top_k(logits_ptr + t * l_st, num_experts, TOP_K, RENORMALIZE, BLOCK_E)
+    c = tl.arange(0, BLOCK_E)
+    tl.store(topw_ptr + t * TOP_K + c, weights, mask=c < TOP_K)
+    tl.store(topi_ptr + t * TOP_K + c, experts, mask=c < TOP_K)
 
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, x_st, logits_ptr, l_st, w13_ptr, w13_se, w13_sn, sw_ptr, sw_sn,
-    h_ptr, h_width, topw_ptr, topi_ptr,
-    hidden, inter, shared_inter, num_experts,
-    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, x_st, w13_ptr, w13_se, w13_sn, sw_ptr, sw_sn, topi_ptr, h_ptr, h_width,
+    num_pairs, hidden, inter, shared_inter,
+    TOP_K: tl.constexpr, PAIRS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
-    p = tl.program_id(0)
-    t = p // (TOP_K + 1)
-    j = p % (TOP_K + 1)
+    if PDL:  # the expert ids are the routing launch's output; the down programs may start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    # Pair q = t·(TOP_K + 1) + j: token t's choice j, or its shared expert at j = TOP_K.
+    q = tl.program_id(0) * PAIRS + tl.arange(0, PAIRS)
+    q_ok = q < num_pairs
+    t = q // (TOP_K + 1)
+    j = q % (TOP_K + 1)
+    routed = j < TOP_K
+    expert = tl.load(topi_ptr + t * TOP_K + j, mask=q_ok & routed, other=0).to(tl.int64)
+    base = tl.where(routed, w13_ptr + expert * w13_se, sw_ptr)
+    row_st = tl.where(routed, w13_sn, sw_sn).to(tl.int64)
+    limit = tl.where(routed, inter, shared_inter)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = q_ok[:, None] & (n[None, :] < limit[:, None])
+    gate_rows = base[:, None] + n[None, :] * row_st[:, None]
+    up_rows = gate_rows + limit[:, None] * row_st[:, None]
+    acc_gate = tl.zeros([PAIRS, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([PAIRS, BLOCK_N], tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < hidden
+        xv = tl.load(x_ptr + t[:, None] * x_st + k[None, :], mask=q_ok[:, None] & k_ok[None, :], other=0.0)
+        xv = xv.to(tl.float32)[:, None, :]
+        mask = n_ok[:, :, None] & k_ok[None, None, :]
+        w_gate = tl.load(gate_rows[:, :, None] + k[None, None, :], mask=mask, other=0.0).to(tl.float32)
+        w_up = tl.load(up_rows[:, :, None] + k[None, None, :], mask=mask, other=0.0).to(tl.float32)
+        acc_gate += tl.sum(w_gate * xv, 2)
+        acc_up += tl.sum(w_up * xv, 2)
     dtype = h_ptr.dtype.element_ty
-    x_row = x_ptr + t * x_st
-    if j < TOP_K:
-        weight, expert = _choice(logits_ptr + t * l_st, num_experts, j, TOP_K, RENORMALIZE, BLOCK_E)
-        if tl.program_id(1) == 0:
-            tl.store(topw_ptr + t * TOP_K + j, weight)
-            tl.store(topi_ptr + t * TOP_K + j, expert)
-        acc_gate, acc_up = _gate_up_row(
-            x_row, w13_ptr + expert.to(tl.int64) * w13_se, w13_sn, hidden, inter, n, BLOCK_N, BLOCK_K
-        )
-        limit = inter
-    else:
-        acc_gate, acc_up = _gate_up_row(x_row, sw_ptr, sw_sn, hidden, shared_inter, n, BLOCK_N, BLOCK_K)
-        limit = shared_inter
     gate = round_as(acc_gate, dtype)
     h = round_as(gate * tl.sigmoid(gate), dtype) * round_as(acc_up, dtype)
-    tl.store(h_ptr + p.to(tl.int64) * h_width + n, cast(h, dtype), mask=n < limit)
+    tl.store(h_ptr + q.to(tl.int64)[:, None] * h_width + n[None, :], cast(h, dtype), mask=n_ok)
 
 
 @triton.jit
 def _down_kernel(
     h_ptr, h_width, w2_ptr, w2_se, w2_sn, sd_ptr, sd_sn, topw_ptr, topi_ptr, logits_ptr, l_st, out_ptr,
     hidden, inter, shared_inter, num_experts,
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
+    # Under PDL this runs while the gate/up launch finishes: the routing launch before it is done
+    # (each gate/up program waited for it before letting this one start), so the routing is read
+    # here, from L2 (.cg: L1 may hold an earlier layer's ids at the same address), and the weights
+    # streamed; ``h``, the gate/up output, only after the wait.
     t = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < hidden
+    c = tl.arange(0, BLOCK_C)
+    c_ok = c < TOP_K
     dtype = out_ptr.dtype.element_ty
-    pairs = t.to(tl.int64) * (TOP_K + 1)
-    routed = tl.zeros([BLOCK_N], tl.float32)
-    for j in range(TOP_K):
-        expert = tl.load(topi_ptr + t * TOP_K + j).to(tl.int64)
-        # The weight as the reference holds it: rounded to the activations' dtype.
-        weight = cast(tl.load(topw_ptr + t * TOP_K + j), dtype).to(tl.float32)
-        acc = _down_row(h_ptr + (pairs + j) * h_width, w2_ptr + expert * w2_se, w2_sn, inter, n, n_ok, BLOCK_N, BLOCK_K)
-        routed += round_as(round_as(acc, dtype) * weight, dtype)
-    shared = _down_row(h_ptr + (pairs + TOP_K) * h_width, sd_ptr, sd_sn, shared_inter, n, n_ok, BLOCK_N, BLOCK_K)
+    expert = tl.load(topi_ptr + t * TOP_K + c, mask=c_ok, other=0, cache_modifier=".cg").to(tl.int64)
+    # The weights as the reference holds them: rounded to the activations' dtype.
+    weight = tl.load(topw_ptr + t * TOP_K + c, mask=c_ok, other=0.0, cache_modifier=".cg")
+    weight = cast(weight, dtype).to(tl.float32)
+    h_rows = h_ptr + (t.to(tl.int64) * (TOP_K + 1) + c) * h_width
+    h_shared = h_ptr + (t.to(tl.int64) * (TOP_K + 1) + TOP_K) * h_width
+    w_rows = w2_ptr + expert[:, None] * w2_se + n[None, :] * w2_sn
+    acc = tl.zeros([BLOCK_C, BLOCK_N], tl.float32)
+    acc_shared = tl.zeros([BLOCK_N], tl.float32)
+    for k0 in range(0, h_width, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok, ks_ok = k < inter, k < shared_inter
+        mask = c_ok[:, None, None] & n_ok[None, :, None] & k_ok[None, None, :]
+        w = tl.load(w_rows[:, :, None] + k[None, None, :], mask=mask, other=0.0)
+        ws = tl.load(sd_ptr + n[:, None] * sd_sn + k[None, :], mask=n_ok[:, None] & ks_ok[None, :], other=0.0)
+        if PDL:  # returns at once after the first step
+            tl.extra.cuda.gdc_wait()
+        hv = tl.load(h_rows[:, None] + k[None, :], mask=c_ok[:, None] & k_ok[None, :], other=0.0)
+        hs = tl.load(h_shared + k, mask=ks_ok, other=0.0).to(tl.float32)
+        acc += tl.sum(w.to(tl.float32) * hv.to(tl.float32)[:, None, :], 2)
+        acc_shared += tl.sum(ws.to(tl.float32) * hs[None, :], 1)
+    scaled = round_as(round_as(acc, dtype) * weight[:, None], dtype)
+    # One float32 sum over the choices in a fixed (tree) order: deterministic, as the reference's
+    # (expert order) differs from both it and choice order only in float32 rounding.
+    routed = tl.sum(scaled, 0)
     gate = round_as(tl.sigmoid(tl.load(logits_ptr + t * l_st + num_experts).to(tl.float32)), dtype)
-    out = round_as(routed, dtype) + round_as(gate * round_as(shared, dtype), dtype)
+    out = round_as(routed, dtype) + round_as(gate * round_as(acc_shared, dtype), dtype)
     tl.store(out_ptr + t * hidden + n, cast(out, dtype), mask=n_ok)
+
+
+@functools.cache
+def _pdl_available() -> bool:
+    """Whether the kernels are compiled for a GPU with programmatic dependent launch (sm_90 on)."""
+    if INTERPRETED:
+        return False
+    target = triton.runtime.driver.active.get_current_target()
+    return target.backend == "cuda" and target.arch >= 90
+
+
+def route(
+    gate_logits: torch.Tensor, num_experts: int, top_k: int, renormalize: bool, pdl: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights [T, top_k] float32, expert ids [T, top_k] int32)`` of the router logits
+    ``gate_logits[:, :num_experts]`` (row stride free, unit column stride): ``moe_topk_softmax``'s
+    choices, with the weights not yet rounded to the activations' dtype. ``pdl``: launched to start
+    while the previous launch finishes (``DecodeTiles.pdl``)."""
+    num_tokens = gate_logits.shape[0]
+    top_w = new_empty((num_tokens, top_k), torch.float32, gate_logits.device)
+    top_i = new_empty((num_tokens, top_k), torch.int32, gate_logits.device)
+    if num_tokens:
+        _route_kernel[(num_tokens,)](
+            gate_logits, gate_logits.stride(0), top_w, top_i, num_experts,
+            TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=pow2(num_experts), PDL=pdl, num_warps=ROUTE_WARPS,
+            launch_pdl=pdl,
+        )
+    return top_w, top_i
 
 
 def sparse_moe_decode(
@@ -208,20 +291,18 @@ def sparse_moe_decode_tiled(
     shared_gate_up, shared_down = shared_gate_up.contiguous(), shared_down.contiguous()
     h_width, pairs = max(inter, shared_inter), num_tokens * (top_k + 1)
     h = new_empty((pairs, h_width), x.dtype, x.device)
-    top_w = new_empty((num_tokens, top_k), torch.float32, x.device)
-    top_i = new_empty((num_tokens, top_k), torch.int32, x.device)
-    _gate_up_kernel[(pairs, triton.cdiv(h_width, tiles.gate_up_block_n))](
-        x, x.stride(0), gate_logits, gate_logits.stride(0), w13, w13.stride(0), w13.stride(1),
-        shared_gate_up, shared_gate_up.stride(0), h, h_width, top_w, top_i,
-        hidden, inter, shared_inter, num_experts,
-        TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=pow2(num_experts),
-        BLOCK_N=tiles.gate_up_block_n, BLOCK_K=min(pow2(hidden), tiles.gate_up_block_k),
-        num_warps=tiles.gate_up_warps,
+    pdl = tiles.pdl and _pdl_available()
+    top_w, top_i = route(gate_logits, num_experts, top_k, renormalize, pdl)
+    _gate_up_kernel[(triton.cdiv(pairs, tiles.gate_up_pairs), triton.cdiv(h_width, tiles.gate_up_block_n))](
+        x, x.stride(0), w13, w13.stride(0), w13.stride(1), shared_gate_up, shared_gate_up.stride(0), top_i,
+        h, h_width, pairs, hidden, inter, shared_inter,
+        TOP_K=top_k, PAIRS=tiles.gate_up_pairs, BLOCK_N=tiles.gate_up_block_n,
+        BLOCK_K=min(pow2(hidden), tiles.gate_up_block_k), PDL=pdl, num_warps=tiles.gate_up_warps, launch_pdl=pdl,
     )
     _down_kernel[(num_tokens, triton.cdiv(hidden, tiles.down_block_n))](
         h, h_width, w2, w2.stride(0), w2.stride(1), shared_down, shared_down.stride(0), top_w, top_i,
         gate_logits, gate_logits.stride(0), out, hidden, inter, shared_inter, num_experts,
-        TOP_K=top_k, BLOCK_N=tiles.down_block_n, BLOCK_K=min(pow2(h_width), tiles.down_block_k),
-        num_warps=tiles.down_warps,
+        TOP_K=top_k, BLOCK_C=pow2(top_k), BLOCK_N=tiles.down_block_n,
+        BLOCK_K=min(pow2(h_width), tiles.down_block_k), PDL=pdl, num_warps=tiles.down_warps, launch_pdl=pdl,
     )
     return out

@@ -1,5 +1,5 @@
-"""Triton sparse MoE block for a few tokens over NVFP4 experts: ``kernels/triton/moe_decode.py``'s
-two launches with W4A16 weight rows.
+"""Triton sparse MoE block for a few tokens over NVFP4 experts: the two launches the bf16 block
+(``kernels/triton/moe_decode.py``, which now routes in a launch of its own) had, with W4A16 weight rows.
 
 The general W4A16 path at batch 1 runs one program per (expert, 32 rows) over the whole K (8 x 16
 = 128 working programs on 132 SMs, in a grid of 4,112 whose other programs exit at once) after

@@ -7,11 +7,14 @@ the pools return to full after ``reset_prefix_cache``. The prompts: tests/prefix
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
 from freetoken import LLM, SamplingParams
-from oracle import CASES, DEMO, PAGE_SIZE, Case, checkpoint, reference_greedy
+from freetoken.plan import StepPlan
+from oracle import CASES, DEMO, EOS, PAGE_SIZE, Case, checkpoint, reference_greedy
 from prefix_prompts import WARM_HITS, shared_prefix_prompts as _prompts
 
 MAX_TOKENS = 8
@@ -38,7 +41,8 @@ def _assert_pools_full(llm: LLM) -> None:
     assert (stats.pages_used, stats.slots_used, stats.num_running, stats.num_waiting) == (0, 0, 0, 0)
 
 
-# Every checkpoint, chunked (a chunk is cut at each snapshot boundary) and unchunked; in the
+# Every checkpoint, chunked (chunks end at the snapshot boundaries) and unchunked (snapshots
+# inside the chunk: taken by the forward for Qwen3.5, by a cut chunk for Qwen4-Exp); in the
 # default suite, both families both ways, with the checkpoint whose QSA blocks span pages (the
 # prefix alignment is two pages there) chunked. The others are marked slow.
 ACROSS_PAGES = Case("qwen4_exp", "blocks_across_pages")
@@ -104,6 +108,40 @@ def test_a_hit_computes_only_the_uncached_tokens(case, overlap):
         assert output.num_cached_tokens == WARM_HITS[name]
         assert sum(counted) == len(prompt) - WARM_HITS[name] + MAX_TOKENS - 1, name
         _assert_equal_transformers(case, prompt, output)
+
+
+@pytest.mark.parametrize("case, prompt_forwards", [
+    pytest.param(DEMO["qwen3_5_moe"], 1, id="in-forward-qwen3_5_moe"),
+    pytest.param(DEMO["qwen4_exp"], 2, id="cut-qwen4_exp"),
+])
+def test_a_snapshot_inside_the_chunk_costs_no_forward(case, prompt_forwards):
+    """Unchunked: a prompt extending A by 30 tokens (65) hits A's snapshot (32) and snapshots its
+    own last full page (64), inside its one chunk. Qwen3.5 takes that snapshot in the forward
+    (``StepPlan.snapshots``), so the prompt runs as ONE forward; Qwen4-Exp cuts the chunk there
+    (two). Either way the repeat then hits at 64, and every output is transformers'."""
+    llm = _llm(case, 8192)
+    model, engine = llm.runtime.engine.model, llm.runtime.engine
+    forward, launch = model.forward, engine.launch
+    counted: list[int] = []
+    plans: list[StepPlan] = []
+    model.forward = lambda batch: counted.append(batch.num_tokens) or forward(batch)
+    engine.launch = lambda plan: plans.append(plan) or launch(plan)
+    a = _prompts()["A"]
+    extended = a + [random.Random(1).randrange(EOS - 3) for _ in range(30)]
+    (output,) = _generate(llm, [a], ignore_eos=True)
+    _assert_equal_transformers(case, a, output)
+    for expected_hit in (32, 64):  # the extension, then its repeat
+        counted.clear()
+        plans.clear()
+        (output,) = _generate(llm, [extended], ignore_eos=True)
+        assert output.num_cached_tokens == expected_hit
+        _assert_equal_transformers(case, extended, output)
+        assert sum(counted) == len(extended) - expected_hit + MAX_TOKENS - 1
+        if expected_hit == 32:
+            assert len(counted) == prompt_forwards + MAX_TOKENS - 1
+            in_forward = [(s.offset, p.rows[s.row].num_computed) for p in plans for s in p.snapshots]
+            assert in_forward == ([(32, 32)] if prompt_forwards == 1 else [])
+    _assert_pools_full(llm)
 
 
 @pytest.mark.parametrize("case", DEMO.values(), ids=str)

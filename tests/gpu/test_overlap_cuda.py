@@ -43,6 +43,7 @@ def test_decode_staging_and_sampling_do_not_synchronize():
         params = SamplingParams(temperature=1.0, seed=i, max_tokens=64, ignore_eos=True, repetition_penalty=1.2)
         runtime.submit(runtime.make_request(f"r{i}", prompt, params))
     scheduler = runtime.scheduler
+    runtime.step()  # the submissions reach the scheduler through the engine thread's inbox
     while scheduler.waiting or any(r.num_output_tokens == 0 for r in scheduler.running):
         runtime.step()  # until every request is past its prompt and decodes
     if runtime._in_flight is not None:

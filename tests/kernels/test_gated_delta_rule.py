@@ -63,3 +63,46 @@ def test_gated_delta_rule_decode(rng, dtype):
     got = gated_delta_rule_decode(q, k, v, g, beta, state, state_slots)
     assert_close(got, want)
     assert_close(state, want_state, dtype=torch.float32)
+
+
+# Snapshots inside the requests' rows: on a chunk boundary, off it, in a partial last chunk, two
+# in one request, in a request shorter than a chunk; the empty request has none.
+SNAPSHOTS = [(0, 64, 7), (0, 69, 6), (2, 3, 8), (3, 1, 9), (3, 100, 10)]
+
+
+@pytest.mark.parametrize("dtype,heads,dims", [(torch.float32, (2, 4), (12, 20)), (torch.bfloat16, (1, 3), (16, 8))])
+def test_gated_delta_rule_prefill_snapshots(rng, dtype, heads, dims):
+    """The states at the snapshot boundaries are stored in their rows, and the outputs and final
+    states are those of the calls a cut at each boundary would have made; the kernel equals the
+    reference."""
+    from freetoken.kernels.prefill_snapshots import prefill_snapshots
+    from freetoken.kernels.triton.gated_delta_rule import gated_delta_rule_prefill
+
+    lens = [70, 0, 5, 129]
+    (hk, hv), (dk, dv), slots = heads, dims, 11
+    q, k, v, g, beta, state = _inputs(rng, dtype, sum(lens), hk, hv, dk, dv, slots)
+    cu = torch.tensor([0] + lens).cumsum(0).int().to(DEVICE)
+    state_slots = torch.tensor([4, 1, 2, 5], dtype=torch.int32, device=DEVICE)
+    snapshots = prefill_snapshots(lens, SNAPSHOTS, 3, torch.device(DEVICE))
+
+    cut_state = state.clone()  # the reference, one call per segment, as cut chunks would run
+    cut_out = torch.empty_like(v)
+    starts = cu.tolist()
+    for b, slot in enumerate(state_slots.tolist()):
+        pieces = [0] + [o for r, o, _ in SNAPSHOTS if r == b] + [lens[b]]
+        for lo, hi in zip(pieces, pieces[1:]):
+            rows = slice(starts[b] + lo, starts[b] + hi)
+            one = torch.tensor([0, hi - lo], dtype=torch.int32, device=DEVICE)
+            cut_out[rows] = ref.gated_delta_rule_prefill_reference(
+                q[rows], k[rows], v[rows], g[rows], beta[rows], cut_state, state_slots[b : b + 1], one
+            )
+            if hi < lens[b]:
+                (snapshot_slot,) = [s for r, o, s in SNAPSHOTS if r == b and o == hi]
+                cut_state[snapshot_slot] = cut_state[slot]
+
+    want_state = state.clone()
+    want = ref.gated_delta_rule_prefill_reference(q, k, v, g, beta, want_state, state_slots, cu, snapshots)
+    assert torch.equal(want, cut_out) and torch.equal(want_state, cut_state)
+    got = gated_delta_rule_prefill(q, k, v, g, beta, state, state_slots, cu, snapshots)
+    assert_close(got, want)
+    assert_close(state, want_state, dtype=dtype)

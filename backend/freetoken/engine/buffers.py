@@ -70,20 +70,20 @@ class StepBuffers:
         self.max_rows, self.max_tokens, self.page_size = max_rows, max_tokens, page_size
         self.max_pages_per_slot = max_pages_per_slot
         self.device = device
-        # A row adds at most num_new / page_size + 1 pages in a step.
-        self.max_page_updates = max_tokens // page_size + max_rows + 1
         capacity = {"T": max_tokens, "B": max_rows, "B1": max_rows + 1}
         self.inputs = {
             name: torch.zeros(capacity[key], dtype=dtype, device=device) for name, dtype, key in _INPUTS
         }
-        # Bound of one step's packed bytes: every input at capacity, and the page updates.
-        nbytes = sum(t.numel() * t.element_size() + 8 for t in self.inputs.values()) + 12 * self.max_page_updates + 16
-        pin = device.type == "cuda"
-        self._staging = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
-        self._staging_np = [s.numpy() for s in self._staging]
-        self._staging_free: list[torch.cuda.Event | None] = [None, None]
+        # One step's packed bytes: every input at capacity, and the page updates of rows that add
+        # at most num_new / page_size + 1 pages each. A prefix hit adds its cached pages too (any
+        # number, up to max_pages_per_slot a row): such a step grows the buffers (``_grow``).
+        page_updates = max_tokens // page_size + max_rows + 1
+        self._staging: list[torch.Tensor] = []
+        self._staging_np: list[np.ndarray] = []
+        self._staging_free: list[torch.cuda.Event | None] = []
+        self._landing = torch.zeros(0, dtype=torch.uint8, device=device)
+        self._grow(sum(t.numel() * t.element_size() + 8 for t in self.inputs.values()) + 12 * page_updates + 16)
         self._next = 0
-        self._landing = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         self.page_table = torch.zeros(num_slots, max_pages_per_slot, dtype=torch.int32, device=device)
         self._page_mirror = np.zeros((num_slots, max_pages_per_slot), dtype=np.int64)
         self.page_rows = torch.zeros(max_rows, max_pages_per_slot, dtype=torch.int32, device=device)
@@ -221,14 +221,24 @@ class StepBuffers:
             values.append(np.asarray(update.pages, np.int64))
         if not indices:
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
-        index = np.concatenate(indices)
-        if len(index) > self.max_page_updates:
-            raise ValueError(f"a step adds at most {self.max_page_updates} pages, this plan adds {len(index)}")
-        return index, np.concatenate(values)
+        return np.concatenate(indices), np.concatenate(values)
+
+    def _grow(self, nbytes: int) -> None:
+        """Staging and landing buffers of ``nbytes``. Buffers replaced while a copy from them is in
+        flight stay valid: the pinned blocks are held by torch's host allocator until their copy's
+        event, the landing block is reused only in stream order."""
+        pin = self.device.type == "cuda"
+        self._staging = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+        self._staging_np = [s.numpy() for s in self._staging]
+        self._staging_free = [None, None]
+        self._landing = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
 
     def _copy_in(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         """Pack the non-empty arrays into the next staging buffer, copy the packed bytes to the
         device in one copy; returns each array's device view of the landing buffer."""
+        needed = sum(-(-len(values) * _DTYPES[name].itemsize // 8) * 8 for name, values in arrays.items())
+        if needed > self._landing.numel():
+            self._grow(2 * needed)
         index = self._next
         event = self._staging_free[index]
         if event is not None:
@@ -284,5 +294,6 @@ def split_decodes(batch: ForwardBatch, num_decode_logits: int) -> tuple[ForwardB
         max_query_len=batch.max_query_len,
         query_lens=batch.query_lens[nd:],
         max_seq_len=batch.max_seq_len,
+        snapshots=batch.snapshots,
     )
     return decodes, chunks

@@ -16,6 +16,7 @@ from freetoken.experts.offload import ExpertOffload
 from freetoken.engine.outputs import OutputRing, StepOutput
 from freetoken.engine.sample import SlotSampler
 from freetoken.kernels import KernelBackend, get_kernel_backend, set_kernel_backend
+from freetoken.kernels.prefill_snapshots import PrefillSnapshots
 from freetoken.layers.moe import DECODE_MAX_TOKENS
 from freetoken.models.loader import LoadedModel, load_model, load_random_model
 from freetoken.models.registry import text_config_of
@@ -146,6 +147,15 @@ class Engine:
             self.model.reset_slots(self._slot_tensor(plan.reset_slots))
         self.sampler.admit(plan.admissions)
 
+    def _prefill_snapshots(self, plan: StepPlan) -> PrefillSnapshots:
+        """The plan's in-forward snapshots, by prefill row (the rows after the decodes)."""
+        first = plan.num_decodes
+        for snapshot in plan.snapshots:
+            if snapshot.row < first or snapshot.row >= len(plan.rows):
+                raise ValueError(f"snapshot {snapshot}: row {snapshot.row} is no prefill row of the plan")
+        query_lens = [row.num_new for row in plan.rows[first:]]
+        return self.model.prefill_snapshots(query_lens, [(s.row - first, s.offset, s.slot) for s in plan.snapshots])
+
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> StepOutput:
         """Queue the plan's forward and sampling; the result comes through the returned output.
@@ -157,6 +167,8 @@ class Engine:
             on_resolve = self.offload.settle
         self._prepare(plan)
         staged = self.buffers.stage(plan, self.sampler.last_token)
+        if plan.snapshots:
+            staged.batch.snapshots = self._prefill_snapshots(plan)
         decode_logits = sum(1 for row in plan.rows[: plan.num_decodes] if row.samples)
         logits = self._forward(staged.batch, decode_logits)
         host_slots = [row.slot for row in plan.sampling_rows]

@@ -10,6 +10,7 @@ from torch import nn
 
 from freetoken import kernels
 from freetoken.batch import ForwardBatch
+from freetoken.kernels.prefill_snapshots import PrefillSnapshots
 from freetoken.layers.linear import linear
 from freetoken.layers.slot_state import copy_rows
 from freetoken.layers.weights import WeightTarget, new_param, packed_targets
@@ -87,8 +88,9 @@ class GatedDeltaNet(nn.Module):
         )
 
     def reset_slots(self, slots: torch.Tensor) -> None:
-        self.conv_state[slots] = 0
-        self.recurrent_state[slots] = 0
+        # index_fill_, not ``[slots] = 0``: that copies the 0 to the device and synchronizes.
+        self.conv_state.index_fill_(0, slots, 0)
+        self.recurrent_state.index_fill_(0, slots, 0)
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         copy_rows(self.conv_state, src, dst)
@@ -105,7 +107,7 @@ class GatedDeltaNet(nn.Module):
             if nd:
                 core[:nd] = self._decode(mixed_qkv[:nd], a[:nd], b[:nd], batch.state_slots[:nd])
             first, cu_seqlens, slots = batch.prefill_part()
-            core[first:] = self._prefill(mixed_qkv[first:], a[first:], b[first:], slots, cu_seqlens)
+            core[first:] = self._prefill(mixed_qkv[first:], a[first:], b[first:], slots, cu_seqlens, batch.snapshots)
         else:  # decode only: the step's output is the core
             core = self._decode(mixed_qkv, a, b, batch.state_slots[:nd])
         z = z.reshape(num_tokens, self.num_v_heads, self.head_v_dim)
@@ -121,14 +123,37 @@ class GatedDeltaNet(nn.Module):
         )
 
     def _prefill(
-        self, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor
+        self,
+        mixed_qkv: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        slots: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        snapshots: PrefillSnapshots | None,
     ) -> torch.Tensor:
-        """The prefill chunks: conv over each chunk, gating, the chunked delta rule."""
+        """The prefill chunks: conv over each chunk, gating, the chunked delta rule; with
+        ``snapshots``, the conv windows and recurrent states at boundaries inside the chunks go
+        into their snapshot slots too."""
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        if snapshots is not None:  # before the conv kernel moves the slots' windows on
+            self._snapshot_conv_windows(mixed_qkv, slots, snapshots)
         conv = kernels.causal_conv1d_prefill(mixed_qkv, self.conv_weight, self.conv_state, slots, cu_seqlens)
         q, k, v = self._split_heads(conv)
-        return kernels.gated_delta_rule_prefill(q, k, v, g, beta, self.recurrent_state, slots, cu_seqlens)
+        return kernels.gated_delta_rule_prefill(q, k, v, g, beta, self.recurrent_state, slots, cu_seqlens, snapshots)
+
+    def _snapshot_conv_windows(self, mixed_qkv: torch.Tensor, slots: torch.Tensor, snapshots: PrefillSnapshots) -> None:
+        """Each snapshot's conv window: the last ``K - 1`` conv inputs before its boundary, taken
+        from the chunk's inputs, and for a boundary fewer than ``K - 1`` rows into its chunk partly
+        from the window the request's slot holds before this chunk."""
+        n, width = snapshots.window_rows.shape
+        rows = mixed_qkv.index_select(0, snapshots.window_rows.flatten()).view(n, width, self.conv_dim)
+        windows = rows.transpose(1, 2)  # [N, C, K - 1], oldest first, as the state holds it
+        if snapshots.window_from_state is not None:
+            held = self.conv_state.index_select(0, slots.index_select(0, snapshots.requests))
+            columns = snapshots.window_rows.clamp(max=width - 1)[:, None, :].expand(n, self.conv_dim, width)
+            windows = torch.where(snapshots.window_from_state[:, None, :], held.gather(2, columns), windows)
+        self.conv_state.index_copy_(0, snapshots.slots, windows.to(self.conv_state.dtype))
 
     def output_norm(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """The gated output norm ``(w · x̂) · silu(z)``; families with another gate activation override it."""

@@ -11,7 +11,7 @@ from freetoken.layers.linear import Weight, linear, sparse_moe_decode
 from freetoken.layers.weights import WeightTarget, new_param, packed_targets
 
 # Up to this many tokens the block after the router GEMM runs as one fused op (``kernels.sparse_moe_decode``):
-# two launches instead of eleven. It reads each (token, expert) pair's weights without grouping by
+# three launches instead of eleven. It reads each (token, expert) pair's weights without grouping by
 # expert, so past a few tokens the duplicate expert reads (about 11% more expert bytes at 8 tokens
 # under uniform routing) outweigh the launches saved and the grouped path runs.
 DECODE_MAX_TOKENS = 8

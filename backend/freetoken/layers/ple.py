@@ -199,7 +199,7 @@ class PLELayer(nn.Module):
         self.conv_state = torch.zeros(num_slots, self.state_len, self.width, dtype=dtype, device=device)
 
     def reset_slots(self, slots: torch.Tensor) -> None:
-        self.conv_state[slots] = 0
+        self.conv_state.index_fill_(0, slots, 0)  # no host sync, unlike ``[slots] = 0``
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         copy_rows(self.conv_state, src, dst)

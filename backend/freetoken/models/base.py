@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from freetoken.batch import ForwardBatch
+from freetoken.kernels.prefill_snapshots import PrefillSnapshots
 from freetoken.layers.weights import WeightTarget
 
 
@@ -22,6 +24,9 @@ class CausalLM(nn.Module, ABC):
     vocab_size: int
     max_position_embeddings: int
     tie_word_embeddings: bool = False
+    # Every per-slot state of the model can be written by a prefill forward at a boundary inside
+    # a chunk (``prefill_snapshots``), so prefix-cache snapshots need no cut chunk.
+    snapshots_in_forward: bool = False
 
     @abstractmethod
     def weight_targets(self) -> dict[str, WeightTarget]:
@@ -49,6 +54,13 @@ class CausalLM(nn.Module, ABC):
         there lives entirely in the prefix's own pages, so a request continuing it never writes one
         of them."""
         return page_size
+
+    def prefill_snapshots(
+        self, query_lens: Sequence[int], snapshots: Sequence[tuple[int, int, int]]
+    ) -> PrefillSnapshots:
+        """The device layout of ``snapshots`` = ``(prefill row, offset, slot)`` in a step whose
+        prefill rows have ``query_lens`` new tokens (``ForwardBatch.snapshots``)."""
+        raise NotImplementedError(f"{type(self).__name__} takes no snapshots inside a forward")
 
     @abstractmethod
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

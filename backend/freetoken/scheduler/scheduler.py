@@ -12,10 +12,13 @@ prompt (shared pages, and a snapshot restored into its slot by the step's ``copy
 computes only the rest. It then snapshots its state at up to two page boundaries, so later prompts
 hit: where its prompt leaves the longest cached run of pages (a shared system text: the second
 prompt with it snapshots there, the third and later hit it), and at the prompt's last full page
-before its last token (an exact repeat, or a follow-up turn extending the prompt, hits there). A
-prefill chunk is cut at such a boundary, and the snapshot copy (request slot -> snapshot slot)
-goes into the next step's plan, before its forward. Both boundaries are multiples of the model's
-``prefix_alignment``, each at least ``MIN_SNAPSHOT_GAIN_PAGES`` past the hit or the boundary before.
+before its last token (an exact repeat, or a follow-up turn extending the prompt, hits there). Both
+boundaries are multiples of the model's ``prefix_alignment``, each at least
+``MIN_SNAPSHOT_GAIN_PAGES`` past the hit or the boundary before. A boundary where a chunk ends is
+snapshotted by a copy (request slot -> snapshot slot) in the next step's plan, before its forward.
+A boundary inside a chunk is snapshotted by the forward itself (``StepPlan.snapshots``) when the
+model can (``CausalLM.snapshots_in_forward``: Qwen3.5 / 3.6); otherwise (Qwen4-Exp, whose PLE
+windows and n-gram context have no in-forward snapshot) the chunk is cut at the boundary.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from freetoken.plan import PageUpdate, PlanRow, SlotSampling, StepPlan
+from freetoken.plan import PageUpdate, PlanRow, RowSnapshot, SlotSampling, StepPlan
 from freetoken.scheduler.cache import PagePool, SlotPool
 from freetoken.scheduler.prefix_cache import PageHash, PrefixCache, PrefixHit, page_hashes
 from freetoken.scheduler.request import Request, RequestStatus
@@ -36,7 +39,7 @@ class ScheduledStep:
 
     plan: StepPlan
     requests: list[Request] = field(default_factory=list)  # one per plan row
-    snapshots: list[tuple[PageHash, int]] = field(default_factory=list)  # copied into these slots by the plan
+    snapshots: list[tuple[PageHash, int]] = field(default_factory=list)  # written into these slots by the plan
 
     @property
     def sampling_requests(self) -> list[Request]:
@@ -66,7 +69,9 @@ def slot_sampling(req: Request) -> SlotSampling:
 
 
 # A boundary is snapshotted only this many pages past the request's hit (or its previous
-# boundary): cutting a chunk there costs a forward now, which a later hit must make up for.
+# boundary): a snapshot costs a state slot (~63 MB at the Qwen3.6-35B-A3B shape) and a copy of
+# it, and where the model cannot take it inside a forward, a cut chunk (one more forward now),
+# which a later hit must make up for; one a few tokens deeper than another saves that hit little.
 MIN_SNAPSHOT_GAIN_PAGES = 4
 
 
@@ -83,8 +88,11 @@ class Scheduler:
         max_prefill_length: int,
         max_running_requests: int,
         prefix_cache: PrefixCache | None = None,
+        snapshots_in_forward: bool = False,
     ) -> None:
         self.pages = pages
+        # The model writes a snapshot at a boundary inside a chunk during the forward: no cut.
+        self.snapshots_in_forward = snapshots_in_forward
         self.slots = slots
         self.prefix_cache = prefix_cache
         self.max_prefill_length = max_prefill_length
@@ -180,6 +188,7 @@ class Scheduler:
         chunks: list[tuple[Request, int]] = []
         fresh: list[Request] = []
         copies, snapshots = self._snapshot_copies()
+        inside: dict[Request, list[tuple[int, int]]] = {}  # (offset, slot) snapshots inside a request's chunk
         new_pages: dict[int, PageUpdate] = {}
         for req in list(self.running):
             if req.status is not RequestStatus.RUNNING or req.in_flight_finishes:
@@ -191,6 +200,7 @@ class Scheduler:
             if num_tokens == 0:
                 continue
             self._add_pages(req, num_tokens, new_pages)
+            self._snapshot_inside(req, num_tokens, inside, snapshots)
             (singles if num_tokens == 1 else chunks).append((req, num_tokens))
             if req.num_uncomputed > 1:
                 budget -= num_tokens
@@ -214,6 +224,7 @@ class Scheduler:
                     restored.add(req.slot)
             num_tokens = self._cut(req, min(req.num_uncomputed, budget))
             self._add_pages(req, num_tokens, new_pages, start=0)
+            self._snapshot_inside(req, num_tokens, inside, snapshots)
             req.status = RequestStatus.RUNNING
             req.times.scheduled = req.times.scheduled or time.monotonic()
             self.running.append(req)
@@ -232,6 +243,11 @@ class Scheduler:
             reset_slots=[r.slot for r in fresh if r.slot not in restored],
             admissions=[slot_sampling(r) for r in fresh],
             copy_slots=copies,
+            snapshots=[
+                RowSnapshot(row, offset, slot)
+                for row, (req, _) in enumerate(entries)
+                for offset, slot in inside.get(req, [])
+            ],
         )
         return ScheduledStep(plan, [r for r, _ in entries], snapshots)
 
@@ -269,11 +285,39 @@ class Scheduler:
                     req.snapshot_at.append(boundary)
 
     def _cut(self, req: Request, num_tokens: int) -> int:
-        """A prefill chunk ends at the request's next snapshot boundary, if it would pass it."""
+        """A prefill chunk ends at the request's next snapshot boundary, if it would pass it,
+        unless the model snapshots inside the forward."""
+        if self.snapshots_in_forward:
+            return num_tokens
         for boundary in req.snapshot_at:
             if boundary > req.num_computed:
                 return min(num_tokens, boundary - req.num_computed)
         return num_tokens
+
+    def _snapshot_inside(
+        self,
+        req: Request,
+        num_tokens: int,
+        inside: dict[Request, list[tuple[int, int]]],
+        snapshots: list[tuple[PageHash, int]],
+    ) -> None:
+        """The boundaries strictly inside ``req``'s chunk of ``num_tokens``, each into a snapshot
+        slot the forward writes (the least recently used snapshot evicted if none is free; it may
+        be one this plan restores: the restore's copy runs before the forward). A boundary that
+        ends the chunk is left to the next plan's copy (``launched``)."""
+        cache = self.prefix_cache
+        end = req.num_computed + num_tokens
+        while req.snapshot_at and req.snapshot_at[0] < end:
+            boundary = req.snapshot_at.pop(0)
+            assert self.snapshots_in_forward and boundary > req.num_computed, "a chunk passed a snapshot boundary"
+            page_hash = req.page_hashes[boundary // self.pages.page_size - 1]
+            if cache.has_snapshot(page_hash):
+                continue
+            snapshot = cache.allocate_snapshot()
+            if snapshot is None:
+                continue
+            inside.setdefault(req, []).append((boundary - req.num_computed, snapshot))
+            snapshots.append((page_hash, snapshot))
 
     def _snapshot_copies(self) -> tuple[list[tuple[int, int]], list[tuple[PageHash, int]]]:
         """The copies of the boundaries the last launched step reached, each into a snapshot slot
@@ -340,12 +384,10 @@ class Scheduler:
 
     def launched(self, step: ScheduledStep) -> None:
         """The step is queued on the device: its tokens count as computed, its samples in flight.
-        With prefix caching, the prompt pages it completed join the index, the snapshots it copies
-        become hittable, and the boundaries it reached are snapshotted by the next plan."""
+        With prefix caching, the prompt pages it completed join the index, then the snapshots it
+        copies or writes become hittable, and the boundaries its chunks end at are snapshotted by
+        the next plan."""
         cache = self.prefix_cache
-        if cache is not None:
-            for page_hash, snapshot in step.snapshots:
-                cache.insert_snapshot(page_hash, snapshot)
         for req, row in zip(step.requests, step.plan.rows):
             req.num_computed += row.num_new
             if row.samples:
@@ -359,6 +401,9 @@ class Scheduler:
             if req.snapshot_at and req.snapshot_at[0] == req.num_computed:
                 boundary = req.snapshot_at.pop(0)
                 self._pending_snapshots.append((req.slot, req.page_hashes[boundary // self.pages.page_size - 1]))
+        if cache is not None:  # after the pages: a snapshot taken inside this step ends at one of them
+            for page_hash, snapshot in step.snapshots:
+                cache.insert_snapshot(page_hash, snapshot)
 
     def landed(self, step: ScheduledStep) -> None:
         """The step's sampled tokens reached the host (appended by the caller right after)."""

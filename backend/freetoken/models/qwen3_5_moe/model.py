@@ -3,11 +3,14 @@ followed by a sparse MoE with a shared expert; zero-centred RMSNorms throughout.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from freetoken.batch import ForwardBatch
+from freetoken.kernels.prefill_snapshots import PrefillSnapshots, prefill_snapshots
 from freetoken.layers.attention import GatedAttention
 from freetoken.layers.gated_deltanet import GatedDeltaNet
 from freetoken.layers.linear import linear
@@ -54,6 +57,8 @@ class DecoderLayer(nn.Module):
 
 class Qwen3_5MoeModel(CausalLM):
     """Built from a ``Qwen3_5MoeTextConfig`` (transformers' config class parses the checkpoint's config)."""
+
+    snapshots_in_forward = True
 
     def __init__(self, text_config, tie_word_embeddings: bool) -> None:
         super().__init__()
@@ -115,6 +120,13 @@ class Qwen3_5MoeModel(CausalLM):
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         for linear in self._linear_layers():
             linear.copy_slots(src, dst)
+
+    def prefill_snapshots(
+        self, query_lens: Sequence[int], snapshots: Sequence[tuple[int, int, int]]
+    ) -> PrefillSnapshots:
+        """Its only per-slot states are the Gated DeltaNet layers' (all of one conv width)."""
+        conv_width = self._linear_layers()[0].conv_kernel - 1
+        return prefill_snapshots(query_lens, snapshots, conv_width, self.embed_tokens.device)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         hidden = F.embedding(batch.input_ids, self.embed_tokens)

@@ -167,7 +167,8 @@ class Qwen4ExpModel(CausalLM):
         for ple in self._ple_layers():
             ple.reset_slots(slots)
         if self.ngram_context is not None:
-            self.ngram_context[slots] = self.eos_token_id  # a request's text starts after an EOS
+            # A request's text starts after an EOS (index_fill_: no host sync).
+            self.ngram_context.index_fill_(0, slots, self.eos_token_id)
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         for linear in self._of_type(Qwen4GatedDeltaNet):
