@@ -15,6 +15,7 @@ from freetoken.kernels.gated_delta_rule import gated_delta_rule_decode, gated_de
 from freetoken.kernels.moe import fused_experts, moe_sort_tokens, moe_topk_softmax, shared_expert_combine, silu_and_mul
 from freetoken.kernels.nvfp4 import fused_experts_nvfp4, nvfp4_linear, sparse_moe_decode_nvfp4
 from freetoken.kernels.moe_decode import sparse_moe_decode
+from freetoken.kernels.moe_decode_offload import sparse_moe_decode_offload, sparse_moe_decode_offload_nvfp4
 from freetoken.kernels.gdn_decode import gated_delta_rule_decode_gated
 from freetoken.kernels.sampling import sample_tokens
 from freetoken.kernels.hyper_connection import hc_combine, hc_mix, hc_norm
@@ -47,6 +48,8 @@ __all__ = [
     "fused_experts_nvfp4",
     "sparse_moe_decode_nvfp4",
     "sparse_moe_decode",
+    "sparse_moe_decode_offload",
+    "sparse_moe_decode_offload_nvfp4",
     "sample_tokens",
     "hc_norm",
     "hc_mix",

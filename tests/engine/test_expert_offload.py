@@ -1,5 +1,6 @@
 """MoE expert offload (issue 11) on the CPU: the routed experts live in host memory and run from a
-device cache far smaller than one layer's experts, so every layer runs in passes; float32 greedy
+device cache far smaller than one layer's experts, so every prefill layer runs in passes (decode
+forwards run the zero-copy kernel: tests/engine/test_expert_offload_decode.py); float32 greedy
 tokens still equal transformers' (batched, chunked, preempted; both families, NVFP4 experts too),
 and the cache's counters add up."""
 
@@ -61,12 +62,18 @@ def test_offloaded_preempted_requests_equal_transformers(family):
         assert output.token_ids[: len(expected)] == expected, f"prompt of {len(prompt)} tokens diverged"
 
 
-def test_counters_add_up_to_the_routed_uses():
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["zero_copy", "eager_only"])
+def test_counters_add_up_to_the_routed_uses(zero_copy):
     """hits + misses = the distinct (layer, expert) pairs each forward routes to (counted here from
-    the router, apart from the cache); bytes copied = misses x one expert's bytes. Twelve slots for
-    four layers of eight experts: hits and misses both."""
+    the router, apart from the cache). Every forward here has at most 8 tokens, so all run the
+    zero-copy decode path, where a miss is read from host memory and copied in later, at most once:
+    bytes copied <= misses x one expert's bytes; with that path switched off, every miss is copied
+    in before its layer runs: bytes copied = misses x one expert's bytes. Twelve slots for four
+    layers of eight experts: hits and misses both."""
     family, num_slots = "qwen3_5_moe", 12
     llm = _llm(family, max_prefill_length=8, slots=num_slots)
+    if not zero_copy:
+        llm.runtime.engine.offload.log = None  # as an offload without the zero-copy decode
     model = llm.runtime.engine.model
     uses = []
 
@@ -84,7 +91,10 @@ def test_counters_add_up_to_the_routed_uses():
     expert_bytes = 3 * text.moe_intermediate_size * text.hidden_size * 4  # gate, up, down rows; float32
     assert stats.hits + stats.misses == sum(uses) > 0
     assert stats.hits > 0 and stats.misses > 0
-    assert stats.bytes_copied == stats.misses * expert_bytes
+    if zero_copy:
+        assert stats.bytes_copied % expert_bytes == 0 and 0 < stats.bytes_copied <= stats.misses * expert_bytes
+    else:
+        assert stats.bytes_copied == stats.misses * expert_bytes
     assert stats.prefetched == stats.prefetch_hits == 0
     slots = llm.runtime.engine.offload.slots
     assert [tuple(t.shape) for t in slots.tensors] == [
@@ -101,8 +111,9 @@ PREFETCH_SLOTS = {"qwen3_5_moe": 12, "qwen4_exp": 6}  # one layer's experts and 
 
 @families
 def test_prefetch_greedy_equals_transformers_and_counts(family):
-    """The next layer's router on this layer's input picks experts to copy ahead: tokens unchanged;
-    prefetches are not uses (hits + misses still count the routed ones), their bytes are counted."""
+    """The next layer's router on this layer's input picks experts to copy ahead (prefill chunks:
+    the eager path): tokens unchanged; prefetches are not uses (hits + misses still count the
+    routed ones), their bytes are counted."""
     llm = _llm(family, slots=PREFETCH_SLOTS[family], expert_prefetch=True)
     uses = []
 
@@ -117,7 +128,10 @@ def test_prefetch_greedy_equals_transformers_and_counts(family):
     stats = llm.runtime.stats().expert_cache
     assert stats.hits + stats.misses == sum(uses)
     assert 0 < stats.prefetch_hits <= stats.prefetched
-    assert stats.bytes_copied == (stats.misses + stats.prefetched) * llm.runtime.engine.offload.expert_bytes
+    # every copy is a miss's or a prefetch's (a zero-copy decode miss is copied at most once)
+    expert_bytes = llm.runtime.engine.offload.expert_bytes
+    assert stats.bytes_copied % expert_bytes == 0
+    assert stats.prefetched * expert_bytes < stats.bytes_copied <= (stats.misses + stats.prefetched) * expert_bytes
 
 
 def test_one_pass_when_the_cache_holds_everything():
@@ -172,7 +186,7 @@ def test_nvfp4_experts_offloaded_packed():
     i, h = text.moe_intermediate_size, text.hidden_size
     packed_bytes = 3 * i * h // 2 + 3 * i * h // 16 + (2 * i + h) * 4  # codes, block scales, row scales
     stats = llm.runtime.stats().expert_cache
-    assert stats.bytes_copied == stats.misses * packed_bytes
+    assert stats.bytes_copied % packed_bytes == 0 and 0 < stats.bytes_copied <= stats.misses * packed_bytes
 
 
 def test_slot_table_passes_and_eviction():
@@ -230,4 +244,8 @@ def test_bench_reports_the_expert_cache(tmp_path, capsys):
     assert cache["slots"] == 4 and cache["misses"] > 0
     assert cache["hit_rate"] == pytest.approx(cache["hits"] / (cache["hits"] + cache["misses"]))
     assert cache["copy_floor_ms_per_step"] == pytest.approx(cache["bytes_copied"] / 55e9 / result["steps"] * 1e3)
+    config = json.loads((checkpoint(DEMO["qwen3_5_moe"]) / "config.json").read_text())
+    text = config.get("text_config", config)
+    expert_bytes = 3 * text["moe_intermediate_size"] * text["hidden_size"] * 4  # gate, up, down rows; float32
+    assert cache["miss_floor_ms_per_step"] == pytest.approx(cache["misses"] * expert_bytes / 55e9 / result["steps"] * 1e3)
     assert "batch 2: expert cache of 4 slots: hit rate" in capsys.readouterr().out

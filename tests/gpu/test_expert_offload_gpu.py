@@ -1,6 +1,8 @@
 """MoE expert offload on CUDA: experts in pinned host memory, copied into the device cache on the
-copy stream; float32 greedy tokens equal transformers' (and so the resident engine's) with a cache
-smaller than one layer's experts; the cache sized from free memory, under --gpu-memory-gib."""
+copy stream; decode steps captured in CUDA graphs with the zero-copy decode kernel (a miss read
+from pinned host memory, the slot map updated between replays); float32 greedy tokens equal
+transformers' (and so the resident engine's) with a cache smaller than one layer's experts, graphs
+on and off; the cache sized from free memory, under --gpu-memory-gib."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ import torch
 
 from freetoken import LLM, SamplingParams
 from freetoken.engine.memory import GiB
-from freetoken.layers.moe import SparseMoE
+from freetoken.layers.moe import DECODE_MAX_TOKENS, SparseMoE
+from expert_cache_checks import check_slot_map_invariant
 from oracle import DEMO, PAGE_SIZE, assert_greedy_batch, batch_prompts, checkpoint
 
 pytestmark = pytest.mark.gpu
@@ -19,20 +22,99 @@ pytestmark = pytest.mark.gpu
 SLOTS = {"qwen3_5_moe": 3, "qwen4_exp": 1}  # fewer than one layer's experts (8 and 4)
 
 
+def _count_replays(llm: LLM) -> list[int]:
+    """The request counts of the decode steps the engine's graph runner replays from now on."""
+    runner = llm.runtime.engine.graph_runner
+    assert runner is not None and runner.use_graphs and runner.graphs
+    replays: list[int] = []
+    run = runner.run
+
+    def counted(batch):
+        replays.append(batch.num_requests)
+        return run(batch)
+
+    runner.run = counted
+    return replays
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
 @pytest.mark.parametrize("family", list(DEMO))
-def test_offloaded_float32_greedy_equals_transformers_on_cuda(family):
+def test_offloaded_float32_greedy_equals_transformers_on_cuda(family, eager):
     case = DEMO[family]
     llm = LLM(model=str(checkpoint(case)), dtype="float32", device="cuda", max_prefill_length=16,
-              page_size=PAGE_SIZE, moe_offload=True, expert_cache_slots=SLOTS[family])
+              page_size=PAGE_SIZE, moe_offload=True, expert_cache_slots=SLOTS[family], enforce_eager=eager)
     engine = llm.runtime.engine
-    assert engine.graph_runner is None  # graphs off with offload
+    assert engine.offload.zero_copy
+    replays = None
+    if eager:
+        assert engine.graph_runner is None
+    else:  # graphs on with offload, decode batches up to DECODE_MAX_TOKENS
+        assert engine.graph_runner.max_batch_size <= DECODE_MAX_TOKENS
+        replays = _count_replays(llm)
     for m in engine.model.modules():
         if isinstance(m, SparseMoE):
             assert m.w13.device.type == "cpu" and m.w13.is_pinned() and m.w2.is_pinned()
     assert all(t.device.type == "cuda" for t in engine.offload.slots.tensors)
     assert_greedy_batch(llm, case)
+    assert replays is None or replays, "no decode step was replayed"
     stats = llm.runtime.stats().expert_cache
-    assert stats.misses > 0 and stats.bytes_copied == stats.misses * engine.offload.expert_bytes
+    assert stats.hits > 0 and stats.misses > 0
+    assert 0 < stats.bytes_copied <= stats.misses * engine.offload.expert_bytes
+    torch.cuda.synchronize()
+    check_slot_map_invariant(engine.offload)
+
+
+def test_zero_copy_decode_kernel_at_qwen36_sizes():
+    """Qwen3.6-35B-A3B's layer (256 experts of 512 x 2048, top-8, shared 512) in bf16 at 1 and 8
+    tokens: with every expert in a slot, none (all read from pinned host memory) or half of them in
+    scattered slots, the block is bit for bit the same, close to the reference, and the routed ids
+    come back with the misses marked."""
+    from freetoken.kernels.moe_decode import sparse_moe_decode_reference
+    from freetoken.kernels.triton.moe_decode_offload import sparse_moe_decode_offload
+    from kernel_checks import assert_close
+
+    gen = torch.Generator().manual_seed(0)
+    experts, top_k, hidden, inter, shared = 256, 8, 2048, 512, 512
+    dtype = torch.bfloat16
+
+    def randn(*shape, scale):
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+    host_w13 = randn(experts, 2 * inter, hidden, scale=hidden**-0.5).pin_memory()
+    host_w2 = randn(experts, hidden, inter, scale=inter**-0.5).pin_memory()
+    device_w13, device_w2 = host_w13.cuda(), host_w2.cuda()
+    # half the experts in scattered slots of a cache of 160
+    cached = torch.randperm(experts, generator=gen)[: experts // 2]
+    slots = torch.randperm(160, generator=gen)[: cached.numel()]
+    half_map = torch.full((experts,), -1, dtype=torch.int32)
+    half_map[cached] = slots.to(torch.int32)
+    half_w13 = torch.zeros(160, 2 * inter, hidden, dtype=dtype, device="cuda")
+    half_w2 = torch.zeros(160, hidden, inter, dtype=dtype, device="cuda")
+    half_w13[slots.cuda()], half_w2[slots.cuda()] = device_w13[cached.cuda()], device_w2[cached.cuda()]
+    maps = {
+        "all": (torch.arange(experts, dtype=torch.int32), device_w13, device_w2),
+        "none": (torch.full((experts,), -1, dtype=torch.int32), device_w13, device_w2),
+        "half": (half_map, half_w13, half_w2),
+    }
+    shared_gate_up = randn(2 * shared, hidden, scale=hidden**-0.5).cuda()
+    shared_down = randn(hidden, shared, scale=shared**-0.5).cuda()
+    for tokens in (1, 8):
+        x = randn(tokens, hidden, scale=1.0).cuda()
+        # distinct router logits, exact in bf16 (multiples of 2**-6 in [-2, 2))
+        router = torch.stack([torch.randperm(experts, generator=gen) for _ in range(tokens)]) * 2**-6 - 2.0
+        logits = torch.cat([router, torch.randn(tokens, 1, generator=gen)], 1).to(dtype).cuda()
+        chosen = torch.topk(router, top_k).indices.to(torch.int32)
+        outs = {}
+        for name, (slot_map, slot_w13, slot_w2) in maps.items():
+            routed = torch.full((tokens, top_k), -7, dtype=torch.int32, device="cuda")
+            outs[name] = sparse_moe_decode_offload(x, logits, slot_map.cuda(), slot_w13, slot_w2, host_w13, host_w2,
+                                                   shared_gate_up, shared_down, top_k, True, routed)
+            routed = routed.cpu()
+            assert torch.equal(torch.where(routed >= 0, routed, -1 - routed), chosen)
+            assert torch.equal(routed >= 0, slot_map[chosen.long()] >= 0)
+        assert torch.equal(outs["all"], outs["none"]) and torch.equal(outs["all"], outs["half"])
+        want = sparse_moe_decode_reference(x, logits, device_w13, device_w2, shared_gate_up, shared_down, top_k, True)
+        assert_close(outs["half"], want)
 
 
 def test_offloaded_greedy_equals_resident_on_cuda():
@@ -43,7 +125,9 @@ def test_offloaded_greedy_equals_resident_on_cuda():
     resident = [o.token_ids for o in LLM(**common).generate(prompts, params)]
     gc.collect()
     torch.cuda.empty_cache()
-    offloaded = [o.token_ids for o in LLM(**common, moe_offload=True, expert_cache_slots=16).generate(prompts, params)]
+    offloaded_llm = LLM(**common, moe_offload=True, expert_cache_slots=16)
+    assert offloaded_llm.runtime.engine.graph_runner is not None  # graphs on, as the resident engine's
+    offloaded = [o.token_ids for o in offloaded_llm.generate(prompts, params)]
     assert offloaded == resident
 
 
@@ -79,4 +163,112 @@ def test_preset_shape_with_half_the_experts_cached(tmp_path):
     assert len(out[0].token_ids) == 8
     stats = llm.runtime.stats().expert_cache
     assert stats.slots == 256 and stats.hits + stats.misses > 0
-    assert stats.bytes_copied == stats.misses * 3 * 512 * 2048 * 2  # bf16 gate, up, down of one expert
+    expert_bytes = 3 * 512 * 2048 * 2  # bf16 gate, up, down of one expert
+    assert stats.bytes_copied % expert_bytes == 0 and stats.bytes_copied <= stats.misses * expert_bytes
+    torch.cuda.synchronize()
+    check_slot_map_invariant(llm.runtime.engine.offload)
+
+
+def test_preset_shape_graphs_equal_eager_offloaded(tmp_path):
+    """Qwen3.6-35B-A3B's layer shape (2 layers, dummy weights, bf16), batch 1, half the experts
+    cached: the graph-replayed zero-copy decode gives the eager offloaded engine's greedy tokens (the
+    decode kernel computes bit for bit alike whichever copy it reads, so the admissions' timing
+    changes nothing)."""
+    from freetoken.bench.presets import write_preset_dir
+
+    model_dir = write_preset_dir("qwen3.6-35b-a3b", tmp_path / "preset", num_layers=2)
+    common = dict(model=str(model_dir), load_format="dummy", dtype="bfloat16", device="cuda", num_pages=64,
+                  max_running_requests=1, max_model_len=512, seed=0)
+    prompt = {"prompt_token_ids": list(range(1, 65))}
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    tokens = {}
+    for name in ("eager", "graphs"):
+        llm = LLM(**common, moe_offload=True, expert_cache_slots=256, enforce_eager=name == "eager")
+        replays = _count_replays(llm) if name == "graphs" else None
+        tokens[name] = llm.generate(prompt, params)[0].token_ids
+        if replays is not None:
+            assert len(replays) >= params.max_tokens - 2
+            assert llm.runtime.stats().expert_cache.hits > 0
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert tokens["graphs"] == tokens["eager"]
+
+
+def test_nvfp4_preset_shape_offloaded_with_graphs(tmp_path):
+    """NVFP4 experts (a dummy ModelOpt load of the Qwen3.6-35B-A3B shape, 2 layers) offloaded,
+    packed in pinned host memory and in the slots: the zero-copy decode runs in graphs and gives
+    the eager offloaded engine's greedy tokens; only misses are copied."""
+    from freetoken.bench.presets import write_nvfp4_config, write_preset_dir
+
+    model_dir = write_preset_dir("qwen3.6-35b-a3b", tmp_path / "preset", num_layers=2)
+    write_nvfp4_config(model_dir)
+    common = dict(model=str(model_dir), load_format="dummy", dtype="bfloat16", device="cuda", num_pages=64,
+                  max_running_requests=1, max_model_len=512, moe_offload=True, expert_cache_slots=256)
+    prompt = {"prompt_token_ids": list(range(1, 65))}
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    tokens = {}
+    for name in ("eager", "graphs"):
+        llm = LLM(**common, enforce_eager=name == "eager")
+        engine = llm.runtime.engine
+        assert engine.offload.nvfp4 and engine.offload.zero_copy
+        replays = _count_replays(llm) if name == "graphs" else None
+        tokens[name] = llm.generate(prompt, params)[0].token_ids
+        stats = llm.runtime.stats().expert_cache
+        assert stats.hits > 0 and 0 < stats.bytes_copied <= stats.misses * engine.offload.expert_bytes
+        if replays is not None:
+            assert len(replays) >= params.max_tokens - 2
+        torch.cuda.synchronize()
+        check_slot_map_invariant(engine.offload)
+        del llm, engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert tokens["graphs"] == tokens["eager"]
+
+
+def test_zero_copy_nvfp4_decode_kernel_at_qwen36_sizes():
+    """The NVFP4 variant at the Qwen3.6-35B-A3B layer's sizes: every expert in a slot, none, or half
+    of them in scattered slots give the same bits, close to the resident NVFP4 block's reference."""
+    from freetoken.kernels.nvfp4 import sparse_moe_decode_nvfp4_reference
+    from freetoken.kernels.triton.moe_decode_offload import sparse_moe_decode_offload_nvfp4
+    from kernel_checks import assert_close
+
+    gen = torch.Generator().manual_seed(1)
+    experts, top_k, hidden, inter, shared = 256, 8, 2048, 512, 512
+
+    def nvfp4(*shape):
+        *lead, rows, cols = shape
+        packed = torch.randint(0, 256, (*lead, rows, cols // 2), generator=gen, dtype=torch.uint8)
+        scales = torch.randint(0, 0x7F, (*lead, rows, cols // 16), generator=gen, dtype=torch.uint8)
+        row_scales = torch.rand(*lead, rows, generator=gen) * 2**-6 * cols**-0.5 + 1e-4
+        return [packed, scales.view(torch.float8_e4m3fn), row_scales]
+
+    host = [p.pin_memory() for p in nvfp4(experts, 2 * inter, hidden) + nvfp4(experts, hidden, inter)]
+    device = [p.cuda() for p in host]
+    shared_parts = [p.cuda() for p in nvfp4(2 * shared, hidden) + nvfp4(hidden, shared)]
+    cached = torch.randperm(experts, generator=gen)[: experts // 2]
+    slots = torch.randperm(160, generator=gen)[: cached.numel()]
+    half_map = torch.full((experts,), -1, dtype=torch.int32)
+    half_map[cached] = slots.to(torch.int32)
+    half = []
+    for part in device:
+        rows = torch.zeros((160, *part.shape[1:]), dtype=torch.uint8 if part.dtype == torch.float8_e4m3fn else part.dtype,
+                           device="cuda")
+        source = part.view(torch.uint8) if part.dtype == torch.float8_e4m3fn else part
+        rows[slots.cuda()] = source[cached.cuda()]
+        half.append(rows.view(part.dtype))
+    maps = {"all": (torch.arange(experts, dtype=torch.int32), device),
+            "none": (torch.full((experts,), -1, dtype=torch.int32), device), "half": (half_map, half)}
+    for tokens in (1, 8):
+        x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).cuda()
+        router = torch.stack([torch.randperm(experts, generator=gen) for _ in range(tokens)]) * 2**-6 - 2.0
+        logits = torch.cat([router, torch.randn(tokens, 1, generator=gen)], 1).to(torch.bfloat16).cuda()
+        outs = {}
+        for name, (slot_map, slot_parts) in maps.items():
+            routed = torch.full((tokens, top_k), -7, dtype=torch.int32, device="cuda")
+            outs[name] = sparse_moe_decode_offload_nvfp4(x, logits, slot_map.cuda(), *slot_parts, *host,
+                                                         *shared_parts, top_k, True, routed)
+            assert torch.equal((routed >= 0).cpu(), slot_map[torch.topk(router, top_k).indices] >= 0)
+        assert torch.equal(outs["all"], outs["none"]) and torch.equal(outs["all"], outs["half"])
+        want = sparse_moe_decode_nvfp4_reference(x.float(), logits.float(), *device, *shared_parts, top_k, True)
+        assert_close(outs["half"].float(), want, dtype=torch.bfloat16)

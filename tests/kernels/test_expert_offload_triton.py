@@ -1,6 +1,7 @@
 """Expert offload through the Triton kernels (the interpreter on the CPU, compiled on a GPU): the
-grouped-GEMM kernels run on windows of the slot tensors, the staging rows, or (a cache smaller than
-a layer) the whole cache in passes; float32 greedy tokens equal transformers'."""
+grouped-GEMM kernels run prefill chunks on windows of the slot tensors, the staging rows, or (a
+cache smaller than a layer) the whole cache in passes, and decode steps run the zero-copy decode
+kernel (``kernels/triton/moe_decode_offload.py``); float32 greedy tokens equal transformers'."""
 
 from __future__ import annotations
 

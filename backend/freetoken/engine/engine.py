@@ -18,6 +18,7 @@ from freetoken.engine.outputs import OutputRing, StepOutput
 from freetoken.engine.sample import SlotSampler
 from freetoken.kernels import KernelBackend, get_kernel_backend, set_kernel_backend
 from freetoken.kernels.prefill_snapshots import PrefillSnapshots
+from freetoken.layers.moe import DECODE_MAX_TOKENS
 from freetoken.models.loader import LoadedModel, load_model, load_random_model
 from freetoken.models.registry import text_config_of
 from freetoken.plan import PageUpdate, PlanRow, StepPlan
@@ -80,7 +81,7 @@ class Engine:
         # Snapshot slots are state rows only: no page-table row, no sampling tables.
         self.model.allocate_state(self.pool_sizes.num_pages, config.page_size, self.pool_sizes.num_state_slots)
         if self.offload is not None:
-            self.offload.allocate(cache_slots, self.device)
+            self.offload.allocate(cache_slots, self.device, decode_tokens=DECODE_MAX_TOKENS)
         self.max_pages_per_request = -(-self.max_model_len // config.page_size)
         max_rows = num_slots - 1
         self.buffers = StepBuffers(
@@ -97,6 +98,8 @@ class Engine:
         self.prefill_runner: PrefillGraphRunner | None = None
         if self._graphs_wanted():
             max_bs = min(config.cuda_graph_max_bs or config.max_running_requests, config.max_running_requests)
+            if self.offload is not None:  # larger decode steps read the routed ids on the host
+                max_bs = min(max_bs, DECODE_MAX_TOKENS)
             self.graph_runner = DecodeGraphRunner(
                 self.model, self.device, max_bs, self.max_pages_per_request, self.max_model_len, use_graphs=True
             )
@@ -111,11 +114,14 @@ class Engine:
 
     def _graphs_wanted(self) -> bool:
         """CUDA graphs on CUDA with the Triton kernels, unless ``enforce_eager``. The torch reference
-        ops read sizes back to the host (``.tolist()``), which a graph cannot capture."""
+        ops read sizes back to the host (``.tolist()``), which a graph cannot capture. With
+        ``moe_offload`` the graphs hold the zero-copy decode kernels, so only decode steps of at
+        most ``DECODE_MAX_TOKENS`` requests are captured."""
         if self.config.enforce_eager or self.device.type != "cuda":
             return False
-        if self.config.moe_offload:
-            logger.info("CUDA graphs off: moe_offload decides on the host which experts to copy in each layer")
+        if self.offload is not None and not self.offload.zero_copy:
+            logger.info("CUDA graphs off: moe_offload without the zero-copy decode decides on the host which "
+                        "experts to copy in each layer")
             return False
         if get_kernel_backend() is KernelBackend.TORCH:
             logger.info("CUDA graphs off: kernel_backend torch reads sizes back to the host")
@@ -176,7 +182,13 @@ class Engine:
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> StepOutput:
-        """Queue the plan's forward and sampling; the result comes through the returned output."""
+        """Queue the plan's forward and sampling; the result comes through the returned output.
+        With ``moe_offload``, the expert cache's deferred updates are queued first (between steps)
+        and the step's routed ids are settled when it is resolved (``experts.offload``)."""
+        on_resolve = None
+        if self.offload is not None and self.offload.zero_copy:
+            self.offload.between_steps()
+            on_resolve = self.offload.settle
         self._prepare(plan)
         staged = self.buffers.stage(plan, self.sampler.last_token)
         prefill = self.prefill_runner
@@ -189,9 +201,9 @@ class Engine:
             logits = self._forward(staged.batch, decode_logits)
         host_slots = [row.slot for row in plan.sampling_rows]
         if not host_slots:  # prompt chunks only
-            return self.outputs.send(torch.zeros(0, dtype=torch.int64, device=self.device), None, [])
+            return self.outputs.send(torch.zeros(0, dtype=torch.int64, device=self.device), None, [], on_resolve)
         token_ids, logprobs = self.sampler.sample(logits, staged.sample_slots, host_slots)
-        return self.outputs.send(token_ids, logprobs, staged.sampled_rows)
+        return self.outputs.send(token_ids, logprobs, staged.sampled_rows, on_resolve)
 
     def _forward(self, batch: ForwardBatch, decode_logits: int) -> torch.Tensor:
         """Logits of the batch's logits rows, in order. With graphs, a decode-only step replays; a
@@ -200,13 +212,29 @@ class Engine:
         docs/architecture.md). ``decode_logits``: how many logits rows are decode rows'."""
         runner = self.graph_runner
         if runner is None:
-            return self.model(batch)
+            return self._eager(batch)
         if 0 < batch.num_decodes < batch.num_requests and batch.num_decodes <= runner.max_batch_size:
             decodes, chunks = split_decodes(batch, decode_logits)
-            return torch.cat([runner.run(decodes), self.model(chunks)])
+            return torch.cat([self._replay(runner, decodes), self._eager(chunks)])
         if runner.supports(batch):
-            return runner.run(batch)
-        return self.model(batch)
+            return self._replay(runner, batch)
+        return self._eager(batch)
+
+    def _eager(self, batch: ForwardBatch) -> torch.Tensor:
+        logits = self.model(batch)
+        self._collect_routing(batch.num_tokens, batch.num_tokens)
+        return logits
+
+    def _replay(self, runner: DecodeGraphRunner, batch: ForwardBatch) -> torch.Tensor:
+        logits = runner.run(batch)
+        self._collect_routing(runner.padded_size(batch.num_requests), batch.num_requests)
+        return logits
+
+    def _collect_routing(self, forward_tokens: int, real_tokens: int) -> None:
+        """After a forward of ``forward_tokens`` (a graph's padded size) that ran the offloaded
+        layers' zero-copy decode kernels: their routed ids of the ``real_tokens`` go to the host."""
+        if self.offload is not None and self.offload.decodes(forward_tokens):
+            self.offload.collect(real_tokens)
 
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int], pages: list[int], slot: int) -> torch.Tensor:
@@ -223,5 +251,9 @@ class Engine:
                 page_updates=[PageUpdate(slot, first_page, tuple(pages[first_page:last_page]))],
             )
             staged = self.buffers.stage(plan, self.sampler.last_token, all_logits=True)
-            logits.append(self.model(staged.batch))
+            if self.offload is not None:
+                self.offload.between_steps()
+            logits.append(self._eager(staged.batch))
+        if self.offload is not None:
+            self.offload.settle(wait=True)
         return torch.cat(logits)

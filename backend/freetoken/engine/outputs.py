@@ -9,6 +9,7 @@ host still reads step N's; a buffer is reused only after its step was resolved.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,12 +28,16 @@ class StepOutput:
     _sampled_rows: list[int]  # plan sampling row of each logits row, -1 for padding
     _ring: OutputRing | None = None
     _index: int = 0
+    _on_resolve: Callable[[], None] | None = None  # host bookkeeping once the step is done (expert cache)
 
     def result(self) -> tuple[list[int], list[TokenLogprobs] | None]:
         """Token ids and logprobs of the plan's sampling rows, in order (waits for the step); each
         row's top-k holds as many tokens as the step's largest ``logprobs``."""
         if self._event is not None:
             self._event.synchronize()
+        if self._on_resolve is not None:
+            self._on_resolve()
+            self._on_resolve = None
         tokens = self._tokens.tolist()
         logprobs = None
         if self._logprobs is not None:
@@ -61,7 +66,8 @@ class OutputRing:
         self._busy = [False, False]
         self._next = 0
 
-    def send(self, tokens: torch.Tensor, logprobs: SampledLogprobs | None, sampled_rows: list[int]) -> StepOutput:
+    def send(self, tokens: torch.Tensor, logprobs: SampledLogprobs | None, sampled_rows: list[int],
+             on_resolve: Callable[[], None] | None = None) -> StepOutput:
         index = self._next
         if self._busy[index]:
             raise RuntimeError("more than two steps in flight: resolve a step before launching another")
@@ -82,7 +88,7 @@ class OutputRing:
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        return StepOutput(host_tokens, host_logprobs, event, sampled_rows, self, index)
+        return StepOutput(host_tokens, host_logprobs, event, sampled_rows, self, index, on_resolve)
 
     def release(self, index: int) -> None:
         self._busy[index] = False

@@ -6,6 +6,7 @@ Pure host state: the device tensors and copies are ``experts.slots``. One table 
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 from freetoken.experts.eviction import EvictionPolicy, ExpertKey
@@ -14,7 +15,10 @@ from freetoken.experts.eviction import EvictionPolicy, ExpertKey
 @dataclass
 class CacheCounters:
     """Since start. A use is one layer's routed expert in one forward (however many tokens chose it):
-    ``hits + misses`` is the number of uses."""
+    ``hits + misses`` is the number of uses. On the eager path a miss is copied in before the layer
+    runs; in a zero-copy decode forward (``experts.slots``) a miss is read from host memory and
+    copied in for later steps, once however many steps in flight missed it: there
+    ``bytes_copied`` counts the copies, at most one per miss."""
 
     hits: int = 0
     misses: int = 0
@@ -34,7 +38,8 @@ class SlotTable:
         self.policy = policy
         self.counters = CacheCounters()
         self._slot_of: dict[ExpertKey, int] = {}
-        self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
+        # Oldest first: a slot evicted ahead (``reserve``) is handed out after those freed before it.
+        self._free = deque(range(num_slots))
         self._prefetched: set[ExpertKey] = set()  # copied ahead of their layer, not used since
 
     def slot_of(self, key: ExpertKey) -> int | None:
@@ -70,6 +75,46 @@ class SlotTable:
             placed.append((expert, self._place(key, protected, evicted)))
         return placed, evicted
 
+    def observe(self, layer: int, experts: list[int], hits: list[bool]) -> tuple[list[tuple[int, int]], list[ExpertKey]]:
+        """One zero-copy decode forward's routed experts of ``layer`` (distinct, in routing order),
+        as the kernel read them: ``hits[i]`` from a slot, else from host memory (``experts.slots``).
+        Counts them so, tells the policy, and makes the missed ones cached for the next steps:
+        those not cached since, as many as the slots outside this layer's routed experts allow (a
+        forward may route more experts than the cache holds: the rest keep being read from host
+        memory). A hit evicted since its step ran is not copied back until a step misses it, so
+        there is at most one copy per miss.
+        Returns what ``admit`` does; the caller fills the slots later (``DeviceSlots.fill_deferred``)."""
+        self.policy.access([(layer, e) for e in experts])
+        for expert, hit in zip(experts, hits):
+            if hit:
+                self.counters.hits += 1
+                key = (layer, expert)
+                if key in self._prefetched:
+                    self._prefetched.discard(key)
+                    self.counters.prefetch_hits += 1
+            else:
+                self.counters.misses += 1
+        protected = {(layer, e) for e in experts}
+        room = self.num_slots - sum(1 for key in protected if key in self._slot_of)
+        missed = [e for e, hit in zip(experts, hits) if not hit and (layer, e) not in self._slot_of]
+        placed: list[tuple[int, int]] = []
+        evicted: list[ExpertKey] = []
+        for expert in missed[: max(0, room)]:
+            placed.append((expert, self._place((layer, expert), protected, evicted)))
+        return placed, evicted
+
+    def reserve(self, count: int, protected: set[ExpertKey]) -> list[ExpertKey]:
+        """Evict (outside ``protected``) until ``count`` slots are free, at most down to
+        ``protected``; returns the evicted keys. The zero-copy decode path evicts ahead so that the
+        next step's misses find slots no step in flight can still read (``experts.slots``)."""
+        evicted: list[ExpertKey] = []
+        while len(self._free) < min(count, self.num_slots) and len(self._slot_of) > len(protected & self._slot_of.keys()):
+            victim = self.policy.evict(protected)
+            self._free.append(self._slot_of.pop(victim))
+            self._prefetched.discard(victim)
+            evicted.append(victim)
+        return evicted
+
     def prefetch(
         self, layer: int, experts: list[int], running: set[ExpertKey]
     ) -> tuple[list[tuple[int, int]], list[ExpertKey]]:
@@ -92,7 +137,7 @@ class SlotTable:
         """A slot for ``key``: a free one, else the policy's victim outside ``protected``."""
         self.counters.bytes_copied += self.expert_bytes
         if self._free:
-            slot = self._free.pop()
+            slot = self._free.popleft()
         else:
             victim = self.policy.evict(protected)
             slot = self._slot_of.pop(victim)

@@ -5,6 +5,13 @@ The models build their MoE blocks through one factory (``experts.store.make_stor
 ``building(offload)`` is active it places each layer's experts in host memory and registers the
 layer here, so no model file knows about offloading. Once the weights are loaded and the pools
 sized, ``allocate`` makes the device cache.
+
+Two paths run an offloaded layer. Decode forwards of at most ``decode_tokens`` tokens run the
+zero-copy decode kernel (dense or NVFP4 experts, the shared expert stored alike): a miss is read from pinned host memory, nothing syncs,
+so the step can be a CUDA graph; their routed ids reach the host after the step
+(``experts.decode_log``) and ``settle`` counts them and copies the missed experts in for the next
+steps (``experts.slots`` has the ordering argument). Larger forwards read the routed ids on the
+host in each layer and copy the misses in before the layer runs (``begin``).
 """
 
 from __future__ import annotations
@@ -18,14 +25,18 @@ from typing import Protocol
 import torch
 
 from freetoken.experts.cache import CacheCounters, SlotTable
-from freetoken.experts.eviction import make_policy
+from freetoken.experts.decode_log import RoutedLog, RoutedRecord
+from freetoken.experts.eviction import ExpertKey, make_policy
 from freetoken.experts.slots import DeviceSlots
 
 logger = logging.getLogger(__name__)
 
+RESERVE_DIVISOR = 16  # the zero-copy path keeps at most num_slots / this free ahead of its misses
+
 
 class HostExperts(Protocol):
     num_experts: int
+    top_k: int
 
     def predict(self, x: torch.Tensor) -> list[int]:
         """The experts this layer's router would pick for ``x`` (distinct, in routing order)."""
@@ -34,6 +45,9 @@ class HostExperts(Protocol):
         """The layer's expert weights in host memory, each ``[E, ...]``."""
 
     def is_nvfp4(self) -> bool: ...
+
+    def zero_copy_ready(self) -> bool:
+        """The zero-copy decode kernel can run this layer (its shared expert stored as its experts)."""
 
 
 class ExpertOffload:
@@ -47,6 +61,7 @@ class ExpertOffload:
         self.layers: list[HostExperts] = []
         self.table: SlotTable | None = None
         self.slots: DeviceSlots | None = None
+        self.log: RoutedLog | None = None  # the zero-copy decode forwards' routed ids
         self.nvfp4 = False
         self._parts: list[list[torch.Tensor]] = []
 
@@ -69,9 +84,11 @@ class ExpertOffload:
     def num_slots(self) -> int:
         return 0 if self.table is None else self.table.num_slots
 
-    def allocate(self, num_slots: int, device: torch.device) -> None:
+    def allocate(self, num_slots: int, device: torch.device, decode_tokens: int = 0) -> None:
         """The device cache of ``num_slots`` experts, after loading (NVFP4 loading replaces the dense
-        host weights by packed ones, which are pinned here)."""
+        host weights by packed ones, which are pinned here). Forwards of at most ``decode_tokens``
+        tokens run the zero-copy decode kernel, when every layer's routed and shared experts are
+        stored alike (both dense or both NVFP4)."""
         kinds = {layer.is_nvfp4() for layer in self.layers}
         if len(kinds) != 1:
             raise ValueError("moe_offload: every layer's experts must be stored alike (all NVFP4 or all dense)")
@@ -87,14 +104,82 @@ class ExpertOffload:
                         p.data = p.data.pin_memory()
         self.table = SlotTable(num_slots, make_policy(self.policy), self.expert_bytes)
         self.slots = DeviceSlots(self._parts[0], num_slots, len(self.layers), device)
+        if decode_tokens > 0 and all(layer.zero_copy_ready() for layer in self.layers):
+            self.log = RoutedLog(len(self.layers), decode_tokens, self.layers[0].top_k, device)
+        else:
+            logger.info("moe_offload: no zero-copy decode (a layer's shared expert is stored unlike its "
+                        "experts): every forward reads its routed ids on the host, without CUDA graphs")
         logger.info(
             "expert cache: %d slots of %.2f MiB (%.2f GiB) for %d layers x %d experts (%.1f%%), policy %s",
             num_slots, self.expert_bytes / 2**20, self.slots.nbytes / 2**30, len(self.layers), self.num_experts,
             100 * num_slots / (len(self.layers) * self.num_experts), self.policy,
         )
 
+    @property
+    def zero_copy(self) -> bool:
+        """Decode forwards run the zero-copy kernel (no host sync: CUDA graphs can capture them)."""
+        return self.log is not None
+
+    def decodes(self, num_tokens: int) -> bool:
+        """A forward of ``num_tokens`` tokens runs the zero-copy decode kernel in every offloaded layer."""
+        return self.log is not None and num_tokens <= self.log.max_tokens
+
+    def routed_out(self, layer: int, num_tokens: int) -> torch.Tensor:
+        """Where layer ``layer``'s decode kernel writes its routed ids."""
+        assert self.log is not None
+        return self.log.out(layer, num_tokens)
+
+    def collect(self, num_tokens: int) -> None:
+        """After a forward that ran the decode kernels (``decodes``): its routed ids of its first
+        ``num_tokens`` (real) tokens go to the host, for ``settle``."""
+        assert self.log is not None
+        self.log.collect(num_tokens)
+
+    def settle(self, wait: bool = False) -> None:
+        """Count the routed ids that reached the host and queue the copies of the experts they
+        missed (evictions unmapped now, new entries mapped by ``between_steps`` once copied). Runs
+        between steps: when a step is resolved, and before one is launched. ``wait``: also the
+        records still in flight."""
+        if self.log is None:
+            return
+        for record in self.log.ready(wait):
+            self._settle(record)
+
+    def _settle(self, record: RoutedRecord) -> None:
+        table, slots = self._table(), self.slots
+        assert slots is not None
+        fills: dict[ExpertKey, tuple[int, int, int]] = {}
+        evicted: list[ExpertKey] = []
+        routed: set[ExpertKey] = set()
+        for layer in range(len(self.layers)):
+            experts, hits = record.layer(layer)
+            if not experts:
+                continue
+            routed.update((layer, e) for e in experts)
+            placed, gone = table.observe(layer, experts, hits)
+            for key in gone:  # a slot given earlier in this record is handed on: that copy is not made
+                if fills.pop(key, None) is not None:
+                    table.counters.bytes_copied -= table.expert_bytes
+            evicted += gone
+            fills.update(((layer, e), (layer, e, slot)) for e, slot in placed)
+        # Evict ahead for the next settle's misses: slots whose release is behind the step in flight
+        # (at most a 16th of the cache, which a small cache could not spare).
+        evicted += table.reserve(min(len(fills), table.num_slots // RESERVE_DIVISOR), routed | fills.keys())
+        slots.fill_deferred(list(fills.values()), evicted, self._parts)
+
+    def between_steps(self) -> None:
+        """Before a step is launched: settle what arrived, map the copies that are done."""
+        if self.log is None:
+            return
+        self.settle()
+        assert self.slots is not None
+        self.slots.commit()
+
     def begin(self, layer: int, experts: list[int]) -> list[list[int]]:
-        """A layer's routed experts: their passes (``SlotTable.passes``), the first one's copies queued."""
+        """A layer's routed experts: their passes (``SlotTable.passes``), the first one's copies
+        queued (after the deferred fills are mapped: this path reads the map)."""
+        assert self.slots is not None
+        self.slots.commit(wait=True)
         groups = self._table().passes(layer, experts)
         self.bring_in(layer, groups[0])
         return groups

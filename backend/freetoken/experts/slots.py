@@ -2,10 +2,54 @@
 ``w2 [S, H, I]``, or NVFP4's packed codes and scales of each), the map ``(layer, expert) -> slot``,
 and the copies that fill slots from host memory.
 
-On CUDA the copies run on a stream of their own: it first waits for the compute stream (a slot
-given up may still be read by a kernel queued there), and the compute stream waits for the copies'
-event before the experts run, so whatever the compute stream queued in between (the shared expert)
-overlaps the transfer. On the CPU the copies are plain copies.
+On CUDA the copies run on a stream of their own, so the compute stream overlaps them. Two ways
+fill slots:
+
+- **Eager** (``fill``; prefill and steps over ``layers.moe.DECODE_MAX_TOKENS`` tokens, which read
+  the routed ids on the host): the copy stream first waits for the compute stream (a slot given up
+  may still be read by a kernel queued there), the map is updated at once, and the compute stream
+  waits for the copies' event (``wait``) before the layer's experts run, so the shared expert
+  queued in between overlaps the transfer.
+- **Deferred** (``fill_deferred`` then ``commit``; the zero-copy decode forwards, which may be CUDA
+  graph replays): their kernels read a mapped expert from its slot and an unmapped one from pinned
+  host memory, and the host learns their routed ids only after the step
+  (``experts.decode_log``). Every map update is a small device op queued on the compute stream
+  between two steps, never inside one.
+
+Why the deferred updates are safe. Invariant: at every moment, in the order the compute stream
+runs, ``slot_map[l, e] = s >= 0`` only while slot ``s`` holds all of expert ``(l, e)``'s weights
+(and -1 always means: read host memory, which always holds them). Then every read any kernel makes
+through the map is of the right weights, whichever value it finds, and since both copies hold the
+same values, no result depends on when an update lands. The updates keep it:
+
+1. Evicting ``V`` from slot ``s``: ``slot_map[V] = -1`` is queued on the compute stream, after
+   every step already queued (those may still read ``s`` as ``V``: that is still true) and before
+   any later one, which sees -1; then an event ``R`` is recorded there: once it completed, no
+   kernel reads ``s`` as ``V``.
+2. Copying ``X`` into ``s``: the copy stream first waits for ``s``'s ``R`` (none if ``s`` was never
+   mapped), so it overwrites ``s`` only once every kernel that could read ``V`` there has
+   finished; copies into one slot are in order on the one copy stream.
+3. Mapping ``X`` to ``s``: ``commit`` queues on the compute stream a wait for the copy's event,
+   then ``slot_map[X] = s``, so in the compute stream's order no kernel finds ``s`` before it holds
+   ``X``; until then ``X`` is read from host memory.
+4. An expert evicted while its copy is pending is dropped from the pending map writes before its
+   slot is handed on (in ``fill`` as in ``fill_deferred``), so no stale ``slot_map[X] = s`` can
+   land after ``s`` was given to another expert.
+
+Latency. Step ``N``'s ids are settled while step ``N + 1`` runs (the overlapped loop resolves
+``N`` after launching ``N + 1``), so ``N + 1`` misses again what ``N`` missed. The misses of
+``N`` take slots evicted one settle earlier (``SlotTable.reserve`` keeps as many free as the last
+settle filled), whose ``R`` is behind the step that was then in flight: their copies start at
+once, during ``N + 1``, and ``commit`` maps them before ``N + 2`` (its wait costs nothing once the
+copies are done, which they are unless they take longer than a step). A copy into a slot evicted
+in the same settle waits for ``N + 1`` to end, and is mapped once done (``Event.query``), so
+the step after does not stall on it. A miss is thus read from host memory by two steps, then
+copied once.
+
+The eager path keeps the invariant for every kernel that can observe the map: its ``slot_map[X] =
+s`` lands before the copy is done, but the only kernels queued between that write and ``wait``
+are the layer's shared expert and prefetch bookkeeping, which do not read slots. On the CPU the
+copies are plain copies and the same updates run in the same order.
 """
 
 from __future__ import annotations
@@ -29,6 +73,12 @@ class DeviceSlots:
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._ready: torch.cuda.Event | None = None
         self._ahead: dict[int, list[torch.cuda.Event]] = {}  # layer -> its prefetches' copies
+        # Deferred fills whose map entry is not written yet: key -> (slot, the copy's event or None,
+        # whether the copy started at once: ``commit``).
+        self._pending: dict[ExpertKey, tuple[int, torch.cuda.Event | None, bool]] = {}
+        self._mapped: dict[ExpertKey, int] = {}  # the host's copy of the map's entries >= 0
+        # Slots unmapped by the deferred path: the event after which no step in flight reads them.
+        self._released: dict[int, torch.cuda.Event | None] = {}
 
     @property
     def nbytes(self) -> int:
@@ -47,6 +97,10 @@ class DeviceSlots:
              evicted: list[ExpertKey], ahead: bool = False) -> None:
         """Copy ``layer``'s experts into their slots (``placed``: (expert, slot)) and update the map.
         ``ahead``: a prefetch for a later layer, which only that layer's ``wait`` waits for."""
+        for key in evicted:
+            self._pending.pop(key, None)
+        for _, slot in placed:  # the copy stream waits for all queued work: any release is covered
+            self._released.pop(slot, None)
         if not placed:
             return
         if self._stream is None:
@@ -65,11 +119,93 @@ class DeviceSlots:
                 self._ahead.setdefault(layer, []).append(event)
             else:
                 self._ready = event
-        rows = [k[0] for k in evicted] + [layer] * len(placed)
-        cols = [k[1] for k in evicted] + [e for e, _ in placed]
-        values = [-1] * len(evicted) + [s for _, s in placed]
-        index = torch.tensor([rows, cols, values], dtype=torch.int64).to(self.device)
+        self._write_map(evicted + [(layer, e) for e, _ in placed], [-1] * len(evicted) + [s for _, s in placed])
+
+    def fill_deferred(self, fills: list[tuple[int, int, int]], evicted: list[ExpertKey],
+                      host_parts: list[list[torch.Tensor]]) -> None:
+        """Between steps: unmap ``evicted`` now, copy ``fills`` ((layer, expert, slot)) from
+        ``host_parts[layer]`` on the copy stream; ``commit`` maps them (module docstring)."""
+        released = [slot for slot in map(self._slot_held, evicted) if slot is not None]
+        for key in evicted:
+            self._pending.pop(key, None)
+        if evicted:
+            self._write_map(evicted, [-1] * len(evicted))
+        release = None
+        if self._stream is not None and released:
+            release = torch.cuda.Event()
+            release.record(torch.cuda.current_stream(self.device))  # after the -1 writes
+        for slot in released:
+            self._released[slot] = release
+        if not fills:
+            return
+        if self._stream is None:
+            for layer, expert, slot in fills:
+                for dst, src in zip(self.tensors, host_parts[layer]):
+                    dst[slot].copy_(src[expert])
+                self._released.pop(slot, None)
+                self._pending[(layer, expert)] = (slot, None, True)
+            return
+        # Slots no step in flight can read first (never mapped, or released by an event that has
+        # completed), then those released later: the copy stream waits for their release events.
+        events = {slot: self._released.pop(slot, None) for _, _, slot in fills}
+        done = {slot: event is None or event.query() for slot, event in events.items()}  # asked once
+        clean = [f for f in fills if done[f[2]]]
+        later = [f for f in fills if not done[f[2]]]
+        with torch.cuda.stream(self._stream):
+            for group, is_clean in ((clean, True), (later, False)):
+                if not group:
+                    continue
+                for event in {id(e): e for e in (events[f[2]] for f in group) if e is not None}.values():
+                    self._stream.wait_event(event)
+                for layer, expert, slot in group:
+                    for dst, src in zip(self.tensors, host_parts[layer]):
+                        dst[slot].copy_(src[expert], non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record(self._stream)
+                for layer, expert, slot in group:
+                    self._pending[(layer, expert)] = (slot, copied, is_clean)
+
+    def commit(self, wait: bool = False) -> None:
+        """Map the deferred fills: on the compute stream, a wait for each copy's event, then the map
+        writes. Taken: fills into clean slots (their copies started when queued and run during the
+        step in flight: the next step would seldom wait for them) and the others once their copies
+        are done (``Event.query``); all of them with ``wait``."""
+        done = [(key, slot, event) for key, (slot, event, clean) in self._pending.items()
+                if wait or clean or event is None or event.query()]
+        if not done:
+            return
+        for event in {id(e): e for _, _, e in done if e is not None}.values():
+            torch.cuda.current_stream(self.device).wait_event(event)
+        for key, _, _ in done:
+            del self._pending[key]
+        self._write_map([key for key, _, _ in done], [slot for _, slot, _ in done])
+
+    def _slot_held(self, key: ExpertKey) -> int | None:
+        """The slot ``key`` is mapped to or being copied into (None: neither)."""
+        if key in self._pending:
+            return self._pending[key][0]
+        return self._mapped.get(key)
+
+    def is_pending(self, key: ExpertKey) -> bool:
+        """``key`` was given a slot whose copy is not mapped yet."""
+        return key in self._pending
+
+    def _write_map(self, keys: list[ExpertKey], values: list[int]) -> None:
+        """``slot_map[key] = value`` for each pair, one device op on the compute stream (from pinned
+        memory on CUDA: no host sync)."""
+        if not keys:
+            return
+        pinned = self.device.type == "cuda"
+        rows = [layer for layer, _ in keys]
+        cols = [expert for _, expert in keys]
+        index = torch.tensor([rows, cols, values], dtype=torch.int64, pin_memory=pinned)
+        index = index.to(self.device, non_blocking=pinned)
         self.slot_map[index[0], index[1]] = index[2].to(torch.int32)
+        for key, value in zip(keys, values):
+            if value < 0:
+                self._mapped.pop(key, None)
+            else:
+                self._mapped[key] = value
 
     def wait(self, layer: int) -> None:
         """The compute stream waits for ``layer``'s copies queued so far (before it reads the slots)."""

@@ -2,7 +2,9 @@
 
 ``SparseMoE`` routes, then asks its store in two calls: ``prepare(topk_ids)`` (an offloaded store
 queues the copies of the experts it misses) and, after the shared expert was queued (it overlaps
-those copies), ``compute(x, topk_weights, routing)``.
+those copies), ``compute(x, topk_weights, routing)``. A decode forward of an offloaded store
+(``decodes``) instead runs the whole block after the router GEMM as one zero-copy kernel
+(``decode``; ``experts.offload``).
 
 - ``ResidentExperts``: the fused ``w13 [E, 2I, H]`` / ``w2 [E, H, I]`` on the device.
 - ``OffloadedExperts``: the same tensors in host memory; they run from the device cache of
@@ -59,14 +61,16 @@ def _parts(weight: Weight) -> list[torch.Tensor]:
 
 
 class OffloadedExperts(nn.Module):
-    def __init__(self, num_experts: int, intermediate: int, hidden: int, offload: ExpertOffload) -> None:
+    def __init__(self, num_experts: int, intermediate: int, hidden: int, top_k: int, offload: ExpertOffload) -> None:
         super().__init__()
-        self.num_experts = num_experts
+        self.num_experts, self.top_k = num_experts, top_k
         self.w13: Weight = _host_param(num_experts, 2 * intermediate, hidden, pin=offload.pin)
         self.w2: Weight = _host_param(num_experts, hidden, intermediate, pin=offload.pin)
         self.offload = offload  # not a module: shared by every layer
         self.layer = offload.register(self)
         self.router: Callable[[torch.Tensor], torch.Tensor] | None = None  # x -> topk ids, set by the MoE block
+        # The MoE block's shared expert (gate_up, down), set by the block: the decode kernel runs it too.
+        self.shared: Callable[[], tuple[Weight, Weight]] | None = None
 
     def predict(self, x: torch.Tensor) -> list[int]:
         assert self.router is not None, "prefetch needs the MoE block's router (SparseMoE sets it)"
@@ -77,6 +81,36 @@ class OffloadedExperts(nn.Module):
 
     def is_nvfp4(self) -> bool:
         return isinstance(self.w13, NVFP4Weight) and isinstance(self.w2, NVFP4Weight)
+
+    def zero_copy_ready(self) -> bool:
+        """The zero-copy decode kernel can run this layer: routed and shared experts both dense, or
+        both NVFP4 (``kernels.moe_decode_offload``)."""
+        assert self.shared is not None, "the MoE block sets its shared expert"
+        weights = (self.w13, self.w2, *self.shared())
+        return all(isinstance(w, torch.Tensor) for w in weights) or all(isinstance(w, NVFP4Weight) for w in weights)
+
+    def decodes(self, num_tokens: int) -> bool:
+        return self.offload.decodes(num_tokens)
+
+    def decode(self, x: torch.Tensor, gate_logits: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
+        """The MoE block after its router GEMM for a decode forward (``decodes``): every routed
+        expert from its cache slot or from pinned host memory; the routed ids go to the offload's
+        log (``experts.decode_log``). No host sync."""
+        slots = self.offload.slots
+        assert slots is not None and self.shared is not None
+        shared_gate_up, shared_down = self.shared()
+        slot_map, routed = slots.slot_map[self.layer], self.offload.routed_out(self.layer, x.shape[0])
+        if self.offload.nvfp4:
+            assert isinstance(shared_gate_up, NVFP4Weight) and isinstance(shared_down, NVFP4Weight)
+            return kernels.sparse_moe_decode_offload_nvfp4(
+                x, gate_logits, slot_map, *slots.tensors, *self.host_parts(), *_parts(shared_gate_up),
+                *_parts(shared_down), top_k, renormalize, routed,
+            )
+        assert isinstance(shared_gate_up, torch.Tensor) and isinstance(shared_down, torch.Tensor)
+        return kernels.sparse_moe_decode_offload(
+            x, gate_logits, slot_map, slots.tensors[0], slots.tensors[1], self.w13, self.w2,
+            shared_gate_up, shared_down, top_k, renormalize, routed,
+        )
 
     def prepare(self, x: torch.Tensor, topk_ids: torch.Tensor) -> _Passes:
         # The routed ids go to the host (a sync): which experts to copy is decided there.
@@ -136,9 +170,9 @@ class OffloadedExperts(nn.Module):
         return kernels.fused_experts(x, tensors[0], tensors[1], weights, local)
 
 
-def make_store(num_experts: int, intermediate: int, hidden: int) -> ResidentExperts | OffloadedExperts:
+def make_store(num_experts: int, intermediate: int, hidden: int, top_k: int) -> ResidentExperts | OffloadedExperts:
     """The store of a MoE layer being built: offloaded inside ``experts.offload.building(offload)``."""
     offload = offload_being_built()
     if offload is None:
         return ResidentExperts(num_experts, intermediate, hidden)
-    return OffloadedExperts(num_experts, intermediate, hidden, offload)
+    return OffloadedExperts(num_experts, intermediate, hidden, top_k, offload)

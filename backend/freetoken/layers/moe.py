@@ -40,9 +40,10 @@ class SparseMoE(nn.Module):
         self.intermediate = moe_intermediate_size
         self.shared_intermediate = shared_intermediate_size
         self.gate_weight = new_param(num_experts + 1, hidden_size)
-        self.experts = make_store(num_experts, moe_intermediate_size, hidden_size)
+        self.experts = make_store(num_experts, moe_intermediate_size, hidden_size, top_k)
         if isinstance(self.experts, OffloadedExperts):
             self.experts.router = self._route  # the previous layer's prefetch predicts with it
+            self.experts.shared = self._shared_expert  # its zero-copy decode kernel runs the shared expert
         self.shared_gate_up = new_param(2 * shared_intermediate_size, hidden_size)
         self.shared_down = new_param(hidden_size, shared_intermediate_size)
         # A bias on the router logits [E], which no released checkpoint has: benchmarks on random
@@ -80,6 +81,9 @@ class SparseMoE(nn.Module):
             targets[f"{expert}down_proj.weight"] = WeightTarget(self.w2, None, e)
         return targets
 
+    def _shared_expert(self) -> tuple[Weight, Weight]:
+        return self.shared_gate_up, self.shared_down
+
     def _route(self, x: torch.Tensor) -> torch.Tensor:
         """The top-k expert ids of ``x`` (softmax keeps the logits' order)."""
         return torch.topk(self._gate_logits(x)[:, : self.num_experts], self.top_k, dim=-1).indices
@@ -99,6 +103,8 @@ class SparseMoE(nn.Module):
             )
             if fused is not None:
                 return fused
+        elif isinstance(self.experts, OffloadedExperts) and self.experts.decodes(x.shape[0]):
+            return self.experts.decode(x, gate_logits, self.top_k, self.renormalize)
         router_logits, shared_gate = gate_logits[:, : self.num_experts], gate_logits[:, self.num_experts :]
         weights, ids = kernels.moe_topk_softmax(router_logits, self.top_k, self.renormalize)
         routing = self.experts.prepare(x, ids)  # offloaded: the missing experts' copies start

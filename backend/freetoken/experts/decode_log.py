@@ -1,0 +1,79 @@
+"""The routed ids of the zero-copy decode forwards (``kernels.sparse_moe_decode_offload``), on their
+way to the host.
+
+Each offloaded layer's decode kernel writes its (token, choice) experts into one persistent device
+buffer ``[layers, max decode tokens, top_k]`` (a miss as ``-1 - e``), at addresses fixed for the
+life of the engine, so CUDA graph replays write it too. After each such forward ``collect`` queues
+its copy into pinned host memory on the compute stream (so the next forward cannot overwrite it
+first) with an event; ``ready`` hands the records over in order once their copies landed, without
+waiting: by the time the overlapped loop resolves a step, its records are there.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class RoutedRecord:
+    ids: torch.Tensor  # host [layers, max tokens, top_k] int32; rows past num_tokens are stale
+    num_tokens: int  # the forward's real tokens (a graph's padding rows are not uses)
+    event: torch.cuda.Event | None
+    _rows: list[list[int]] | None = None
+
+    def layer(self, layer: int) -> tuple[list[int], list[bool]]:
+        """Layer ``layer``'s routed experts, distinct in routing order, and whether each was read
+        from a slot (a hit) or from host memory."""
+        if self._rows is None:  # one conversion for all layers (a step reads every layer's)
+            self._rows = self.ids[:, : self.num_tokens].reshape(self.ids.shape[0], -1).tolist()
+        hits: dict[int, bool] = {}
+        for code in self._rows[layer]:
+            hits.setdefault(code if code >= 0 else -1 - code, code >= 0)
+        return list(hits), list(hits.values())
+
+
+class RoutedLog:
+    def __init__(self, num_layers: int, max_tokens: int, top_k: int, device: torch.device) -> None:
+        self.max_tokens = max_tokens
+        self.device = device
+        self.buffer = torch.full((num_layers, max_tokens, top_k), -1, dtype=torch.int32, device=device)
+        self._records: deque[RoutedRecord] = deque()
+
+    def out(self, layer: int, num_tokens: int) -> torch.Tensor:
+        """Where layer ``layer``'s kernel writes the routed ids of a forward of ``num_tokens``."""
+        if num_tokens > self.max_tokens:
+            raise ValueError(f"a zero-copy decode forward has at most {self.max_tokens} tokens, got {num_tokens}")
+        return self.buffer[layer, :num_tokens]
+
+    def collect(self, num_tokens: int) -> None:
+        """After a forward that ran the decode kernels: queue its routed ids (the first
+        ``num_tokens`` rows of every layer) to the host."""
+        cuda = self.device.type == "cuda"
+        host = torch.empty(self.buffer.shape, dtype=torch.int32, pin_memory=cuda)
+        host.copy_(self.buffer, non_blocking=cuda)
+        event = None
+        if cuda:
+            event = torch.cuda.Event()
+            event.record()
+        self._records.append(RoutedRecord(host, num_tokens, event))
+
+    def ready(self, wait: bool = False) -> Iterator[RoutedRecord]:
+        """The records whose copies landed, oldest first; stops at the first still in flight
+        (``wait``: waits for every one instead)."""
+        while self._records:
+            record = self._records[0]
+            if record.event is not None:
+                if wait:
+                    record.event.synchronize()
+                elif not record.event.query():
+                    return
+            self._records.popleft()
+            yield record
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._records)

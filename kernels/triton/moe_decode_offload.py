@@ -1,0 +1,368 @@
+"""Triton few-token sparse MoE block of an offloaded layer: ``kernels/triton/moe_decode.py``'s
+three launches (``kernels/triton/nvfp4_decode.py``'s two for NVFP4 experts), each routed expert read
+from its cache slot or, on a miss, from pinned host memory.
+
+The routing launch routes each token (``moe_decode._top_k``), loads each choice's slot from the
+layer's slot map and writes the choice into the caller's ``routed`` buffer as ``e`` (a hit) or
+``-1 - e`` (a miss). The gate/up and down launches decode it, load the slot again and pick the
+base of the expert's rows with ``tl.where``: the slot in the device cache, or the expert in the
+host tensor (pinned host memory is addressable from kernels through unified virtual addressing; a
+miss streams its rows over PCIe, read once per (token, choice) as the resident block reads HBM).
+The map does not change during a step (every update is queued between steps, ``experts.slots``),
+and an entry always points at a copy of its expert's weights, so each load alone is safe. Both
+copies of an expert hold the same values, so hit or miss changes no result bit.
+
+The rest (rounding, launch shapes and tiles, the shared expert) is the resident block's, without
+programmatic dependent launch (each launch starts once the previous one is done). NVFP4 experts
+route inside their gate/up programs as the resident NVFP4 block does and pick the base of each of
+their three parts (packed codes, block scales, row scales) the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from freetoken.kernels.triton._common import cast, new_empty, pow2, round_as
+from freetoken.kernels.triton import moe_decode, nvfp4_decode
+from freetoken.kernels.triton.moe_decode import _choice, _top_k
+from freetoken.kernels.triton.nvfp4_decode import _down, _gate_up
+
+
+@triton.jit
+def _offload_route_kernel(
+    logits_ptr, l_st, map_ptr, topw_ptr, topi_ptr, num_experts,
+    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    t = tl.program_id(0)
+    weights, experts = _top_k(logits_ptr + t * l_st, num_experts, TOP_K, RENORMALIZE, BLOCK_E)
+    c = tl.arange(0, BLOCK_E)
+    slot = tl.load(map_ptr + experts, mask=c < TOP_K, other=-1)
+    tl.store(topw_ptr + t * TOP_K + c, weights, mask=c < TOP_K)
+    tl.store(topi_ptr + t * TOP_K + c, tl.where(slot >= 0, experts, -1 - experts), mask=c < TOP_K)
+
+
+@triton.jit
+def _offload_gate_up_kernel(
+    x_ptr, x_st, map_ptr, slot_w13_ptr, host_w13_ptr, w13_se, w13_sn, sw_ptr, sw_sn, topi_ptr, h_ptr, h_width,
+    num_pairs, hidden, inter, shared_inter,
+    TOP_K: tl.constexpr, PAIRS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # Pair q = t·(TOP_K + 1) + j: token t's choice j, or its shared expert at j = TOP_K.
+    q = tl.program_id(0) * PAIRS + tl.arange(0, PAIRS)
+    q_ok = q < num_pairs
+    t = q // (TOP_K + 1)
+    j = q % (TOP_K + 1)
+    routed = j < TOP_K
+    code = tl.load(topi_ptr + t * TOP_K + j, mask=q_ok & routed, other=0)
+    expert = tl.where(code >= 0, code, -1 - code)
+    slot = tl.load(map_ptr + expert, mask=q_ok & routed, other=-1)
+    expert_base = tl.where(slot >= 0, slot_w13_ptr + slot.to(tl.int64) * w13_se,
+                           host_w13_ptr + expert.to(tl.int64) * w13_se)
+    base = tl.where(routed, expert_base, sw_ptr)
+    row_st = tl.where(routed, w13_sn, sw_sn).to(tl.int64)
+    limit = tl.where(routed, inter, shared_inter)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = q_ok[:, None] & (n[None, :] < limit[:, None])
+    gate_rows = base[:, None] + n[None, :] * row_st[:, None]
+    up_rows = gate_rows + limit[:, None] * row_st[:, None]
+    acc_gate = tl.zeros([PAIRS, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([PAIRS, BLOCK_N], tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < hidden
+        xv = tl.load(x_ptr + t[:, None] * x_st + k[None, :], mask=q_ok[:, None] & k_ok[None, :], other=0.0)
+        xv = xv.to(tl.float32)[:, None, :]
+        mask = n_ok[:, :, None] & k_ok[None, None, :]
+        w_gate = tl.load(gate_rows[:, :, None] + k[None, None, :], mask=mask, other=0.0).to(tl.float32)
+        w_up = tl.load(up_rows[:, :, None] + k[None, None, :], mask=mask, other=0.0).to(tl.float32)
+        acc_gate += tl.sum(w_gate * xv, 2)
+        acc_up += tl.sum(w_up * xv, 2)
+    dtype = h_ptr.dtype.element_ty
+    gate = round_as(acc_gate, dtype)
+    h = round_as(gate * tl.sigmoid(gate), dtype) * round_as(acc_up, dtype)
+    tl.store(h_ptr + q.to(tl.int64)[:, None] * h_width + n[None, :], cast(h, dtype), mask=n_ok)
+
+
+@triton.jit
+def _offload_down_kernel(
+    h_ptr, h_width, map_ptr, slot_w2_ptr, host_w2_ptr, w2_se, w2_sn, sd_ptr, sd_sn, topw_ptr, topi_ptr,
+    logits_ptr, l_st, out_ptr, hidden, inter, shared_inter, num_experts,
+    TOP_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    t = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < hidden
+    c = tl.arange(0, BLOCK_C)
+    c_ok = c < TOP_K
+    dtype = out_ptr.dtype.element_ty
+    code = tl.load(topi_ptr + t * TOP_K + c, mask=c_ok, other=0)
+    expert = tl.where(code >= 0, code, -1 - code)
+    slot = tl.load(map_ptr + expert, mask=c_ok, other=-1)
+    expert_base = tl.where(slot >= 0, slot_w2_ptr + slot.to(tl.int64) * w2_se, host_w2_ptr + expert.to(tl.int64) * w2_se)
+    # The weights as the reference holds them: rounded to the activations' dtype.
+    weight = tl.load(topw_ptr + t * TOP_K + c, mask=c_ok, other=0.0)
+    weight = cast(weight, dtype).to(tl.float32)
+    h_rows = h_ptr + (t.to(tl.int64) * (TOP_K + 1) + c) * h_width
+    h_shared = h_ptr + (t.to(tl.int64) * (TOP_K + 1) + TOP_K) * h_width
+    w_rows = expert_base[:, None] + n[None, :] * w2_sn
+    acc = tl.zeros([BLOCK_C, BLOCK_N], tl.float32)
+    acc_shared = tl.zeros([BLOCK_N], tl.float32)
+    for k0 in range(0, h_width, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok, ks_ok = k < inter, k < shared_inter
+        mask = c_ok[:, None, None] & n_ok[None, :, None] & k_ok[None, None, :]
+        w = tl.load(w_rows[:, :, None] + k[None, None, :], mask=mask, other=0.0)
+        ws = tl.load(sd_ptr + n[:, None] * sd_sn + k[None, :], mask=n_ok[:, None] & ks_ok[None, :], other=0.0)
+        hv = tl.load(h_rows[:, None] + k[None, :], mask=c_ok[:, None] & k_ok[None, :], other=0.0)
+        hs = tl.load(h_shared + k, mask=ks_ok, other=0.0).to(tl.float32)
+        acc += tl.sum(w.to(tl.float32) * hv.to(tl.float32)[:, None, :], 2)
+        acc_shared += tl.sum(ws.to(tl.float32) * hs[None, :], 1)
+    scaled = round_as(round_as(acc, dtype) * weight[:, None], dtype)
+    routed = tl.sum(scaled, 0)  # the resident block's fixed order over the choices
+    gate = round_as(tl.sigmoid(tl.load(logits_ptr + t * l_st + num_experts).to(tl.float32)), dtype)
+    out = round_as(routed, dtype) + round_as(gate * round_as(acc_shared, dtype), dtype)
+    tl.store(out_ptr + t * hidden + n, cast(out, dtype), mask=n_ok)
+
+
+def _check(x, gate_logits, slot_map, slot_w13, slot_w2, host_w13, host_w2, shared_gate_up, shared_down,
+           top_k, routed) -> None:
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = host_w13.shape
+    inter, shared_inter = two_inter // 2, shared_gate_up.shape[0] // 2
+    expert_shapes = ((2 * inter, hidden), (hidden, inter))
+    if (
+        gate_logits.shape != (num_tokens, num_experts + 1)
+        or host_w13.shape[2] != hidden
+        or host_w2.shape != (num_experts, hidden, inter)
+        or (tuple(slot_w13.shape[1:]), tuple(slot_w2.shape[1:])) != expert_shapes
+        or slot_w13.shape[0] != slot_w2.shape[0]
+        or slot_map.shape != (num_experts,)
+        or shared_gate_up.shape != (2 * shared_inter, hidden)
+        or shared_down.shape != (hidden, shared_inter)
+        or routed.shape != (num_tokens, top_k)
+        or not 0 < top_k <= num_experts
+    ):
+        raise ValueError(
+            f"sparse_moe_decode_offload: x {tuple(x.shape)}, gate_logits {tuple(gate_logits.shape)}, "
+            f"slot_map {tuple(slot_map.shape)}, slot_w13 {tuple(slot_w13.shape)}, slot_w2 {tuple(slot_w2.shape)}, "
+            f"host_w13 {tuple(host_w13.shape)}, host_w2 {tuple(host_w2.shape)}, "
+            f"shared_gate_up {tuple(shared_gate_up.shape)}, shared_down {tuple(shared_down.shape)}, "
+            f"routed {tuple(routed.shape)}, top_k {top_k} disagree"
+        )
+    if slot_map.dtype != torch.int32 or routed.dtype != torch.int32 or not routed.is_contiguous():
+        raise ValueError(
+            f"sparse_moe_decode_offload: slot_map ({slot_map.dtype}) and routed ({routed.dtype}, contiguous "
+            f"{routed.is_contiguous()}) must be contiguous int32"
+        )
+    for name, w in (("slot_w13", slot_w13), ("slot_w2", slot_w2), ("host_w13", host_w13), ("host_w2", host_w2)):
+        if not w.is_contiguous():
+            raise ValueError(f"sparse_moe_decode_offload: {name} must be contiguous (slot and host rows share strides)")
+
+
+def sparse_moe_decode_offload(
+    x: torch.Tensor,
+    gate_logits: torch.Tensor,
+    slot_map: torch.Tensor,
+    slot_w13: torch.Tensor,
+    slot_w2: torch.Tensor,
+    host_w13: torch.Tensor,
+    host_w2: torch.Tensor,
+    shared_gate_up: torch.Tensor,
+    shared_down: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    routed: torch.Tensor,
+) -> torch.Tensor:
+    _check(x, gate_logits, slot_map, slot_w13, slot_w2, host_w13, host_w2, shared_gate_up, shared_down, top_k, routed)
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = host_w13.shape
+    inter, shared_inter = two_inter // 2, shared_gate_up.shape[0] // 2
+    out = new_empty((num_tokens, hidden), x.dtype, x.device)
+    if num_tokens == 0:
+        return out
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    gate_logits = gate_logits if gate_logits.stride(-1) == 1 else gate_logits.contiguous()
+    shared_gate_up, shared_down = shared_gate_up.contiguous(), shared_down.contiguous()
+    h_width, pairs = max(inter, shared_inter), num_tokens * (top_k + 1)
+    h = new_empty((pairs, h_width), x.dtype, x.device)
+    top_w = new_empty((num_tokens, top_k), torch.float32, x.device)
+    tiles = moe_decode.TILES
+    _offload_route_kernel[(num_tokens,)](
+        gate_logits, gate_logits.stride(0), slot_map, top_w, routed, num_experts,
+        TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=pow2(num_experts), num_warps=moe_decode.ROUTE_WARPS,
+    )
+    _offload_gate_up_kernel[(triton.cdiv(pairs, tiles.gate_up_pairs), triton.cdiv(h_width, tiles.gate_up_block_n))](
+        x, x.stride(0), slot_map, slot_w13, host_w13, host_w13.stride(0), host_w13.stride(1),
+        shared_gate_up, shared_gate_up.stride(0), routed, h, h_width, pairs, hidden, inter, shared_inter,
+        TOP_K=top_k, PAIRS=tiles.gate_up_pairs, BLOCK_N=tiles.gate_up_block_n,
+        BLOCK_K=min(pow2(hidden), tiles.gate_up_block_k), num_warps=tiles.gate_up_warps,
+    )
+    _offload_down_kernel[(num_tokens, triton.cdiv(hidden, tiles.down_block_n))](
+        h, h_width, slot_map, slot_w2, host_w2, host_w2.stride(0), host_w2.stride(1), shared_down,
+        shared_down.stride(0), top_w, routed, gate_logits, gate_logits.stride(0), out,
+        hidden, inter, shared_inter, num_experts,
+        TOP_K=top_k, BLOCK_C=pow2(top_k), BLOCK_N=tiles.down_block_n,
+        BLOCK_K=min(pow2(h_width), tiles.down_block_k), num_warps=tiles.down_warps,
+    )
+    return out
+
+
+@triton.jit
+def _offload_nvfp4_gate_up_kernel(
+    x_ptr, x_st, logits_ptr, l_st, map_ptr,
+    slot_w_ptr, slot_s_ptr, slot_r_ptr, host_w_ptr, host_s_ptr, host_r_ptr, sw_ptr, sw_s_ptr, sw_r_ptr,
+    h_ptr, h_width, topw_ptr, topi_ptr,
+    hidden, inter, shared_inter, num_experts,
+    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    p = tl.program_id(0)
+    t = p // (TOP_K + 1)
+    j = p % (TOP_K + 1)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    dtype = h_ptr.dtype.element_ty
+    x_row = x_ptr + t * x_st
+    if j < TOP_K:
+        weight, expert = _choice(logits_ptr + t * l_st, num_experts, j, TOP_K, RENORMALIZE, BLOCK_E)
+        slot = tl.load(map_ptr + expert)
+        hit = slot >= 0
+        if tl.program_id(1) == 0:
+            tl.store(topw_ptr + t * TOP_K + j, weight)
+            tl.store(topi_ptr + t * TOP_K + j, tl.where(hit, expert, -1 - expert))
+        rows = tl.where(hit, slot, expert).to(tl.int64) * 2 * inter  # first row of the flattened [* x 2I, H]
+        gate, up = _gate_up(
+            x_row, tl.where(hit, slot_w_ptr, host_w_ptr) + rows * (hidden // 2),
+            tl.where(hit, slot_s_ptr, host_s_ptr) + rows * (hidden // 16), tl.where(hit, slot_r_ptr, host_r_ptr) + rows,
+            hidden, inter, n, BLOCK_N, BLOCK_K,
+        )
+        limit = inter
+    else:
+        gate, up = _gate_up(x_row, sw_ptr, sw_s_ptr, sw_r_ptr, hidden, shared_inter, n, BLOCK_N, BLOCK_K)
+        limit = shared_inter
+    gate = round_as(gate, dtype)
+    h = round_as(gate * tl.sigmoid(gate), dtype) * round_as(up, dtype)
+    tl.store(h_ptr + p.to(tl.int64) * h_width + n, cast(h, dtype), mask=n < limit)
+
+
+@triton.jit
+def _offload_nvfp4_down_kernel(
+    h_ptr, h_width, map_ptr, slot_w_ptr, slot_s_ptr, slot_r_ptr, host_w_ptr, host_s_ptr, host_r_ptr,
+    sd_ptr, sd_s_ptr, sd_r_ptr, topw_ptr, topi_ptr, logits_ptr, l_st, out_ptr,
+    hidden, inter, shared_inter, num_experts,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    t = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < hidden
+    dtype = out_ptr.dtype.element_ty
+    pairs = t.to(tl.int64) * (TOP_K + 1)
+    routed = tl.zeros([BLOCK_N], tl.float32)
+    for j in range(TOP_K):
+        code = tl.load(topi_ptr + t * TOP_K + j)
+        expert = tl.where(code >= 0, code, -1 - code)
+        slot = tl.load(map_ptr + expert)
+        hit = slot >= 0
+        rows = tl.where(hit, slot, expert).to(tl.int64) * hidden  # first row of the flattened [* x H, I]
+        # The weight as the reference holds it: rounded to the activations' dtype.
+        weight = cast(tl.load(topw_ptr + t * TOP_K + j), dtype).to(tl.float32)
+        acc = _down(
+            h_ptr + (pairs + j) * h_width, tl.where(hit, slot_w_ptr, host_w_ptr) + rows * (inter // 2),
+            tl.where(hit, slot_s_ptr, host_s_ptr) + rows * (inter // 16), tl.where(hit, slot_r_ptr, host_r_ptr) + rows,
+            inter, n, n_ok, BLOCK_N, BLOCK_K,
+        )
+        routed += round_as(round_as(acc, dtype) * weight, dtype)
+    shared = _down(h_ptr + (pairs + TOP_K) * h_width, sd_ptr, sd_s_ptr, sd_r_ptr, shared_inter, n, n_ok, BLOCK_N, BLOCK_K)
+    gate = round_as(tl.sigmoid(tl.load(logits_ptr + t * l_st + num_experts).to(tl.float32)), dtype)
+    out = round_as(routed, dtype) + round_as(gate * round_as(shared, dtype), dtype)
+    tl.store(out_ptr + t * hidden + n, cast(out, dtype), mask=n_ok)
+
+
+def sparse_moe_decode_offload_nvfp4(
+    x: torch.Tensor,
+    gate_logits: torch.Tensor,
+    slot_map: torch.Tensor,
+    slot_w13_packed: torch.Tensor,
+    slot_w13_scales: torch.Tensor,
+    slot_w13_row_scales: torch.Tensor,
+    slot_w2_packed: torch.Tensor,
+    slot_w2_scales: torch.Tensor,
+    slot_w2_row_scales: torch.Tensor,
+    host_w13_packed: torch.Tensor,
+    host_w13_scales: torch.Tensor,
+    host_w13_row_scales: torch.Tensor,
+    host_w2_packed: torch.Tensor,
+    host_w2_scales: torch.Tensor,
+    host_w2_row_scales: torch.Tensor,
+    shared_gate_up_packed: torch.Tensor,
+    shared_gate_up_scales: torch.Tensor,
+    shared_gate_up_row_scales: torch.Tensor,
+    shared_down_packed: torch.Tensor,
+    shared_down_scales: torch.Tensor,
+    shared_down_row_scales: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    routed: torch.Tensor,
+) -> torch.Tensor:
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = host_w13_packed.shape
+    inter, shared_inter = two_inter // 2, shared_gate_up_packed.shape[0] // 2
+    num_slots = slot_w13_packed.shape[0]
+    if (
+        gate_logits.shape != (num_tokens, num_experts + 1)
+        or slot_map.shape != (num_experts,)
+        or routed.shape != (num_tokens, top_k)
+        or not 0 < top_k <= num_experts
+    ):
+        raise ValueError(
+            f"sparse_moe_decode_offload_nvfp4: x {tuple(x.shape)}, gate_logits {tuple(gate_logits.shape)}, "
+            f"slot_map {tuple(slot_map.shape)}, routed {tuple(routed.shape)}, {num_experts} experts, top_k {top_k} "
+            "disagree"
+        )
+    if slot_map.dtype != torch.int32 or routed.dtype != torch.int32 or not routed.is_contiguous():
+        raise ValueError("sparse_moe_decode_offload_nvfp4: slot_map and routed must be contiguous int32")
+    check = nvfp4_decode._check
+    check("host w13", host_w13_packed, host_w13_scales, host_w13_row_scales, (num_experts, two_inter, hidden))
+    check("host w2", host_w2_packed, host_w2_scales, host_w2_row_scales, (num_experts, hidden, inter))
+    check("slot w13", slot_w13_packed, slot_w13_scales, slot_w13_row_scales, (num_slots, two_inter, hidden))
+    check("slot w2", slot_w2_packed, slot_w2_scales, slot_w2_row_scales, (num_slots, hidden, inter))
+    check("shared_gate_up", shared_gate_up_packed, shared_gate_up_scales, shared_gate_up_row_scales,
+          (2 * shared_inter, hidden))
+    check("shared_down", shared_down_packed, shared_down_scales, shared_down_row_scales, (hidden, shared_inter))
+    routed_parts = (slot_w13_packed, slot_w13_scales, slot_w13_row_scales, slot_w2_packed, slot_w2_scales,
+                    slot_w2_row_scales, host_w13_packed, host_w13_scales, host_w13_row_scales, host_w2_packed,
+                    host_w2_scales, host_w2_row_scales)
+    if not all(part.is_contiguous() for part in routed_parts):
+        raise ValueError("sparse_moe_decode_offload_nvfp4: the slot and host parts must be contiguous (copies of "
+                         "host memory would defeat the zero-copy read)")
+    out = new_empty((num_tokens, hidden), x.dtype, x.device)
+    if num_tokens == 0:
+        return out
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    gate_logits = gate_logits if gate_logits.stride(-1) == 1 else gate_logits.contiguous()
+
+    def weight(packed, scales, row_scales):
+        return packed.contiguous(), scales.contiguous().view(torch.uint8), row_scales.contiguous()
+
+    h_width = max(inter, shared_inter)
+    h = new_empty((num_tokens * (top_k + 1), h_width), x.dtype, x.device)
+    top_w = new_empty((num_tokens, top_k), torch.float32, x.device)
+    block_k = nvfp4_decode.BLOCK_K
+    _offload_nvfp4_gate_up_kernel[(num_tokens * (top_k + 1), triton.cdiv(h_width, nvfp4_decode.GATE_UP_BLOCK_N))](
+        x, x.stride(0), gate_logits, gate_logits.stride(0), slot_map,
+        *weight(slot_w13_packed, slot_w13_scales, slot_w13_row_scales),
+        *weight(host_w13_packed, host_w13_scales, host_w13_row_scales),
+        *weight(shared_gate_up_packed, shared_gate_up_scales, shared_gate_up_row_scales),
+        h, h_width, top_w, routed, hidden, inter, shared_inter, num_experts,
+        TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=pow2(num_experts),
+        BLOCK_N=nvfp4_decode.GATE_UP_BLOCK_N, BLOCK_K=min(pow2(hidden), block_k), num_warps=4,
+    )
+    _offload_nvfp4_down_kernel[(num_tokens, triton.cdiv(hidden, nvfp4_decode.DOWN_BLOCK_N))](
+        h, h_width, slot_map, *weight(slot_w2_packed, slot_w2_scales, slot_w2_row_scales),
+        *weight(host_w2_packed, host_w2_scales, host_w2_row_scales),
+        *weight(shared_down_packed, shared_down_scales, shared_down_row_scales),
+        top_w, routed, gate_logits, gate_logits.stride(0), out, hidden, inter, shared_inter, num_experts,
+        TOP_K=top_k, BLOCK_N=nvfp4_decode.DOWN_BLOCK_N, BLOCK_K=min(pow2(h_width), block_k), num_warps=4,
+    )
+    return out

@@ -1,0 +1,157 @@
+"""MoE expert offload's zero-copy decode path on the CPU (issue 11): forwards of at most
+``DECODE_MAX_TOKENS`` tokens read each routed expert from its cache slot or from host memory in one
+kernel, without a host sync; the routed ids reach the host after the step and the misses are
+copied in between steps (``experts.slots``). Checked: float32 greedy tokens equal transformers'
+with a cache smaller than one layer's experts (also through a graph runner's padded batches), the
+slot map's invariant at every kernel call, the counters, and the deferred updates' ordering."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from freetoken import LLM, kernels
+from freetoken.experts.cache import SlotTable
+from freetoken.experts.decode_log import RoutedRecord
+from freetoken.experts.eviction import LRUPolicy
+from freetoken.experts.slots import DeviceSlots
+from freetoken.layers.moe import SparseMoE
+from expert_cache_checks import check_slot_map_invariant
+from graph_padding import with_padded_decode
+from oracle import DEMO, PAGE_SIZE, assert_greedy_batch, batch_prompts, checkpoint
+
+# Demo models: 4 layers of 8 (Qwen3.5) / of 4 (Qwen4-Exp) experts, top-2. Caches smaller than one
+# layer's experts (one slot: a layer's admission evicts the one an earlier layer of the same step
+# just took), and one of half the experts (16 of 32: it evicts ahead, ``SlotTable.reserve``).
+CASES = [("qwen3_5_moe", True, 3), ("qwen3_5_moe", False, 16), ("qwen4_exp", False, 1)]
+
+
+@pytest.mark.parametrize("family,padded,slots", CASES, ids=str)
+def test_zero_copy_decode_greedy_equals_transformers(monkeypatch, family, padded, slots):
+    llm = LLM(model=str(checkpoint(DEMO[family])), dtype="float32", device="cpu", max_prefill_length=16,
+              page_size=PAGE_SIZE, moe_offload=True, expert_cache_slots=slots)
+    engine = llm.runtime.engine
+    offload = engine.offload
+    assert offload.zero_copy
+    reserved: list[int] = []
+    reserve = offload.table.reserve
+
+    def counted_reserve(count, protected):
+        evicted = reserve(count, protected)
+        reserved.append(len(evicted))
+        return evicted
+
+    monkeypatch.setattr(offload.table, "reserve", counted_reserve)
+    copies: list[int] = []  # experts copied into slots, by either path
+    fill, fill_deferred = offload.slots.fill, offload.slots.fill_deferred
+
+    def counted_fill(layer, host_parts, placed, evicted, ahead=False):
+        copies.append(len(placed))
+        fill(layer, host_parts, placed, evicted, ahead)
+
+    def counted_fill_deferred(fills, evicted, host_parts):
+        copies.append(len(fills))
+        fill_deferred(fills, evicted, host_parts)
+
+    monkeypatch.setattr(offload.slots, "fill", counted_fill)
+    monkeypatch.setattr(offload.slots, "fill_deferred", counted_fill_deferred)
+    runner = with_padded_decode(llm, 8) if padded else None
+    codes: list[torch.Tensor] = []
+    decode = kernels.sparse_moe_decode_offload
+
+    def checked(*args):
+        check_slot_map_invariant(offload)
+        out = decode(*args)
+        codes.append(args[-1].clone())
+        return out
+
+    monkeypatch.setattr(kernels, "sparse_moe_decode_offload", checked)
+    # The uses each forward routes to, from the router apart from the cache: the distinct experts of
+    # the forward's real tokens (a padded batch's padding rows are not uses).
+    routed: list[torch.Tensor] = []
+    forwards: list[int] = []
+
+    def route(module: SparseMoE, inputs: tuple[torch.Tensor]) -> None:
+        routed.append(module._route(inputs[0]))
+
+    for m in engine.model.modules():
+        if isinstance(m, SparseMoE):
+            m.register_forward_pre_hook(route)
+    collect = engine._collect_routing
+
+    def logged(forward_tokens: int, real_tokens: int) -> None:
+        forwards.append(real_tokens)
+        collect(forward_tokens, real_tokens)
+
+    monkeypatch.setattr(engine, "_collect_routing", logged)
+    assert_greedy_batch(llm, DEMO[family], batch_prompts(DEMO[family])[:4])
+
+    every = torch.cat([c.flatten() for c in codes])
+    assert (every >= 0).any() and (every < 0).any(), "the decode kernels saw no hits or no misses"
+    layers = len(offload.layers)
+    assert len(routed) == layers * len(forwards)
+    uses = sum(routed[f * layers + l][:real].unique().numel() for f, real in enumerate(forwards) for l in range(layers))
+    stats = llm.runtime.stats().expert_cache
+    assert stats.hits + stats.misses == uses
+    assert stats.bytes_copied == sum(copies) * offload.expert_bytes
+    assert 0 < stats.bytes_copied <= stats.misses * offload.expert_bytes
+    if runner is not None:
+        assert any(n < size for n, size in runner.runs), "no padded decode batch ran"
+    if slots >= 16:
+        assert sum(reserved) > 0, "no expert was evicted ahead"
+    check_slot_map_invariant(offload)
+
+
+def test_deferred_fills_map_only_once_copied_and_evictions_at_once():
+    parts = [torch.arange(6 * 4, dtype=torch.float32).view(6, 4), -torch.arange(6 * 2, dtype=torch.float32).view(6, 2)]
+    slots = DeviceSlots(parts, num_slots=2, num_layers=1, device=torch.device("cpu"))
+    slots.fill_deferred([(0, 3, 0)], [], [parts])
+    assert slots.slot_map[0, 3] == -1 and slots.is_pending((0, 3))
+    assert torch.equal(slots.tensors[0][0], parts[0][3]) and torch.equal(slots.tensors[1][0], parts[1][3])
+    slots.commit()
+    assert slots.slot_map[0, 3] == 0 and not slots.is_pending((0, 3))
+    # evicting a mapped expert unmaps it at once; its successor is mapped only at the commit
+    slots.fill_deferred([(0, 4, 0)], [(0, 3)], [parts])
+    assert slots.slot_map[0, 3] == -1 and slots.slot_map[0, 4] == -1
+    slots.commit()
+    assert slots.slot_map[0, 4] == 0
+    # a pending expert evicted before its commit is never mapped (its slot went on to another)
+    slots.fill_deferred([(0, 1, 1)], [], [parts])
+    slots.fill_deferred([(0, 2, 1)], [(0, 1)], [parts])
+    slots.commit()
+    assert slots.slot_map[0].tolist() == [-1, -1, 1, -1, 0, -1]
+    assert torch.equal(slots.tensors[0][1], parts[0][2])
+    # the eager path's fill drops a pending expert it evicts, too
+    slots.fill_deferred([(0, 5, 1)], [(0, 2)], [parts])
+    slots.fill(0, parts, [(3, 1)], [(0, 5)])
+    slots.commit()
+    assert slots.slot_map[0].tolist() == [-1, -1, -1, 1, 0, -1]
+
+
+def test_observe_counts_the_kernels_reads_and_admits_the_misses():
+    table = SlotTable(3, LRUPolicy(), expert_bytes=10)
+    assert table.observe(0, [4, 1], [False, False]) == ([(4, 0), (1, 1)], [])
+    # a hit is counted, not copied; a miss cached since (a step in flight missed it too) is not copied again
+    assert table.observe(0, [4, 1, 2], [True, False, False]) == ([(2, 2)], [])
+    counters = table.counters
+    assert (counters.hits, counters.misses, counters.bytes_copied) == (1, 4, 30)
+    # more routed experts than slots outside this layer's: as many as fit, the rest stay in host memory
+    placed, evicted = table.observe(1, [0, 5, 6, 7], [False] * 4)
+    assert [e for e, _ in placed] == [0, 5, 6] and len(evicted) == 3
+    # a hit whose expert was evicted since its step ran is not copied back
+    assert table.observe(0, [4], [True]) == ([], [])
+
+
+def test_reserve_evicts_ahead_outside_the_protected_and_hands_out_the_oldest_free_first():
+    table = SlotTable(4, LRUPolicy(), expert_bytes=10)
+    table.observe(0, [0, 1, 2, 3], [False] * 4)
+    assert table.reserve(2, {(0, 3)}) == [(0, 0), (0, 1)]  # least recently used first
+    assert table.reserve(2, {(0, 3)}) == []  # two free already
+    assert table.reserve(4, {(0, 2), (0, 3)}) == []  # nothing evictable outside the protected
+    placed, evicted = table.observe(1, [7, 8, 9], [False] * 3)
+    assert placed == [(7, 0), (8, 1), (9, 2)] and evicted == [(0, 2)]  # the reserve's slots, then a victim's
+
+
+def test_routed_record_decodes_hits_and_misses_of_the_real_tokens():
+    ids = torch.tensor([[[3, -1 - 5], [-1 - 5, 2], [7, 7]]], dtype=torch.int32)  # 1 layer, 3 rows, top-2
+    assert RoutedRecord(ids, 2, None).layer(0) == ([3, 5, 2], [True, False, True])
