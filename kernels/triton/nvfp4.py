@@ -24,6 +24,15 @@ GROUP = 16
 
 
 @device_function
+def _e4m3_codes(packed):
+    """uint8 codes ``[..., C]`` -> e4m3 bytes ``[..., C, 2]`` (the even column first) that are
+    ``e2m1 · 2^-6`` (see ``_decode_tile``): sign to bit 7, exponent and mantissa to bits 4-2."""
+    lo = ((packed & 0x08) << 4) | ((packed & 0x07) << 2)  # the even column
+    hi = (packed & 0x80) | ((packed & 0x70) >> 2)
+    return tl.join(lo, hi)
+
+
+@device_function
 def _decode_tile(packed, scale_bytes, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """uint8 ``[BLOCK_N, BLOCK_K / 2]`` codes and ``[BLOCK_N, BLOCK_K / 16]`` e4m3 bytes -> ``dtype``
     ``[BLOCK_N, BLOCK_K]`` weights ``e2m1 · e4m3`` (the row scale is applied by the caller).
@@ -34,9 +43,7 @@ def _decode_tile(packed, scale_bytes, dtype: tl.constexpr, BLOCK_N: tl.constexpr
     integer ops a weight instead of an exponent / mantissa decode. ``e2m1 · e4m3`` has at most 6
     significant bits and lies in [2^-10, 2688]: exact in bf16 and fp16, so the scale multiplies in
     ``dtype``, with no float32 round trip."""
-    lo = ((packed & 0x08) << 4) | ((packed & 0x07) << 2)  # the even column
-    hi = (packed & 0x80) | ((packed & 0x70) >> 2)
-    codes = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K)).to(tl.float8e4nv, bitcast=True)
+    codes = tl.reshape(_e4m3_codes(packed), (BLOCK_N, BLOCK_K)).to(tl.float8e4nv, bitcast=True)
     scales = scale_bytes.to(tl.float8e4nv, bitcast=True)
     if _INTERPRETED:  # no bf16 arithmetic there: the same exact product, formed in float32
         values, scale = codes.to(tl.float32), scales.to(tl.float32) * 64.0

@@ -83,12 +83,7 @@ def test_dequantization_decodes_every_code_and_scale(dtype):
     assert torch.equal(got, ref.dequantize_nvfp4(packed, scales, row_scales, dtype))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens", [1, 3, 8])
-def test_sparse_moe_decode_nvfp4(rng, dtype, tokens):
-    """The few-token MoE block over NVFP4 routed and shared experts (shared intermediate wider than
-    the routed one, so the h rows are padded) against the general ops it replaces."""
-    e, k, hidden, inter, shared_inter = 7, 3, 80, 32, 48
+def _decode_block_inputs(rng, dtype, tokens, e, hidden, inter, shared_inter):
     x = torch.randn(tokens, hidden, generator=rng).to(dtype).to(DEVICE)
     # Distinct router logits in every row (exact in bf16): torch.topk leaves the order of ties unspecified.
     router = torch.stack([torch.randperm(e, generator=rng) for _ in range(tokens)]) * 0.25 - 1.5
@@ -97,7 +92,48 @@ def test_sparse_moe_decode_nvfp4(rng, dtype, tokens):
         *random_nvfp4(rng, e, 2 * inter, hidden), *random_nvfp4(rng, e, hidden, inter),
         *random_nvfp4(rng, 2 * shared_inter, hidden), *random_nvfp4(rng, hidden, shared_inter),
     )
+    return x, logits, weights
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_sparse_moe_decode_nvfp4(rng, dtype, tokens):
+    """The few-token MoE block over NVFP4 routed and shared experts (shared intermediate wider than
+    the routed one, so the h rows are padded) against the general ops it replaces."""
+    e, k, hidden, inter, shared_inter = 7, 3, 80, 32, 48
+    x, logits, weights = _decode_block_inputs(rng, dtype, tokens, e, hidden, inter, shared_inter)
     from freetoken.kernels.triton import nvfp4_decode
 
     got = nvfp4_decode.sparse_moe_decode_nvfp4(x, logits, *weights, k, True)
     assert_close_to_float32(got, ref.sparse_moe_decode_nvfp4_reference, x, logits, *weights, k, True)
+
+
+# Launch shapes the tuner may pick, at sizes that leave ragged edges: pairs per gate/up program not
+# dividing the 9 pairs, row blocks not dividing the rows, reduction steps of one group, below and
+# above the reduced dimension; programmatic dependent launch on and off (compiled for sm_90 on only).
+NVFP4_TILE_CASES = [
+    dict(gate_up_block_n=8, gate_up_block_k=16, gate_up_warps=2, down_block_n=16, down_block_k=16, down_warps=2),
+    dict(gate_up_block_n=4, gate_up_block_k=32, gate_up_pairs=2, down_block_n=8, down_block_k=32),
+    dict(gate_up_block_n=2, gate_up_block_k=4096, gate_up_pairs=16, down_block_n=2, down_block_k=4096, down_warps=1,
+         pdl=False),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tiles", NVFP4_TILE_CASES, ids=lambda t: "-".join(f"{v}" for v in t.values()))
+def test_sparse_moe_decode_nvfp4_tiles(rng, dtype, tiles):
+    """Every launch shape gives the reference's result; shared_inter above inter, so the shared
+    expert's rows run past the routed ones' in both passes, and not renormalized."""
+    from freetoken.kernels.triton import nvfp4_decode
+
+    e, k, hidden, inter, shared_inter = 6, 2, 48, 16, 48
+    x, logits, weights = _decode_block_inputs(rng, dtype, 3, e, hidden, inter, shared_inter)
+    got = nvfp4_decode.sparse_moe_decode_nvfp4_tiled(x, logits, *weights, k, False, nvfp4_decode.NVFP4DecodeTiles(**tiles))
+    assert_close_to_float32(got, ref.sparse_moe_decode_nvfp4_reference, x, logits, *weights, k, False)
+
+
+def test_nvfp4_decode_tiles_reject_a_step_below_one_group():
+    from freetoken.kernels.triton.nvfp4_decode import NVFP4DecodeTiles
+
+    with pytest.raises(ValueError, match="down_block_k"):
+        NVFP4DecodeTiles(down_block_k=8)
