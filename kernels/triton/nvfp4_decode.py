@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels.triton._common import cast, device_function, new_empty, pow2, round_as
+from freetoken.kernels.triton._common import _INTERPRETED, cast, device_function, new_empty, pow2, round_as
 from freetoken.kernels.triton.moe_decode import DecodeTiles, _pdl_available, route
 from freetoken.kernels.triton.nvfp4 import GROUP, _e4m3_codes
 
@@ -62,18 +62,57 @@ class NVFP4DecodeTiles(DecodeTiles):
 TILES = NVFP4DecodeTiles()
 
 
+# One 32-bit register of 4 packed bytes -> the 4 even (low-nibble) or odd (high-nibble) codes as
+# float32 ``e2m1 · 2^-6``: the nibbles' bits moved into e4m3 bytes for all 4 bytes at once (as
+# ``nvfp4._e4m3_codes`` does one byte at a time), then the hardware e4m3x2 -> f16x2 conversion.
+_CODES_TO_FLOAT = """{
+.reg .b32 t, e, p0, p1;
+.reg .b16 lo, hi, h0, h1, h2, h3;
+%s
+mov.b32 {lo, hi}, e;
+cvt.rn.f16x2.e4m3x2 p0, lo;
+cvt.rn.f16x2.e4m3x2 p1, hi;
+mov.b32 {h0, h1}, p0;
+mov.b32 {h2, h3}, p1;
+cvt.f32.f16 $0, h0;
+cvt.f32.f16 $1, h1;
+cvt.f32.f16 $2, h2;
+cvt.f32.f16 $3, h3;
+}"""
+_EVEN_TO_FLOAT = tl.constexpr(_CODES_TO_FLOAT % "shl.b32 t, $4, 4;\nand.b32 t, t, 0x80808080;\nshl.b32 e, $4, 2;\nand.b32 e, e, 0x1C1C1C1C;\nor.b32 e, e, t;")
+_ODD_TO_FLOAT = tl.constexpr(_CODES_TO_FLOAT % "shr.b32 t, $4, 2;\nand.b32 t, t, 0x1C1C1C1C;\nand.b32 e, $4, 0x80808080;\nor.b32 e, e, t;")
+
+
+@device_function
+def _code_values(packed, A: tl.constexpr, B: tl.constexpr, BLOCK_K: tl.constexpr):
+    """uint8 codes ``[A, B, BLOCK_K / 2]`` -> float32 ``[A, B, BLOCK_K]`` values ``e2m1 · 2^-6``.
+
+    Compiled, the nibbles are moved a 32-bit word (8 codes) at a time, about one integer
+    instruction a weight where Triton's byte-wise ops (``nvfp4._e4m3_codes``) take six; the
+    interpreter, which runs no PTX, takes the byte-wise path (the same values)."""
+    if _INTERPRETED:
+        codes = _e4m3_codes(packed)
+    else:
+        even = tl.inline_asm_elementwise(_EVEN_TO_FLOAT, "=r,=r,=r,=r,r", [packed], dtype=tl.float32, is_pure=True, pack=4)
+        odd = tl.inline_asm_elementwise(_ODD_TO_FLOAT, "=r,=r,=r,=r,r", [packed], dtype=tl.float32, is_pure=True, pack=4)
+        codes = tl.join(even, odd)
+    values = tl.reshape(codes, (A, B, BLOCK_K))
+    if _INTERPRETED:
+        values = values.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return values
+
+
 @device_function
 def _row_dots(packed, scale_bytes, xv, A: tl.constexpr, B: tl.constexpr, BLOCK_K: tl.constexpr):
     """Float32 ``[A, B]`` dot products, before the row scale, of NVFP4 row tiles (uint8 codes
     ``[A, B, BLOCK_K / 2]``, e4m3 scale bytes ``[A, B, BLOCK_K / 16]``) with float32 activations
     ``xv`` (``[A or 1, 1, BLOCK_K]``).
 
-    The codes go through the hardware fp8 conversion as ``e2m1 · 2^-6`` (``nvfp4._decode_tile``);
-    their products with the activations are summed per group and the group sums times
-    ``scale · 2^6``. The products are exact (bf16 activations); the sums differ from the
-    reference's order only in float32 rounding."""
-    codes = tl.reshape(_e4m3_codes(packed), (A, B, BLOCK_K)).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    groups = tl.sum(tl.reshape(codes * xv, (A, B, BLOCK_K // 16, 16)), 3)
+    The codes decode as ``e2m1 · 2^-6`` (``_code_values``, as ``nvfp4._decode_tile``); their products
+    with the activations are summed per group and the group sums times ``scale · 2^6``. The
+    products are exact (bf16 activations); the sums differ from the reference's order only in
+    float32 rounding."""
+    groups = tl.sum(tl.reshape(_code_values(packed, A, B, BLOCK_K) * xv, (A, B, BLOCK_K // 16, 16)), 3)
     scales = scale_bytes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 64.0
     return tl.sum(groups * scales, 2)
 
