@@ -118,7 +118,7 @@ def weights_per_thread(name: str, config: dict) -> float:
 
 def report(label: str, dump: str | None) -> None:
     for name, config, kernel in compiled:
-        if name not in ("_linear_kernel", "_gate_up_kernel", "_down_kernel"):
+        if name not in ("_linear_kernel", "_gemv_kernel", "_gate_up_kernel", "_down_kernel"):
             continue
         with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
             f.write(kernel.asm["cubin"])

@@ -5,7 +5,8 @@ it in registers to ``e2m1 · e4m3`` (exact in bf16, see ``kernels/nvfp4.py``; th
 hardware fp8 conversion, ``_decode_tile``) and multiplies it with
 the activations on the tensor cores (``tl.dot``, float32 accumulation); the per-row scale is applied
 to the accumulator. Decode-sized batches (a few rows) read each packed byte once and are bound by
-those bytes; prefill-sized ones run large bf16 tiles.
+those bytes: up to ``nvfp4_rows.GEMV_MAX_ROWS`` rows without tensor cores (``nvfp4_gemv``, whole
+packed rows a program), up to 16 in narrow tensor-core tiles; prefill-sized ones run large bf16 tiles.
 
 ``fused_experts_nvfp4`` is ``fused_experts`` (``kernels/triton/moe.py``: sort pairs by expert,
 grouped gate/up GEMM with SiLU-and-mul, grouped down GEMM, per-token sum) with these weight tiles.
@@ -19,17 +20,9 @@ import triton.language as tl
 
 from freetoken.kernels.triton._common import _INTERPRETED, INTERPRETED, cast, device_function, dot, dot_precision, new_empty, pow2, rows_per_program, round_as
 from freetoken.kernels.triton.moe import _sum_choices_kernel, _tile_of, moe_sort_tokens
+from freetoken.kernels.triton.nvfp4_rows import GEMV_MAX_ROWS, _e4m3_codes, nvfp4_gemv
 
 GROUP = 16
-
-
-@device_function
-def _e4m3_codes(packed):
-    """uint8 codes ``[..., C]`` -> e4m3 bytes ``[..., C, 2]`` (the even column first) that are
-    ``e2m1 · 2^-6`` (see ``_decode_tile``): sign to bit 7, exponent and mantissa to bits 4-2."""
-    lo = ((packed & 0x08) << 4) | ((packed & 0x07) << 2)  # the even column
-    hi = (packed & 0x80) | ((packed & 0x70) >> 2)
-    return tl.join(lo, hi)
 
 
 @device_function
@@ -114,7 +107,9 @@ def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ro
         rows = rows.contiguous()
     num_rows = rows.shape[0]
     out = new_empty((num_rows, n_out), x.dtype, x.device)
-    if num_rows:
+    if 0 < num_rows <= GEMV_MAX_ROWS:
+        nvfp4_gemv(rows, packed.contiguous(), scales.contiguous().view(torch.uint8), row_scales.contiguous(), out)
+    elif num_rows:
         block_m, block_n, block_k, warps, stages = _linear_tiles(num_rows, n_out, x.dtype)
         _linear_kernel[(triton.cdiv(n_out, block_n), triton.cdiv(num_rows, block_m))](
             rows, rows.stride(0), packed.contiguous(), scales.contiguous().view(torch.uint8), row_scales.contiguous(), out,

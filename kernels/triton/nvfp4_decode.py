@@ -16,8 +16,8 @@ shape), so each program keeps many of them in flight, as the bf16 block does; un
 dependent launch (``NVFP4DecodeTiles.pdl``, sm_90 on) each launch starts while the previous one
 finishes. ``benchmarks/tune_nvfp4_decode.py`` times the launch shapes on the GPU.
 
-The weights are never formed: one row against one token has no tensor-core work, so ``_row_dots``
-reduces the e2m1 codes against the activations per group of 16 and multiplies each group's sum
+The weights are never formed: one row against one token has no tensor-core work, so
+``nvfp4_rows._row_dots`` reduces the e2m1 codes against the activations per group of 16 and multiplies each group's sum
 by its e4m3 scale (one multiply per 16 weights instead of one per weight), and the per-row scale
 multiplies the float32 dot product. Rounding follows the reference (the projections, SiLU, the
 products and the combine rounded to the activations' dtype). Grids depend only on the token
@@ -32,9 +32,10 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels.triton._common import _INTERPRETED, cast, device_function, new_empty, pow2, round_as
+from freetoken.kernels.triton._common import cast, device_function, new_empty, pow2, round_as
 from freetoken.kernels.triton.moe_decode import DecodeTiles, _pdl_available, route
-from freetoken.kernels.triton.nvfp4 import GROUP, _e4m3_codes
+from freetoken.kernels.triton.nvfp4 import GROUP
+from freetoken.kernels.triton.nvfp4_rows import _row_dots
 
 
 @dataclass(frozen=True)
@@ -60,61 +61,6 @@ class NVFP4DecodeTiles(DecodeTiles):
 
 
 TILES = NVFP4DecodeTiles()
-
-
-# One 32-bit register of 4 packed bytes -> the 4 even (low-nibble) or odd (high-nibble) codes as
-# float32 ``e2m1 · 2^-6``: the nibbles' bits moved into e4m3 bytes for all 4 bytes at once (as
-# ``nvfp4._e4m3_codes`` does one byte at a time), then the hardware e4m3x2 -> f16x2 conversion.
-_CODES_TO_FLOAT = """{
-.reg .b32 t, e, p0, p1;
-.reg .b16 lo, hi, h0, h1, h2, h3;
-%s
-mov.b32 {lo, hi}, e;
-cvt.rn.f16x2.e4m3x2 p0, lo;
-cvt.rn.f16x2.e4m3x2 p1, hi;
-mov.b32 {h0, h1}, p0;
-mov.b32 {h2, h3}, p1;
-cvt.f32.f16 $0, h0;
-cvt.f32.f16 $1, h1;
-cvt.f32.f16 $2, h2;
-cvt.f32.f16 $3, h3;
-}"""
-_EVEN_TO_FLOAT = tl.constexpr(_CODES_TO_FLOAT % "shl.b32 t, $4, 4;\nand.b32 t, t, 0x80808080;\nshl.b32 e, $4, 2;\nand.b32 e, e, 0x1C1C1C1C;\nor.b32 e, e, t;")
-_ODD_TO_FLOAT = tl.constexpr(_CODES_TO_FLOAT % "shr.b32 t, $4, 2;\nand.b32 t, t, 0x1C1C1C1C;\nand.b32 e, $4, 0x80808080;\nor.b32 e, e, t;")
-
-
-@device_function
-def _code_values(packed, A: tl.constexpr, B: tl.constexpr, BLOCK_K: tl.constexpr):
-    """uint8 codes ``[A, B, BLOCK_K / 2]`` -> float32 ``[A, B, BLOCK_K]`` values ``e2m1 · 2^-6``.
-
-    Compiled, the nibbles are moved a 32-bit word (8 codes) at a time, about one integer
-    instruction a weight where Triton's byte-wise ops (``nvfp4._e4m3_codes``) take six; the
-    interpreter, which runs no PTX, takes the byte-wise path (the same values)."""
-    if _INTERPRETED:
-        codes = _e4m3_codes(packed)
-    else:
-        even = tl.inline_asm_elementwise(_EVEN_TO_FLOAT, "=r,=r,=r,=r,r", [packed], dtype=tl.float32, is_pure=True, pack=4)
-        odd = tl.inline_asm_elementwise(_ODD_TO_FLOAT, "=r,=r,=r,=r,r", [packed], dtype=tl.float32, is_pure=True, pack=4)
-        codes = tl.join(even, odd)
-    values = tl.reshape(codes, (A, B, BLOCK_K))
-    if _INTERPRETED:
-        values = values.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    return values
-
-
-@device_function
-def _row_dots(packed, scale_bytes, xv, A: tl.constexpr, B: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Float32 ``[A, B]`` dot products, before the row scale, of NVFP4 row tiles (uint8 codes
-    ``[A, B, BLOCK_K / 2]``, e4m3 scale bytes ``[A, B, BLOCK_K / 16]``) with float32 activations
-    ``xv`` (``[A or 1, 1, BLOCK_K]``).
-
-    The codes decode as ``e2m1 · 2^-6`` (``_code_values``, as ``nvfp4._decode_tile``); their products
-    with the activations are summed per group and the group sums times ``scale · 2^6``. The
-    products are exact (bf16 activations); the sums differ from the reference's order only in
-    float32 rounding."""
-    groups = tl.sum(tl.reshape(_code_values(packed, A, B, BLOCK_K) * xv, (A, B, BLOCK_K // 16, 16)), 3)
-    scales = scale_bytes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 64.0
-    return tl.sum(groups * scales, 2)
 
 
 @triton.jit
@@ -161,8 +107,8 @@ def _gate_up_kernel(
                          mask=group_ok, other=0)
         up_s = tl.load(scale_rows[:, None, None] + up_n[:, :, None] * (hidden // 16) + group[None, None, :],
                        mask=group_ok, other=0)
-        acc_gate += _row_dots(gate_w, gate_s, xv, PAIRS, BLOCK_N, BLOCK_K)
-        acc_up += _row_dots(up_w, up_s, xv, PAIRS, BLOCK_N, BLOCK_K)
+        acc_gate += _row_dots(gate_w, gate_s, xv, BLOCK_N, BLOCK_K)
+        acc_up += _row_dots(up_w, up_s, xv, BLOCK_N, BLOCK_K)
     dtype = h_ptr.dtype.element_ty
     gate = round_as(acc_gate * tl.load(row_scales[:, None] + gate_n, mask=n_ok, other=0.0), dtype)
     up = round_as(acc_up * tl.load(row_scales[:, None] + up_n, mask=n_ok, other=0.0), dtype)
@@ -210,8 +156,8 @@ def _down_kernel(
             tl.extra.cuda.gdc_wait()
         hv = tl.load(h_rows[:, None] + k[None, :], mask=c_ok[:, None] & (k < inter)[None, :], other=0.0)
         hs = tl.load(h_shared + k, mask=k < shared_inter, other=0.0)
-        acc += _row_dots(w, s, hv.to(tl.float32)[:, None, :], BLOCK_C, BLOCK_N, BLOCK_K)
-        acc_shared += _row_dots(ws[None, :, :], ss[None, :, :], hs.to(tl.float32)[None, None, :], 1, BLOCK_N, BLOCK_K)
+        acc += _row_dots(w, s, hv.to(tl.float32)[:, None, :], BLOCK_N, BLOCK_K)
+        acc_shared += _row_dots(ws[None, :, :], ss[None, :, :], hs.to(tl.float32)[None, None, :], BLOCK_N, BLOCK_K)
     acc = acc * tl.load(w2_r_ptr + rows, mask=rows_ok, other=0.0)
     shared = tl.sum(acc_shared, 0) * tl.load(sd_r_ptr + n, mask=n_ok, other=0.0)
     scaled = round_as(round_as(acc, dtype) * weight[:, None], dtype)

@@ -39,8 +39,10 @@ def assert_close_to_float32(got, reference, *args):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# Row counts and widths that pick each tile shape of the compiled kernel (decode, 64-row, 128-row tiles).
-@pytest.mark.parametrize("rows,n_out,k_in", [(1, 37, 48), (2, 4112, 16), (5, 40, 16), (33, 40, 32), (67, 24, 272)])
+# Row counts and widths that pick each path: the GEMV (up to 4 rows; its K loop past one 2048-step),
+# then the compiled kernel's tile shapes (decode, 64-row, 128-row tiles).
+@pytest.mark.parametrize("rows,n_out,k_in", [(1, 37, 48), (2, 4112, 16), (4, 9, 4112), (5, 40, 16), (33, 40, 32),
+                                             (67, 24, 272)])
 def test_nvfp4_linear(rng, dtype, rows, n_out, k_in):
     packed, scales, row_scales = random_nvfp4(rng, n_out, k_in)
     x = torch.randn(rows, k_in, generator=rng).to(dtype).to(DEVICE)
@@ -93,6 +95,20 @@ def _decode_block_inputs(rng, dtype, tokens, e, hidden, inter, shared_inter):
         *random_nvfp4(rng, 2 * shared_inter, hidden), *random_nvfp4(rng, hidden, shared_inter),
     )
     return x, logits, weights
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_decodes_every_code_and_scale(dtype):
+    """The GEMV's decode (codes a word at a time where compiled, group sums scaled after) reads one
+    column at a time back bit-exact: one-hot rows select the even and the odd nibble of every byte
+    value, under every e4m3 scale but NaN."""
+    rows = torch.arange(512)
+    packed = (rows % 256).to(torch.uint8)[:, None].repeat(1, 8).to(DEVICE)  # [512, 8]: K = 16
+    scales = (rows % 127).to(torch.uint8)[:, None].view(torch.float8_e4m3fn).to(DEVICE)
+    row_scales = torch.tensor([1.0, 0.5, 2.0, 0.25]).repeat(128).to(DEVICE)
+    one_hot = torch.eye(16, device=DEVICE, dtype=dtype)[:2]
+    got = _triton().nvfp4_linear(one_hot, packed, scales, row_scales)
+    assert torch.equal(got, ref.dequantize_nvfp4(packed, scales, row_scales, dtype)[:, :2].T)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
