@@ -1,7 +1,9 @@
 """Time the NVFP4 MoE decode block's launch shapes (``NVFP4DecodeTiles``) on one GPU at a few tokens,
 against the packed bytes and scales the block must read, beside the previous two-launch kernels (a
 frozen copy, ``nvfp4_decode_baseline.py``); prints one line per shape, the best, and the time per
-kernel of the old kernels and of the default without PDL.
+kernel of the old kernels and of the default without PDL. Then the dense NVFP4 linear at one row
+(attention qkv and o): the GEMV (``nvfp4_rows.nvfp4_gemv``) against the tensor-core decode tile it
+replaced there.
 
     python benchmarks/tune_nvfp4_decode.py [--tokens 1 8] [--json FILE]
 
@@ -30,12 +32,16 @@ from kernels import BF16, CUDA, EXPERTS, HIDDEN, INTER, TOP_K  # noqa: E402
 from nvfp4 import nvfp4_bytes, random_nvfp4  # noqa: E402
 from tune_moe_decode import graph_error, per_kernel_us  # noqa: E402
 
-from freetoken.kernels.nvfp4 import sparse_moe_decode_nvfp4_reference  # noqa: E402
-from freetoken.kernels.triton import nvfp4_decode  # noqa: E402
+from freetoken.kernels.nvfp4 import nvfp4_linear_reference, sparse_moe_decode_nvfp4_reference  # noqa: E402
+from freetoken.kernels.triton import nvfp4, nvfp4_decode  # noqa: E402
 from freetoken.kernels.triton.nvfp4_decode import NVFP4DecodeTiles, sparse_moe_decode_nvfp4_tiled  # noqa: E402
 
 SHARED_INTER = INTER
 LAYERS = 4
+# Dense projections timed at one row, (out, in), and how many distinct weights each timing cycles
+# through (more bytes than the 60 MB L2).
+DENSE = {"attention qkv": (9216, HIDDEN), "attention o": (HIDDEN, 4096)}
+DENSE_COPIES = 12
 DEFAULT = nvfp4_decode.TILES
 
 # Gate/up rows x step (2048: the whole hidden in one load), pairs per program, warps; down rows x
@@ -45,9 +51,7 @@ CANDIDATES = [
     replace(DEFAULT, pdl=False),
     replace(DEFAULT, gate_up_block_n=4),
     replace(DEFAULT, gate_up_block_n=16),
-    replace(DEFAULT, gate_up_block_n=16, gate_up_block_k=1024),
     replace(DEFAULT, gate_up_block_n=4, gate_up_pairs=2),
-    replace(DEFAULT, gate_up_warps=4),
     replace(DEFAULT, down_block_n=4),
     replace(DEFAULT, down_block_n=16, down_block_k=256),
     replace(DEFAULT, down_warps=4),
@@ -78,6 +82,34 @@ def variants() -> list[tuple[str, dict | None, Block]]:
         block = lambda x, g, w, tiles=tiles: sparse_moe_decode_nvfp4_tiled(x, g, *w, TOP_K, True, tiles)  # noqa: E731
         found.append((name, asdict(tiles), block))
     return found
+
+
+def time_dense() -> list[dict]:
+    """The dense NVFP4 linear at one row: us per call and TB/s of packed bytes + scales, GEMV (new)
+    and tensor-core tile (old: ``nvfp4_linear`` with its GEMV turned off), checked first."""
+    rows = []
+    for name, (n_out, k_in) in DENSE.items():
+        weights = [random_nvfp4(n_out, k_in) for _ in range(DENSE_COPIES)]
+        x = torch.randn(1, k_in, dtype=BF16, device=CUDA)
+        wants = [nvfp4_linear_reference(x.float(), *w) for w in weights]
+        line = []
+        for path, max_rows in (("old", 0), ("new", nvfp4.GEMV_MAX_ROWS)):
+            default, nvfp4.GEMV_MAX_ROWS = nvfp4.GEMV_MAX_ROWS, max_rows
+            try:
+                def run() -> list[torch.Tensor]:
+                    return [nvfp4.nvfp4_linear(x, *w) for w in weights]
+
+                err = graph_error(run, wants)
+                if not err <= 1e-2:
+                    raise AssertionError(f"{name} {path}: relative error {err:.3g} to the reference")
+                us = do_bench_cudagraph(run, rep=20, return_mode="median") * 1e3 / DENSE_COPIES
+            finally:
+                nvfp4.GEMV_MAX_ROWS = default
+            tbs = nvfp4_bytes(n_out, k_in) / (us * 1e-6) / 1e12
+            rows.append({"dense": name, "path": path, "us": us, "TB/s": tbs, "rel_err": err})
+            line.append(f"{path} {us:.1f} us ({tbs:.2f} TB/s)")
+        print(f"{name} {n_out}x{k_in} at 1 row: " + ", ".join(line), flush=True)
+    return rows
 
 
 def main() -> None:
@@ -120,6 +152,7 @@ def main() -> None:
             breakdown = per_kernel_us(lambda block=block: [block(x, g, w) for g, w in zip(logits, layers)], LAYERS)
             print(f"  per kernel (us): {breakdown}  [{name}]", flush=True)
         results += rows
+    results += time_dense()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
