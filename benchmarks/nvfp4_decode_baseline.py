@@ -1,6 +1,7 @@
 """The NVFP4 MoE decode block as of 3243eab (two launches: routing inside every gate/up program, a
-down pass walking the choices one after another): a frozen copy of kernels/triton/nvfp4_decode.py
-then, kept only so that ``tune_nvfp4_decode.py`` times the current launches against it in one run.
+down pass walking the choices one after another), with the byte-wise tile decode and the one-row
+tensor-core linear of kernels/triton/nvfp4.py then: frozen copies, kept only so that
+``tune_nvfp4_decode.py`` times the current kernels against them in one run.
 
 Triton sparse MoE block for a few tokens over NVFP4 experts: the two launches the bf16 block
 (``kernels/triton/moe_decode.py``, which now routes in a launch of its own) had, with W4A16 weight rows.
@@ -27,13 +28,49 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels.triton._common import cast, device_function, new_empty, pow2, round_as
+from freetoken.kernels.triton._common import _INTERPRETED, cast, device_function, dot, dot_precision, new_empty, pow2, round_as
 from moe_decode_baseline import _choice  # the same routing as the old bf16 block
-from freetoken.kernels.triton.nvfp4 import GROUP, _load_tile
+from freetoken.kernels.triton.nvfp4 import GROUP
 
 GATE_UP_BLOCK_N = 16
 DOWN_BLOCK_N = 16
 BLOCK_K = 256
+
+
+@device_function
+def _decode_tile(packed, scale_bytes, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """uint8 ``[BLOCK_N, BLOCK_K / 2]`` codes and ``[BLOCK_N, BLOCK_K / 16]`` e4m3 bytes -> ``dtype``
+    ``[BLOCK_N, BLOCK_K]`` weights ``e2m1 · e4m3`` (the row scale is applied by the caller).
+
+    Each nibble's bits are moved into an e4m3 code (sign to bit 7, exponent and mantissa to bits
+    4-2), which is ``e2m1 · 2^-6`` for all 16 codes (the subnormal 0.5 lands on e4m3's subnormal
+    2^-7), so the hardware fp8 conversion decodes it; ``2^6`` goes into the block scale. Three
+    integer ops a weight instead of an exponent / mantissa decode. ``e2m1 · e4m3`` has at most 6
+    significant bits and lies in [2^-10, 2688]: exact in bf16 and fp16, so the scale multiplies in
+    ``dtype``, with no float32 round trip."""
+    lo = ((packed & 0x08) << 4) | ((packed & 0x07) << 2)  # the even column
+    hi = (packed & 0x80) | ((packed & 0x70) >> 2)
+    codes = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K)).to(tl.float8e4nv, bitcast=True)
+    scales = scale_bytes.to(tl.float8e4nv, bitcast=True)
+    if _INTERPRETED:  # no bf16 arithmetic there: the same exact product, formed in float32
+        values, scale = codes.to(tl.float32), scales.to(tl.float32) * 64.0
+    else:
+        values, scale = codes.to(dtype), scales.to(dtype) * 64.0
+    groups = tl.reshape(values, (BLOCK_N, BLOCK_K // 16, 16)) * scale[:, :, None]
+    return tl.reshape(groups, (BLOCK_N, BLOCK_K)).to(dtype)
+
+
+@device_function
+def _load_tile(w_ptr, s_ptr, rows, rows_ok, k0, K, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The decoded ``[BLOCK_N, BLOCK_K]`` tile of input columns ``k0 ...`` of weight rows ``rows``
+    (``w_ptr``: packed ``[*, K / 2]`` rows, ``s_ptr``: scale ``[*, K / 16]`` rows) in ``dtype``."""
+    half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    packed = tl.load(w_ptr + rows[:, None].to(tl.int64) * (K // 2) + half[None, :],
+                     mask=rows_ok[:, None] & (half < K // 2)[None, :], other=0)
+    group = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+    scales = tl.load(s_ptr + rows[:, None].to(tl.int64) * (K // 16) + group[None, :],
+                     mask=rows_ok[:, None] & (group < K // 16)[None, :], other=0)
+    return _decode_tile(packed, scales, dtype, BLOCK_N, BLOCK_K)
 
 
 @device_function
@@ -191,5 +228,38 @@ def sparse_moe_decode_nvfp4(
         *weight(shared_down_packed, shared_down_scales, shared_down_row_scales),
         top_w, top_i, gate_logits, gate_logits.stride(0), out, hidden, inter, shared_inter, num_experts,
         TOP_K=top_k, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=min(pow2(h_width), BLOCK_K), num_warps=4,
+    )
+    return out
+
+
+@triton.jit
+def _linear_kernel(
+    x_ptr, x_st, w_ptr, s_ptr, r_ptr, out_ptr, M, N, K,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_ok = n < N
+    m_ok = m < M
+    dtype = out_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(x_ptr + m[:, None].to(tl.int64) * x_st + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
+        w = _load_tile(w_ptr, s_ptr, n, n_ok, k0, K, dtype, BLOCK_N, BLOCK_K)
+        acc += dot(a, tl.trans(w), PRECISION)
+    row_scale = tl.load(r_ptr + n, mask=n_ok, other=0.0)
+    out = acc * row_scale[None, :]
+    tl.store(out_ptr + m[:, None].to(tl.int64) * N + n[None, :], cast(out, dtype), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def nvfp4_linear_one_row(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, row_scales: torch.Tensor) -> torch.Tensor:
+    """``nvfp4_linear`` for a decode-sized ``x [rows <= 16, K]`` as it ran then: 16 x (16 or 32) x 256 tiles."""
+    n_out, k_in = packed.shape[0], x.shape[1]
+    out = new_empty((x.shape[0], n_out), x.dtype, x.device)
+    block_n = 16 if n_out <= 4096 else 32
+    _linear_kernel[(triton.cdiv(n_out, block_n), 1)](
+        x, x.stride(0), packed, scales.view(torch.uint8), row_scales, out, x.shape[0], n_out, k_in,
+        BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=256, PRECISION=dot_precision(x.dtype), num_warps=4, num_stages=4,
     )
     return out

@@ -2,8 +2,8 @@
 against the packed bytes and scales the block must read, beside the previous two-launch kernels (a
 frozen copy, ``nvfp4_decode_baseline.py``); prints one line per shape, the best, and the time per
 kernel of the old kernels and of the default without PDL. Then the dense NVFP4 linear at one row
-(attention qkv and o): the GEMV (``nvfp4_rows.nvfp4_gemv``) against the tensor-core decode tile it
-replaced there.
+(attention qkv and o): the GEMV (``nvfp4_rows.nvfp4_gemv``) against the frozen tensor-core tile it
+replaced there. "old" is the kernels with their decode as of 3243eab.
 
     python benchmarks/tune_nvfp4_decode.py [--tokens 1 8] [--json FILE]
 
@@ -85,26 +85,23 @@ def variants() -> list[tuple[str, dict | None, Block]]:
 
 
 def time_dense() -> list[dict]:
-    """The dense NVFP4 linear at one row: us per call and TB/s of packed bytes + scales, GEMV (new)
-    and tensor-core tile (old: ``nvfp4_linear`` with its GEMV turned off), checked first."""
+    """The dense NVFP4 linear at one row: us per call and TB/s of packed bytes + scales, the GEMV
+    (``nvfp4_linear`` now) against the frozen tensor-core tile (old), both checked first."""
     rows = []
     for name, (n_out, k_in) in DENSE.items():
         weights = [random_nvfp4(n_out, k_in) for _ in range(DENSE_COPIES)]
         x = torch.randn(1, k_in, dtype=BF16, device=CUDA)
         wants = [nvfp4_linear_reference(x.float(), *w) for w in weights]
         line = []
-        for path, max_rows in (("old", 0), ("new", nvfp4.GEMV_MAX_ROWS)):
-            default, nvfp4.GEMV_MAX_ROWS = nvfp4.GEMV_MAX_ROWS, max_rows
-            try:
-                def run() -> list[torch.Tensor]:
-                    return [nvfp4.nvfp4_linear(x, *w) for w in weights]
+        for path, linear in (("old", old.nvfp4_linear_one_row), ("new", nvfp4.nvfp4_linear)):
+            def run(linear=linear) -> list[torch.Tensor]:
+                return [linear(x, *w) for w in weights]
 
-                err = graph_error(run, wants)
-                if not err <= 1e-2:
-                    raise AssertionError(f"{name} {path}: relative error {err:.3g} to the reference")
-                us = do_bench_cudagraph(run, rep=20, return_mode="median") * 1e3 / DENSE_COPIES
-            finally:
-                nvfp4.GEMV_MAX_ROWS = default
+            run()  # compiles
+            err = graph_error(run, wants)
+            if not err <= 1e-2:
+                raise AssertionError(f"{name} {path}: relative error {err:.3g} to the reference")
+            us = do_bench_cudagraph(run, rep=20, return_mode="median") * 1e3 / DENSE_COPIES
             tbs = nvfp4_bytes(n_out, k_in) / (us * 1e-6) / 1e12
             rows.append({"dense": name, "path": path, "us": us, "TB/s": tbs, "rel_err": err})
             line.append(f"{path} {us:.1f} us ({tbs:.2f} TB/s)")
