@@ -17,9 +17,10 @@ dependent launch (``NVFP4DecodeTiles.pdl``, sm_90 on) each launch starts while t
 finishes. ``benchmarks/tune_nvfp4_decode.py`` times the launch shapes on the GPU.
 
 The weights are never formed: one row against one token has no tensor-core work, so
-``nvfp4_rows._row_dots`` reduces the e2m1 codes against the activations per group of 16 and multiplies each group's sum
-by its e4m3 scale (one multiply per 16 weights instead of one per weight), and the per-row scale
-multiplies the float32 dot product. Rounding follows the reference (the projections, SiLU, the
+``nvfp4_rows._row_dots`` reduces the e2m1 codes (decoded a 32-bit word at a time where compiled)
+against the activations per group of 16 and multiplies each group's sum by its e4m3 scale (one
+multiply per 16 weights instead of one per weight), and the per-row scale multiplies the float32
+dot product. Rounding follows the reference (the projections, SiLU, the
 products and the combine rounded to the activations' dtype). Grids depend only on the token
 count, so the launches are capture-safe.
 """
