@@ -109,14 +109,16 @@ def loop_body(sass: str) -> list[str]:
 
 
 def weights_per_thread(name: str, config: dict) -> float:
-    """Weights one thread decodes per iteration of the K loop (gate/up decode two tiles)."""
-    tiles = 2 if name == "_gate_up_kernel" and "BLOCK_M" in config else 1  # the grouped gate/up: two a loop
-    return tiles * config["BLOCK_N"] * config["BLOCK_K"] / (32 * config["num_warps"])
+    """Weights one thread decodes per iteration of the K loop (gate/up decode two tiles; the decode
+    block's gate/up those of ``PAIRS`` pairs, its down pass ``BLOCK_C`` choices' and the shared one's)."""
+    rows = config["BLOCK_N"] * config.get("PAIRS", 1) * (config["BLOCK_C"] + 1 if "BLOCK_C" in config else 1)
+    tiles = 2 if name == "_gate_up_kernel" and ("BLOCK_M" in config or "PAIRS" in config) else 1
+    return tiles * rows * config["BLOCK_K"] / (32 * config["num_warps"])
 
 
 def report(label: str, dump: str | None) -> None:
     for name, config, kernel in compiled:
-        if name not in ("_linear_kernel", "_gate_up_kernel", "_down_kernel"):
+        if name not in ("_linear_kernel", "_gemv_kernel", "_gate_up_kernel", "_down_kernel"):
             continue
         with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
             f.write(kernel.asm["cubin"])

@@ -102,15 +102,6 @@ def _top_k(row_ptr, num_experts, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
     return weights, experts
 
 
-@device_function
-def _choice(row_ptr, num_experts, j, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr):
-    """(routing weight in float32, expert id) of choice ``j`` of one token's router logits (the
-    NVFP4 decode block routes inside its gate/up programs)."""
-    weights, experts = _top_k(row_ptr, num_experts, TOP_K, RENORMALIZE, BLOCK_E)
-    lane = tl.arange(0, BLOCK_E) == j
-    return tl.sum(tl.where(lane, weights, 0.0), 0), tl.sum(tl.where(lane, experts, 0), 0)
-
-
 @triton.jit
 def _route_kernel(
     logits_ptr, l_st, topw_ptr, topi_ptr, num_experts,

@@ -5,7 +5,8 @@ it in registers to ``e2m1 · e4m3`` (exact in bf16, see ``kernels/nvfp4.py``; th
 hardware fp8 conversion, ``_decode_tile``) and multiplies it with
 the activations on the tensor cores (``tl.dot``, float32 accumulation); the per-row scale is applied
 to the accumulator. Decode-sized batches (a few rows) read each packed byte once and are bound by
-those bytes; prefill-sized ones run large bf16 tiles.
+those bytes: up to ``nvfp4_rows.GEMV_MAX_ROWS`` rows without tensor cores (``nvfp4_gemv``, whole
+packed rows a program), up to 16 in narrow tensor-core tiles; prefill-sized ones run large bf16 tiles.
 
 ``fused_experts_nvfp4`` is ``fused_experts`` (``kernels/triton/moe.py``: sort pairs by expert,
 grouped gate/up GEMM with SiLU-and-mul, grouped down GEMM, per-token sum) with these weight tiles.
@@ -19,6 +20,7 @@ import triton.language as tl
 
 from freetoken.kernels.triton._common import _INTERPRETED, INTERPRETED, cast, device_function, dot, dot_precision, new_empty, pow2, rows_per_program, round_as
 from freetoken.kernels.triton.moe import _sum_choices_kernel, _tile_of, moe_sort_tokens
+from freetoken.kernels.triton.nvfp4_rows import GEMV_MAX_ROWS, _code_bf16, _e4m3_codes, nvfp4_gemv
 
 GROUP = 16
 
@@ -33,15 +35,17 @@ def _decode_tile(packed, scale_bytes, dtype: tl.constexpr, BLOCK_N: tl.constexpr
     2^-7), so the hardware fp8 conversion decodes it; ``2^6`` goes into the block scale. Three
     integer ops a weight instead of an exponent / mantissa decode. ``e2m1 · e4m3`` has at most 6
     significant bits and lies in [2^-10, 2688]: exact in bf16 and fp16, so the scale multiplies in
-    ``dtype``, with no float32 round trip."""
-    lo = ((packed & 0x08) << 4) | ((packed & 0x07) << 2)  # the even column
-    hi = (packed & 0x80) | ((packed & 0x70) >> 2)
-    codes = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K)).to(tl.float8e4nv, bitcast=True)
+    ``dtype``, with no float32 round trip.
+
+    Compiled, the codes go straight to bf16 ``e2m1`` a 32-bit word at a time in inline PTX
+    (``nvfp4_rows._code_bf16``), no fp8 conversion: Triton's byte-wise ops and e4m3 -> f16 -> bf16
+    conversions took ~11 instructions a weight (docs/benchmarks.md)."""
     scales = scale_bytes.to(tl.float8e4nv, bitcast=True)
     if _INTERPRETED:  # no bf16 arithmetic there: the same exact product, formed in float32
+        codes = tl.reshape(_e4m3_codes(packed), (BLOCK_N, BLOCK_K)).to(tl.float8e4nv, bitcast=True)
         values, scale = codes.to(tl.float32), scales.to(tl.float32) * 64.0
     else:
-        values, scale = codes.to(dtype), scales.to(dtype) * 64.0
+        values, scale = _code_bf16(packed, BLOCK_N, BLOCK_K).to(dtype), scales.to(dtype)
     groups = tl.reshape(values, (BLOCK_N, BLOCK_K // 16, 16)) * scale[:, :, None]
     return tl.reshape(groups, (BLOCK_N, BLOCK_K)).to(dtype)
 
@@ -107,7 +111,9 @@ def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ro
         rows = rows.contiguous()
     num_rows = rows.shape[0]
     out = new_empty((num_rows, n_out), x.dtype, x.device)
-    if num_rows:
+    if 0 < num_rows <= GEMV_MAX_ROWS:
+        nvfp4_gemv(rows, packed.contiguous(), scales.contiguous().view(torch.uint8), row_scales.contiguous(), out)
+    elif num_rows:
         block_m, block_n, block_k, warps, stages = _linear_tiles(num_rows, n_out, x.dtype)
         _linear_kernel[(triton.cdiv(n_out, block_n), triton.cdiv(num_rows, block_m))](
             rows, rows.stride(0), packed.contiguous(), scales.contiguous().view(torch.uint8), row_scales.contiguous(), out,

@@ -1,120 +1,169 @@
-"""Triton sparse MoE block for a few tokens over NVFP4 experts: the two launches the bf16 block
-(``kernels/triton/moe_decode.py``, which now routes in a launch of its own) had, with W4A16 weight rows.
+"""Triton sparse MoE block for a few tokens over NVFP4 experts: the bf16 decode block's three
+launches (``kernels/triton/moe_decode.py``) with W4A16 weight rows.
 
-The general W4A16 path at batch 1 runs one program per (expert, 32 rows) over the whole K (8 x 16
-= 128 working programs on 132 SMs, in a grid of 4,112 whose other programs exit at once) after
-three sort launches (docs/benchmarks.md). Here, as in the bf16 decode block:
+1. ``moe_decode.route``, the same routing launch: softmax and top-k once per token.
+2. ``_gate_up_kernel``, one program per (``gate_up_pairs`` consecutive (token, choice or shared
+   expert) pairs, block of intermediate columns): loads its pairs' expert ids and streams their
+   packed gate and up rows and scale bytes as one gathered ``[pairs, block_n, block_k / 2]`` (and
+   ``/ 16``) load each, writing ``silu(gate) · up``.
+3. ``_down_kernel``, one program per (token, block of hidden columns): the packed down rows of all
+   the token's choices as one gathered ``[top_k, block_n, block_k / 2]`` load beside the shared
+   expert's rows; each choice's projection rounded and scaled by its routing weight, summed in
+   float32 in a fixed (tree) order, plus ``sigmoid(gate) · shared``.
 
-1. ``_gate_up_kernel``, one program per (token, choice or shared expert, block of intermediate
-   columns): it routes its token from the router logits (``moe_decode._choice``), decodes its
-   expert's gate and up rows (``nvfp4._load_tile``, float32) and reduces them against the token
-   (no tensor cores: one row), then writes ``silu(gate) · up``;
-2. ``_down_kernel``, one program per (token, block of hidden columns): the down rows of each
-   choice, scaled by the routing weight and summed, plus ``sigmoid(gate) · shared``.
+At one token the block is a stream of packed bytes (about 16 MB a layer at the Qwen3.6-35B-A3B
+shape), so each program keeps many of them in flight, as the bf16 block does; under programmatic
+dependent launch (``NVFP4DecodeTiles.pdl``, sm_90 on) each launch starts while the previous one
+finishes. ``benchmarks/tune_nvfp4_decode.py`` times the launch shapes on the GPU.
 
-The per-row scale multiplies each float32 dot product; rounding follows the reference (the
-projections, SiLU, the products and the combine rounded to the activations' dtype). Grids depend
-only on the token count, so the launch is capture-safe.
+The weights are never formed: one row against one token has no tensor-core work, so
+``nvfp4_rows._row_dots`` reduces the e2m1 codes (decoded a 32-bit word at a time where compiled)
+against the activations per group of 16 and multiplies each group's sum by its e4m3 scale (one
+multiply per 16 weights instead of one per weight), and the per-row scale multiplies the float32
+dot product. Rounding follows the reference (the projections, SiLU, the
+products and the combine rounded to the activations' dtype). Grids depend only on the token
+count, so the launches are capture-safe.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from freetoken.kernels.triton._common import cast, device_function, new_empty, pow2, round_as
-from freetoken.kernels.triton.moe_decode import _choice
-from freetoken.kernels.triton.nvfp4 import GROUP, _load_tile
-
-GATE_UP_BLOCK_N = 16
-DOWN_BLOCK_N = 16
-BLOCK_K = 256
+from freetoken.kernels.triton.moe_decode import DecodeTiles, _pdl_available, route
+from freetoken.kernels.triton.nvfp4 import GROUP
+from freetoken.kernels.triton.nvfp4_rows import _row_dots
 
 
-@device_function
-def _rows_dot(x_row, w_ptr, s_ptr, rows, rows_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Float32 ``x · W[rows]`` over the ``K`` columns of NVFP4 rows (``w_ptr`` packed ``[*, K / 2]``,
-    ``s_ptr`` e4m3 ``[*, K / 16]``), before the row scale."""
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        xv = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
-        w = _load_tile(w_ptr, s_ptr, rows, rows_ok, k0, K, tl.float32, BLOCK_N, BLOCK_K)
-        acc += tl.sum(w * xv[None, :], 1)
-    return acc
+@dataclass(frozen=True)
+class NVFP4DecodeTiles(DecodeTiles):
+    """``DecodeTiles`` for the NVFP4 block (``block_k`` counts weights, at least one group of 16).
+    A packed row is a quarter of a bf16 row's bytes, so a program holds more rows for the same
+    bytes in flight."""
+
+    gate_up_block_n: int = 8
+    gate_up_block_k: int = 2048
+    gate_up_pairs: int = 1
+    gate_up_warps: int = 8
+    down_block_n: int = 8
+    down_block_k: int = 512
+    down_warps: int = 8
+    pdl: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("gate_up_block_k", "down_block_k"):
+            if getattr(self, name) < GROUP:
+                raise ValueError(f"NVFP4DecodeTiles.{name} must be at least {GROUP}, got {getattr(self, name)}")
 
 
-@device_function
-def _gate_up(x_row, w_ptr, s_ptr, r_ptr, hidden, inter, n, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``silu(gate) · up`` in float32 (rounded as the reference) of rows ``n`` of a ``[2·inter, hidden]``
-    NVFP4 weight (gate rows, then up rows) against one token."""
-    n_ok = n < inter
-    gate = _rows_dot(x_row, w_ptr, s_ptr, n, n_ok, hidden, BLOCK_N, BLOCK_K)
-    up = _rows_dot(x_row, w_ptr, s_ptr, inter + n, n_ok, hidden, BLOCK_N, BLOCK_K)
-    return gate * tl.load(r_ptr + n, mask=n_ok, other=0.0), up * tl.load(r_ptr + inter + n, mask=n_ok, other=0.0)
+TILES = NVFP4DecodeTiles()
 
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, x_st, logits_ptr, l_st,
-    w13_ptr, w13_s_ptr, w13_r_ptr, sw_ptr, sw_s_ptr, sw_r_ptr,
-    h_ptr, h_width, topw_ptr, topi_ptr,
-    hidden, inter, shared_inter, num_experts,
-    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, x_st, w13_ptr, w13_s_ptr, w13_r_ptr, sw_ptr, sw_s_ptr, sw_r_ptr, topi_ptr, h_ptr, h_width,
+    num_pairs, hidden, inter, shared_inter,
+    TOP_K: tl.constexpr, PAIRS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
-    p = tl.program_id(0)
-    t = p // (TOP_K + 1)
-    j = p % (TOP_K + 1)
+    if PDL:  # the expert ids are the routing launch's output; the down programs may start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    # Pair q = t·(TOP_K + 1) + j: token t's choice j, or its shared expert at j = TOP_K.
+    q = tl.program_id(0) * PAIRS + tl.arange(0, PAIRS)
+    q_ok = q < num_pairs
+    t = q // (TOP_K + 1)
+    j = q % (TOP_K + 1)
+    routed = j < TOP_K
+    expert = tl.load(topi_ptr + t * TOP_K + j, mask=q_ok & routed, other=0).to(tl.int64)
+    limit = tl.where(routed, inter, shared_inter)
+    # The pair's first row: of the flattened [E · 2I, H] routed weight, or the shared one's.
+    first = tl.where(routed, expert * 2 * inter, 0)
+    packed_rows = tl.where(routed, w13_ptr, sw_ptr) + first * (hidden // 2)
+    scale_rows = tl.where(routed, w13_s_ptr, sw_s_ptr) + first * (hidden // 16)
+    row_scales = tl.where(routed, w13_r_ptr, sw_r_ptr) + first
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = q_ok[:, None] & (n[None, :] < limit[:, None])
+    gate_n = n[None, :].to(tl.int64)
+    up_n = gate_n + limit[:, None]
+    acc_gate = tl.zeros([PAIRS, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([PAIRS, BLOCK_N], tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        xv = tl.load(x_ptr + t[:, None] * x_st + k[None, :], mask=q_ok[:, None] & (k < hidden)[None, :], other=0.0)
+        xv = xv.to(tl.float32)[:, None, :]
+        half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        group = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+        half_ok = n_ok[:, :, None] & (half < hidden // 2)[None, None, :]
+        group_ok = n_ok[:, :, None] & (group < hidden // 16)[None, None, :]
+        gate_w = tl.load(packed_rows[:, None, None] + gate_n[:, :, None] * (hidden // 2) + half[None, None, :],
+                         mask=half_ok, other=0)
+        up_w = tl.load(packed_rows[:, None, None] + up_n[:, :, None] * (hidden // 2) + half[None, None, :],
+                       mask=half_ok, other=0)
+        gate_s = tl.load(scale_rows[:, None, None] + gate_n[:, :, None] * (hidden // 16) + group[None, None, :],
+                         mask=group_ok, other=0)
+        up_s = tl.load(scale_rows[:, None, None] + up_n[:, :, None] * (hidden // 16) + group[None, None, :],
+                       mask=group_ok, other=0)
+        acc_gate += _row_dots(gate_w, gate_s, xv, BLOCK_N, BLOCK_K)
+        acc_up += _row_dots(up_w, up_s, xv, BLOCK_N, BLOCK_K)
     dtype = h_ptr.dtype.element_ty
-    x_row = x_ptr + t * x_st
-    if j < TOP_K:
-        weight, expert = _choice(logits_ptr + t * l_st, num_experts, j, TOP_K, RENORMALIZE, BLOCK_E)
-        if tl.program_id(1) == 0:
-            tl.store(topw_ptr + t * TOP_K + j, weight)
-            tl.store(topi_ptr + t * TOP_K + j, expert)
-        rows = expert.to(tl.int64) * 2 * inter  # the expert's first row of the flattened [E * 2I, H] weight
-        gate, up = _gate_up(x_row, w13_ptr + rows * (hidden // 2), w13_s_ptr + rows * (hidden // 16), w13_r_ptr + rows,
-                            hidden, inter, n, BLOCK_N, BLOCK_K)
-        limit = inter
-    else:
-        gate, up = _gate_up(x_row, sw_ptr, sw_s_ptr, sw_r_ptr, hidden, shared_inter, n, BLOCK_N, BLOCK_K)
-        limit = shared_inter
-    gate = round_as(gate, dtype)
-    h = round_as(gate * tl.sigmoid(gate), dtype) * round_as(up, dtype)
-    tl.store(h_ptr + p.to(tl.int64) * h_width + n, cast(h, dtype), mask=n < limit)
-
-
-@device_function
-def _down(h_row, w_ptr, s_ptr, r_ptr, inter, n, n_ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Float32 ``h · W[n]`` times the row scales, of rows ``n`` of a ``[hidden, inter]`` NVFP4 weight."""
-    acc = _rows_dot(h_row, w_ptr, s_ptr, n, n_ok, inter, BLOCK_N, BLOCK_K)
-    return acc * tl.load(r_ptr + n, mask=n_ok, other=0.0)
+    gate = round_as(acc_gate * tl.load(row_scales[:, None] + gate_n, mask=n_ok, other=0.0), dtype)
+    up = round_as(acc_up * tl.load(row_scales[:, None] + up_n, mask=n_ok, other=0.0), dtype)
+    h = round_as(gate * tl.sigmoid(gate), dtype) * up
+    tl.store(h_ptr + q.to(tl.int64)[:, None] * h_width + n[None, :], cast(h, dtype), mask=n_ok)
 
 
 @triton.jit
 def _down_kernel(
-    h_ptr, h_width, w2_ptr, w2_s_ptr, w2_r_ptr, sd_ptr, sd_s_ptr, sd_r_ptr,
-    topw_ptr, topi_ptr, logits_ptr, l_st, out_ptr,
-    hidden, inter, shared_inter, num_experts,
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    h_ptr, h_width, w2_ptr, w2_s_ptr, w2_r_ptr, sd_ptr, sd_s_ptr, sd_r_ptr, topw_ptr, topi_ptr,
+    logits_ptr, l_st, out_ptr, hidden, inter, shared_inter, num_experts,
+    TOP_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
+    # Under PDL this runs while the gate/up launch finishes, as moe_decode's down pass: the routing
+    # is read from L2 (.cg), the weights streamed, and ``h`` read only after the wait.
     t = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < hidden
+    c = tl.arange(0, BLOCK_C)
+    c_ok = c < TOP_K
     dtype = out_ptr.dtype.element_ty
-    pairs = t.to(tl.int64) * (TOP_K + 1)
-    routed = tl.zeros([BLOCK_N], tl.float32)
-    for j in range(TOP_K):
-        rows = tl.load(topi_ptr + t * TOP_K + j).to(tl.int64) * hidden  # the expert's first row of [E * H, I]
-        # The weight as the reference holds it: rounded to the activations' dtype.
-        weight = cast(tl.load(topw_ptr + t * TOP_K + j), dtype).to(tl.float32)
-        acc = _down(h_ptr + (pairs + j) * h_width, w2_ptr + rows * (inter // 2), w2_s_ptr + rows * (inter // 16),
-                    w2_r_ptr + rows, inter, n, n_ok, BLOCK_N, BLOCK_K)
-        routed += round_as(round_as(acc, dtype) * weight, dtype)
-    shared = _down(h_ptr + (pairs + TOP_K) * h_width, sd_ptr, sd_s_ptr, sd_r_ptr, shared_inter, n, n_ok, BLOCK_N, BLOCK_K)
+    expert = tl.load(topi_ptr + t * TOP_K + c, mask=c_ok, other=0, cache_modifier=".cg").to(tl.int64)
+    # The weights as the reference holds them: rounded to the activations' dtype.
+    weight = tl.load(topw_ptr + t * TOP_K + c, mask=c_ok, other=0.0, cache_modifier=".cg")
+    weight = cast(weight, dtype).to(tl.float32)
+    rows = expert[:, None] * hidden + n[None, :]  # rows of the flattened [E · H, I] weight
+    rows_ok = c_ok[:, None] & n_ok[None, :]
+    h_rows = h_ptr + (t.to(tl.int64) * (TOP_K + 1) + c) * h_width
+    h_shared = h_ptr + (t.to(tl.int64) * (TOP_K + 1) + TOP_K) * h_width
+    acc = tl.zeros([BLOCK_C, BLOCK_N], tl.float32)
+    acc_shared = tl.zeros([1, BLOCK_N], tl.float32)
+    for k0 in range(0, h_width, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        group = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+        w = tl.load(w2_ptr + rows[:, :, None] * (inter // 2) + half[None, None, :],
+                    mask=rows_ok[:, :, None] & (half < inter // 2)[None, None, :], other=0)
+        s = tl.load(w2_s_ptr + rows[:, :, None] * (inter // 16) + group[None, None, :],
+                    mask=rows_ok[:, :, None] & (group < inter // 16)[None, None, :], other=0)
+        ws = tl.load(sd_ptr + n[:, None] * (shared_inter // 2) + half[None, :],
+                     mask=n_ok[:, None] & (half < shared_inter // 2)[None, :], other=0)
+        ss = tl.load(sd_s_ptr + n[:, None] * (shared_inter // 16) + group[None, :],
+                     mask=n_ok[:, None] & (group < shared_inter // 16)[None, :], other=0)
+        if PDL:  # returns at once after the first step
+            tl.extra.cuda.gdc_wait()
+        hv = tl.load(h_rows[:, None] + k[None, :], mask=c_ok[:, None] & (k < inter)[None, :], other=0.0)
+        hs = tl.load(h_shared + k, mask=k < shared_inter, other=0.0)
+        acc += _row_dots(w, s, hv.to(tl.float32)[:, None, :], BLOCK_N, BLOCK_K)
+        acc_shared += _row_dots(ws[None, :, :], ss[None, :, :], hs.to(tl.float32)[None, None, :], BLOCK_N, BLOCK_K)
+    acc = acc * tl.load(w2_r_ptr + rows, mask=rows_ok, other=0.0)
+    shared = tl.sum(acc_shared, 0) * tl.load(sd_r_ptr + n, mask=n_ok, other=0.0)
+    scaled = round_as(round_as(acc, dtype) * weight[:, None], dtype)
+    # One float32 sum over the choices in a fixed (tree) order, as moe_decode's.
+    routed = tl.sum(scaled, 0)
     gate = round_as(tl.sigmoid(tl.load(logits_ptr + t * l_st + num_experts).to(tl.float32)), dtype)
     out = round_as(routed, dtype) + round_as(gate * round_as(shared, dtype), dtype)
     tl.store(out_ptr + t * hidden + n, cast(out, dtype), mask=n_ok)
@@ -148,6 +197,33 @@ def sparse_moe_decode_nvfp4(
     top_k: int,
     renormalize: bool,
 ) -> torch.Tensor:
+    return sparse_moe_decode_nvfp4_tiled(
+        x, gate_logits, w13_packed, w13_scales, w13_row_scales, w2_packed, w2_scales, w2_row_scales,
+        shared_gate_up_packed, shared_gate_up_scales, shared_gate_up_row_scales,
+        shared_down_packed, shared_down_scales, shared_down_row_scales, top_k, renormalize, TILES,
+    )
+
+
+def sparse_moe_decode_nvfp4_tiled(
+    x: torch.Tensor,
+    gate_logits: torch.Tensor,
+    w13_packed: torch.Tensor,
+    w13_scales: torch.Tensor,
+    w13_row_scales: torch.Tensor,
+    w2_packed: torch.Tensor,
+    w2_scales: torch.Tensor,
+    w2_row_scales: torch.Tensor,
+    shared_gate_up_packed: torch.Tensor,
+    shared_gate_up_scales: torch.Tensor,
+    shared_gate_up_row_scales: torch.Tensor,
+    shared_down_packed: torch.Tensor,
+    shared_down_scales: torch.Tensor,
+    shared_down_row_scales: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    tiles: NVFP4DecodeTiles,
+) -> torch.Tensor:
+    """``sparse_moe_decode_nvfp4`` launched in the given tiles (``benchmarks/tune_nvfp4_decode.py``)."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13_packed.shape
     inter, shared_inter = two_inter // 2, shared_gate_up_packed.shape[0] // 2
@@ -170,22 +246,22 @@ def sparse_moe_decode_nvfp4(
     def weight(packed, scales, row_scales):
         return packed.contiguous(), scales.contiguous().view(torch.uint8), row_scales.contiguous()
 
-    h_width = max(inter, shared_inter)
-    h = new_empty((num_tokens * (top_k + 1), h_width), x.dtype, x.device)
-    top_w = new_empty((num_tokens, top_k), torch.float32, x.device)
-    top_i = new_empty((num_tokens, top_k), torch.int32, x.device)
-    _gate_up_kernel[(num_tokens * (top_k + 1), triton.cdiv(h_width, GATE_UP_BLOCK_N))](
-        x, x.stride(0), gate_logits, gate_logits.stride(0),
-        *weight(w13_packed, w13_scales, w13_row_scales),
-        *weight(shared_gate_up_packed, shared_gate_up_scales, shared_gate_up_row_scales),
-        h, h_width, top_w, top_i, hidden, inter, shared_inter, num_experts,
-        TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=pow2(num_experts),
-        BLOCK_N=GATE_UP_BLOCK_N, BLOCK_K=min(pow2(hidden), BLOCK_K), num_warps=4,
+    h_width, pairs = max(inter, shared_inter), num_tokens * (top_k + 1)
+    h = new_empty((pairs, h_width), x.dtype, x.device)
+    pdl = tiles.pdl and _pdl_available()
+    top_w, top_i = route(gate_logits, num_experts, top_k, renormalize, pdl)
+    _gate_up_kernel[(triton.cdiv(pairs, tiles.gate_up_pairs), triton.cdiv(h_width, tiles.gate_up_block_n))](
+        x, x.stride(0), *weight(w13_packed, w13_scales, w13_row_scales),
+        *weight(shared_gate_up_packed, shared_gate_up_scales, shared_gate_up_row_scales), top_i,
+        h, h_width, pairs, hidden, inter, shared_inter,
+        TOP_K=top_k, PAIRS=tiles.gate_up_pairs, BLOCK_N=tiles.gate_up_block_n,
+        BLOCK_K=min(pow2(hidden), tiles.gate_up_block_k), PDL=pdl, num_warps=tiles.gate_up_warps, launch_pdl=pdl,
     )
-    _down_kernel[(num_tokens, triton.cdiv(hidden, DOWN_BLOCK_N))](
+    _down_kernel[(num_tokens, triton.cdiv(hidden, tiles.down_block_n))](
         h, h_width, *weight(w2_packed, w2_scales, w2_row_scales),
-        *weight(shared_down_packed, shared_down_scales, shared_down_row_scales),
-        top_w, top_i, gate_logits, gate_logits.stride(0), out, hidden, inter, shared_inter, num_experts,
-        TOP_K=top_k, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=min(pow2(h_width), BLOCK_K), num_warps=4,
+        *weight(shared_down_packed, shared_down_scales, shared_down_row_scales), top_w, top_i,
+        gate_logits, gate_logits.stride(0), out, hidden, inter, shared_inter, num_experts,
+        TOP_K=top_k, BLOCK_C=pow2(top_k), BLOCK_N=tiles.down_block_n,
+        BLOCK_K=min(pow2(h_width), tiles.down_block_k), PDL=pdl, num_warps=tiles.down_warps, launch_pdl=pdl,
     )
     return out

@@ -39,8 +39,10 @@ def assert_close_to_float32(got, reference, *args):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# Row counts and widths that pick each tile shape of the compiled kernel (decode, 64-row, 128-row tiles).
-@pytest.mark.parametrize("rows,n_out,k_in", [(1, 37, 48), (2, 4112, 16), (5, 40, 16), (33, 40, 32), (67, 24, 272)])
+# Row counts and widths that pick each path: the GEMV (up to 4 rows; its K loop past one 2048-step),
+# then the compiled kernel's tile shapes (decode, 64-row, 128-row tiles).
+@pytest.mark.parametrize("rows,n_out,k_in", [(1, 37, 48), (2, 4112, 16), (4, 9, 4112), (5, 40, 16), (33, 40, 32),
+                                             (67, 24, 272)])
 def test_nvfp4_linear(rng, dtype, rows, n_out, k_in):
     packed, scales, row_scales = random_nvfp4(rng, n_out, k_in)
     x = torch.randn(rows, k_in, generator=rng).to(dtype).to(DEVICE)
@@ -83,12 +85,7 @@ def test_dequantization_decodes_every_code_and_scale(dtype):
     assert torch.equal(got, ref.dequantize_nvfp4(packed, scales, row_scales, dtype))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens", [1, 3, 8])
-def test_sparse_moe_decode_nvfp4(rng, dtype, tokens):
-    """The few-token MoE block over NVFP4 routed and shared experts (shared intermediate wider than
-    the routed one, so the h rows are padded) against the general ops it replaces."""
-    e, k, hidden, inter, shared_inter = 7, 3, 80, 32, 48
+def _decode_block_inputs(rng, dtype, tokens, e, hidden, inter, shared_inter):
     x = torch.randn(tokens, hidden, generator=rng).to(dtype).to(DEVICE)
     # Distinct router logits in every row (exact in bf16): torch.topk leaves the order of ties unspecified.
     router = torch.stack([torch.randperm(e, generator=rng) for _ in range(tokens)]) * 0.25 - 1.5
@@ -97,7 +94,62 @@ def test_sparse_moe_decode_nvfp4(rng, dtype, tokens):
         *random_nvfp4(rng, e, 2 * inter, hidden), *random_nvfp4(rng, e, hidden, inter),
         *random_nvfp4(rng, 2 * shared_inter, hidden), *random_nvfp4(rng, hidden, shared_inter),
     )
+    return x, logits, weights
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_decodes_every_code_and_scale(dtype):
+    """The GEMV's decode (codes a word at a time where compiled, group sums scaled after) reads one
+    column at a time back bit-exact: one-hot rows select the even and the odd nibble of every byte
+    value, under every e4m3 scale but NaN."""
+    rows = torch.arange(512)
+    packed = (rows % 256).to(torch.uint8)[:, None].repeat(1, 8).to(DEVICE)  # [512, 8]: K = 16
+    scales = (rows % 127).to(torch.uint8)[:, None].view(torch.float8_e4m3fn).to(DEVICE)
+    row_scales = torch.tensor([1.0, 0.5, 2.0, 0.25]).repeat(128).to(DEVICE)
+    one_hot = torch.eye(16, device=DEVICE, dtype=dtype)[:2]
+    got = _triton().nvfp4_linear(one_hot, packed, scales, row_scales)
+    assert torch.equal(got, ref.dequantize_nvfp4(packed, scales, row_scales, dtype)[:, :2].T)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_sparse_moe_decode_nvfp4(rng, dtype, tokens):
+    """The few-token MoE block over NVFP4 routed and shared experts (shared intermediate wider than
+    the routed one, so the h rows are padded) against the general ops it replaces."""
+    e, k, hidden, inter, shared_inter = 7, 3, 80, 32, 48
+    x, logits, weights = _decode_block_inputs(rng, dtype, tokens, e, hidden, inter, shared_inter)
     from freetoken.kernels.triton import nvfp4_decode
 
     got = nvfp4_decode.sparse_moe_decode_nvfp4(x, logits, *weights, k, True)
     assert_close_to_float32(got, ref.sparse_moe_decode_nvfp4_reference, x, logits, *weights, k, True)
+
+
+# Launch shapes the tuner may pick, at sizes that leave ragged edges: pairs per gate/up program not
+# dividing the 9 pairs, row blocks not dividing the rows, reduction steps of one group, below and
+# above the reduced dimension; programmatic dependent launch on and off (compiled for sm_90 on only).
+NVFP4_TILE_CASES = [
+    dict(gate_up_block_n=8, gate_up_block_k=16, gate_up_warps=2, down_block_n=16, down_block_k=16, down_warps=2),
+    dict(gate_up_block_n=4, gate_up_block_k=32, gate_up_pairs=2, down_block_n=8, down_block_k=32),
+    dict(gate_up_block_n=2, gate_up_block_k=4096, gate_up_pairs=16, down_block_n=2, down_block_k=4096, down_warps=1,
+         pdl=False),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tiles", NVFP4_TILE_CASES, ids=lambda t: "-".join(f"{v}" for v in t.values()))
+def test_sparse_moe_decode_nvfp4_tiles(rng, dtype, tiles):
+    """Every launch shape gives the reference's result; shared_inter above inter, so the shared
+    expert's rows run past the routed ones' in both passes, and not renormalized."""
+    from freetoken.kernels.triton import nvfp4_decode
+
+    e, k, hidden, inter, shared_inter = 6, 2, 48, 16, 48
+    x, logits, weights = _decode_block_inputs(rng, dtype, 3, e, hidden, inter, shared_inter)
+    got = nvfp4_decode.sparse_moe_decode_nvfp4_tiled(x, logits, *weights, k, False, nvfp4_decode.NVFP4DecodeTiles(**tiles))
+    assert_close_to_float32(got, ref.sparse_moe_decode_nvfp4_reference, x, logits, *weights, k, False)
+
+
+def test_nvfp4_decode_tiles_reject_a_step_below_one_group():
+    from freetoken.kernels.triton.nvfp4_decode import NVFP4DecodeTiles
+
+    with pytest.raises(ValueError, match="down_block_k"):
+        NVFP4DecodeTiles(down_block_k=8)
