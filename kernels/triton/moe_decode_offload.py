@@ -24,10 +24,52 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels.triton._common import cast, new_empty, pow2, round_as
+from freetoken.kernels.triton._common import cast, device_function, new_empty, pow2, round_as
 from freetoken.kernels.triton import moe_decode, nvfp4_decode
-from freetoken.kernels.triton.moe_decode import _choice, _top_k
-from freetoken.kernels.triton.nvfp4_decode import _down, _gate_up
+from freetoken.kernels.triton.moe_decode import _top_k
+from freetoken.kernels.triton.nvfp4 import _load_tile
+
+NVFP4_GATE_UP_BLOCK_N, NVFP4_DOWN_BLOCK_N, NVFP4_BLOCK_K = 16, 16, 256  # the former block's tiles
+
+
+# The NVFP4 offloaded block keeps the two-launch structure (routing inside each gate/up program,
+# a down pass over the choices in turn) that the resident NVFP4 block had before its rebuild.
+@device_function
+def _choice(row_ptr, num_experts, j, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr):
+    """(routing weight in float32, expert id) of choice ``j`` of one token's router logits."""
+    weights, experts = _top_k(row_ptr, num_experts, TOP_K, RENORMALIZE, BLOCK_E)
+    lane = tl.arange(0, BLOCK_E) == j
+    return tl.sum(tl.where(lane, weights, 0.0), 0), tl.sum(tl.where(lane, experts, 0), 0)
+
+
+@device_function
+def _rows_dot(x_row, w_ptr, s_ptr, rows, rows_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Float32 ``x · W[rows]`` over the ``K`` columns of NVFP4 rows (``w_ptr`` packed ``[*, K / 2]``,
+    ``s_ptr`` e4m3 ``[*, K / 16]``), before the row scale."""
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        xv = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
+        w = _load_tile(w_ptr, s_ptr, rows, rows_ok, k0, K, tl.float32, BLOCK_N, BLOCK_K)
+        acc += tl.sum(w * xv[None, :], 1)
+    return acc
+
+
+@device_function
+def _gate_up(x_row, w_ptr, s_ptr, r_ptr, hidden, inter, n, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``silu(gate) · up`` in float32 (rounded as the reference) of rows ``n`` of a ``[2·inter, hidden]``
+    NVFP4 weight (gate rows, then up rows) against one token."""
+    n_ok = n < inter
+    gate = _rows_dot(x_row, w_ptr, s_ptr, n, n_ok, hidden, BLOCK_N, BLOCK_K)
+    up = _rows_dot(x_row, w_ptr, s_ptr, inter + n, n_ok, hidden, BLOCK_N, BLOCK_K)
+    return gate * tl.load(r_ptr + n, mask=n_ok, other=0.0), up * tl.load(r_ptr + inter + n, mask=n_ok, other=0.0)
+
+
+@device_function
+def _down(h_row, w_ptr, s_ptr, r_ptr, inter, n, n_ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Float32 ``h · W[n]`` times the row scales, of rows ``n`` of a ``[hidden, inter]`` NVFP4 weight."""
+    acc = _rows_dot(h_row, w_ptr, s_ptr, n, n_ok, inter, BLOCK_N, BLOCK_K)
+    return acc * tl.load(r_ptr + n, mask=n_ok, other=0.0)
 
 
 @triton.jit
@@ -348,21 +390,21 @@ def sparse_moe_decode_offload_nvfp4(
     h_width = max(inter, shared_inter)
     h = new_empty((num_tokens * (top_k + 1), h_width), x.dtype, x.device)
     top_w = new_empty((num_tokens, top_k), torch.float32, x.device)
-    block_k = nvfp4_decode.BLOCK_K
-    _offload_nvfp4_gate_up_kernel[(num_tokens * (top_k + 1), triton.cdiv(h_width, nvfp4_decode.GATE_UP_BLOCK_N))](
+    block_k = NVFP4_BLOCK_K
+    _offload_nvfp4_gate_up_kernel[(num_tokens * (top_k + 1), triton.cdiv(h_width, NVFP4_GATE_UP_BLOCK_N))](
         x, x.stride(0), gate_logits, gate_logits.stride(0), slot_map,
         *weight(slot_w13_packed, slot_w13_scales, slot_w13_row_scales),
         *weight(host_w13_packed, host_w13_scales, host_w13_row_scales),
         *weight(shared_gate_up_packed, shared_gate_up_scales, shared_gate_up_row_scales),
         h, h_width, top_w, routed, hidden, inter, shared_inter, num_experts,
         TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=pow2(num_experts),
-        BLOCK_N=nvfp4_decode.GATE_UP_BLOCK_N, BLOCK_K=min(pow2(hidden), block_k), num_warps=4,
+        BLOCK_N=NVFP4_GATE_UP_BLOCK_N, BLOCK_K=min(pow2(hidden), block_k), num_warps=4,
     )
-    _offload_nvfp4_down_kernel[(num_tokens, triton.cdiv(hidden, nvfp4_decode.DOWN_BLOCK_N))](
+    _offload_nvfp4_down_kernel[(num_tokens, triton.cdiv(hidden, NVFP4_DOWN_BLOCK_N))](
         h, h_width, slot_map, *weight(slot_w2_packed, slot_w2_scales, slot_w2_row_scales),
         *weight(host_w2_packed, host_w2_scales, host_w2_row_scales),
         *weight(shared_down_packed, shared_down_scales, shared_down_row_scales),
         top_w, routed, gate_logits, gate_logits.stride(0), out, hidden, inter, shared_inter, num_experts,
-        TOP_K=top_k, BLOCK_N=nvfp4_decode.DOWN_BLOCK_N, BLOCK_K=min(pow2(h_width), block_k), num_warps=4,
+        TOP_K=top_k, BLOCK_N=NVFP4_DOWN_BLOCK_N, BLOCK_K=min(pow2(h_width), block_k), num_warps=4,
     )
     return out
