@@ -160,3 +160,16 @@ def test_qwen4_exp_prefills_eagerly():
     qwen35 = LLM(model=str(checkpoint(DEMO["qwen3_5_moe"])), dtype="float32", device="cpu", page_size=PAGE_SIZE,
                  max_prefill_length=600)
     assert qwen35.runtime.engine._prefill_graph_sizes() == [64, 128, 256, 512, 600]
+
+
+def test_no_prefill_graphs_with_expert_offload():
+    """An offloaded prefill reads its routed ids on the host (a sync no graph can hold): no buckets,
+    whatever the caps (decode graphs stay on: they hold the zero-copy kernels)."""
+    from types import SimpleNamespace
+
+    from freetoken.engine.engine import Engine
+
+    config = SimpleNamespace(prefill_cuda_graph_max_tokens=1024, max_prefill_length=8192)
+    model = SimpleNamespace(snapshots_in_forward=True)
+    assert Engine._prefill_graph_sizes(SimpleNamespace(config=config, offload=object(), model=model)) == []
+    assert Engine._prefill_graph_sizes(SimpleNamespace(config=config, offload=None, model=model))

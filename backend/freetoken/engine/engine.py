@@ -131,8 +131,13 @@ class Engine:
     def _prefill_graph_sizes(self) -> list[int]:
         """The token buckets of the prefill graphs (none if off). Their static batch always takes
         snapshots inside the forward (fixed-size tables), so a model that cannot (Qwen4-Exp: its
-        PLE windows and n-gram context have no in-forward snapshot) prefills eagerly."""
+        PLE windows and n-gram context have no in-forward snapshot) prefills eagerly. With
+        ``moe_offload`` a prefill reads its routed ids on the host (its experts are copied in, in
+        passes), which no graph can hold: prefill stays eager."""
         cap = min(self.config.prefill_cuda_graph_max_tokens, self.config.max_prefill_length)
+        if cap and self.offload is not None:
+            logger.info("prefill CUDA graphs off: moe_offload prefills read their routed ids on the host")
+            return []
         if cap and not self.model.snapshots_in_forward:
             logger.info("prefill CUDA graphs off: %s takes no snapshots inside a forward", type(self.model).__name__)
             return []
