@@ -54,7 +54,7 @@ CANDIDATES = [
     replace(DEFAULT, gate_up_block_n=4, gate_up_pairs=2),
     replace(DEFAULT, down_block_n=4),
     replace(DEFAULT, down_block_n=16, down_block_k=256),
-    replace(DEFAULT, down_warps=4),
+    replace(DEFAULT, down_warps=8),
 ]
 
 Block = Callable[[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]], torch.Tensor]
