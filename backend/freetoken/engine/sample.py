@@ -99,14 +99,16 @@ class SlotSampler:
         return sum(t.nbytes for t in tables if isinstance(t, torch.Tensor))
 
     def admit(self, admissions: list[SlotSampling]) -> None:
-        """Stage each admitted request's parameters and token history in its slot."""
+        """Stage each admitted request's parameters and token history in its slot, without a host
+        sync: every value goes up from pinned memory asynchronously, and rows are cleared and
+        marked with ``index_fill_`` (``rows[index] = scalar`` copies the scalar up and waits)."""
         if not admissions:
             return
-        device, vocab = self.device, self.vocab_size
-        slots = torch.tensor([a.slot for a in admissions], dtype=torch.int64, device=device)
+        vocab = self.vocab_size
+        slots = self._up([a.slot for a in admissions], torch.int64)
 
         def put(table: torch.Tensor, values: list) -> None:
-            table[slots] = torch.tensor(values, dtype=table.dtype).to(device, non_blocking=True)
+            table.index_copy_(0, slots, self._up(values, table.dtype))
 
         put(self.temperature, [a.temperature for a in admissions])
         put(self.top_p, [a.top_p for a in admissions])
@@ -119,17 +121,22 @@ class SlotSampler:
         put(self.min_tokens, [a.min_tokens for a in admissions])
         put(self.num_outputs, [len(a.output_token_ids) for a in admissions])
         for rows in (self.output_counts, self.prompt_seen, self.stop_mask):
-            rows[slots] = 0
+            rows.index_fill_(0, slots, 0)
         for a in admissions:
             self._host[a.slot] = _HostSlot(a.uses_penalties, a.min_tokens, a.logprobs)
             if a.uses_penalties:
-                prompt = torch.tensor([t for t in a.prompt_token_ids if t < vocab], dtype=torch.int64)
-                self.prompt_seen[a.slot, prompt.to(device)] = True
+                self.prompt_seen[a.slot].index_fill_(0, self._up([t for t in a.prompt_token_ids if t < vocab], torch.int64), True)
                 outputs = torch.tensor([t for t in a.output_token_ids if t < vocab], dtype=torch.int64)
-                self.output_counts[a.slot] = torch.bincount(outputs, minlength=vocab).to(device, torch.int32)
+                self.output_counts[a.slot].copy_(self._up(torch.bincount(outputs, minlength=vocab), torch.int32))
             if a.min_tokens > 0 and a.stop_token_ids:
-                stop = torch.tensor([t for t in a.stop_token_ids if t < vocab], dtype=torch.int64)
-                self.stop_mask[a.slot, stop.to(device)] = True
+                self.stop_mask[a.slot].index_fill_(0, self._up([t for t in a.stop_token_ids if t < vocab], torch.int64), True)
+
+    def _up(self, values: list | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``values`` on the device: from pinned memory, asynchronously, on CUDA. The pinned block
+        stays allocated until its copy is done (torch's host allocator records the copy's event)."""
+        pinned = self.device.type == "cuda"
+        host = torch.as_tensor(values, dtype=dtype)
+        return (host.pin_memory() if pinned else host).to(self.device, non_blocking=pinned)
 
     def sample(self, logits: torch.Tensor, slots: torch.Tensor, host_slots: list[int]) -> tuple[torch.Tensor, SampledLogprobs | None]:
         """``logits [N, V]`` float32 of the rows sampling into ``slots [N]`` (device; ``host_slots``
