@@ -117,23 +117,11 @@ def _route_kernel(
     tl.store(topi_ptr + t * TOP_K + c, experts, mask=c < TOP_K)
 
 
-@triton.jit
-def _gate_up_kernel(
-    x_ptr, x_st, w13_ptr, w13_se, w13_sn, sw_ptr, sw_sn, topi_ptr, h_ptr, h_width,
-    num_pairs, hidden, inter, shared_inter,
-    TOP_K: tl.constexpr, PAIRS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-):
-    if PDL:  # the expert ids are the routing launch's output; the down programs may start
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    # Pair q = t·(TOP_K + 1) + j: token t's choice j, or its shared expert at j = TOP_K.
-    q = tl.program_id(0) * PAIRS + tl.arange(0, PAIRS)
-    q_ok = q < num_pairs
-    t = q // (TOP_K + 1)
-    j = q % (TOP_K + 1)
-    routed = j < TOP_K
-    expert = tl.load(topi_ptr + t * TOP_K + j, mask=q_ok & routed, other=0).to(tl.int64)
-    base = tl.where(routed, w13_ptr + expert * w13_se, sw_ptr)
+@device_function
+def _gate_up_pairs(x_ptr, x_st, base, routed, w13_sn, sw_sn, q, q_ok, t, h_ptr, h_width, hidden, inter, shared_inter,
+                   PAIRS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``silu(gate) · up`` of pairs ``q`` (token ``t``'s routed choice or shared expert, whose
+    ``[2·I, hidden]`` weight starts at ``base``), column block ``program_id(1)``, stored in ``h``."""
     row_st = tl.where(routed, w13_sn, sw_sn).to(tl.int64)
     limit = tl.where(routed, inter, shared_inter)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -159,28 +147,36 @@ def _gate_up_kernel(
 
 
 @triton.jit
-def _down_kernel(
-    h_ptr, h_width, w2_ptr, w2_se, w2_sn, sd_ptr, sd_sn, topw_ptr, topi_ptr, logits_ptr, l_st, out_ptr,
-    hidden, inter, shared_inter, num_experts,
-    TOP_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+def _gate_up_kernel(
+    x_ptr, x_st, w13_ptr, w13_se, w13_sn, sw_ptr, sw_sn, topi_ptr, h_ptr, h_width,
+    num_pairs, hidden, inter, shared_inter,
+    TOP_K: tl.constexpr, PAIRS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
-    # Under PDL this runs while the gate/up launch finishes: the routing launch before it is done
-    # (each gate/up program waited for it before letting this one start), so the routing is read
-    # here, from L2 (.cg: L1 may hold an earlier layer's ids at the same address), and the weights
-    # streamed; ``h``, the gate/up output, only after the wait.
-    t = tl.program_id(0)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < hidden
-    c = tl.arange(0, BLOCK_C)
-    c_ok = c < TOP_K
+    if PDL:  # the expert ids are the routing launch's output; the down programs may start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    # Pair q = t·(TOP_K + 1) + j: token t's choice j, or its shared expert at j = TOP_K.
+    q = tl.program_id(0) * PAIRS + tl.arange(0, PAIRS)
+    q_ok = q < num_pairs
+    t = q // (TOP_K + 1)
+    j = q % (TOP_K + 1)
+    routed = j < TOP_K
+    expert = tl.load(topi_ptr + t * TOP_K + j, mask=q_ok & routed, other=0).to(tl.int64)
+    base = tl.where(routed, w13_ptr + expert * w13_se, sw_ptr)
+    _gate_up_pairs(x_ptr, x_st, base, routed, w13_sn, sw_sn, q, q_ok, t, h_ptr, h_width, hidden, inter, shared_inter,
+                   PAIRS, BLOCK_N, BLOCK_K)
+
+
+@device_function
+def _down_choices(h_ptr, h_width, w_rows, sd_ptr, sd_sn, weight, logits_ptr, l_st, out_ptr, t, n, n_ok, c, c_ok,
+                  hidden, inter, shared_inter, num_experts, TOP_K: tl.constexpr, BLOCK_C: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """Token ``t``'s output columns ``n``: its choices' down rows (``w_rows [BLOCK_C, BLOCK_N]``, at
+    the routing ``weight``) summed, plus the gated shared expert's. Under ``PDL`` the weights of the
+    first step are loaded before waiting for the gate/up launch's ``h``."""
     dtype = out_ptr.dtype.element_ty
-    expert = tl.load(topi_ptr + t * TOP_K + c, mask=c_ok, other=0, cache_modifier=".cg").to(tl.int64)
-    # The weights as the reference holds them: rounded to the activations' dtype.
-    weight = tl.load(topw_ptr + t * TOP_K + c, mask=c_ok, other=0.0, cache_modifier=".cg")
-    weight = cast(weight, dtype).to(tl.float32)
     h_rows = h_ptr + (t.to(tl.int64) * (TOP_K + 1) + c) * h_width
     h_shared = h_ptr + (t.to(tl.int64) * (TOP_K + 1) + TOP_K) * h_width
-    w_rows = w2_ptr + expert[:, None] * w2_se + n[None, :] * w2_sn
     acc = tl.zeros([BLOCK_C, BLOCK_N], tl.float32)
     acc_shared = tl.zeros([BLOCK_N], tl.float32)
     for k0 in range(0, h_width, BLOCK_K):
@@ -202,6 +198,31 @@ def _down_kernel(
     gate = round_as(tl.sigmoid(tl.load(logits_ptr + t * l_st + num_experts).to(tl.float32)), dtype)
     out = round_as(routed, dtype) + round_as(gate * round_as(acc_shared, dtype), dtype)
     tl.store(out_ptr + t * hidden + n, cast(out, dtype), mask=n_ok)
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr, h_width, w2_ptr, w2_se, w2_sn, sd_ptr, sd_sn, topw_ptr, topi_ptr, logits_ptr, l_st, out_ptr,
+    hidden, inter, shared_inter, num_experts,
+    TOP_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):
+    # Under PDL this runs while the gate/up launch finishes: the routing launch before it is done
+    # (each gate/up program waited for it before letting this one start), so the routing is read
+    # here, from L2 (.cg: L1 may hold an earlier layer's ids at the same address), and the weights
+    # streamed; ``h``, the gate/up output, only after the wait.
+    t = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < hidden
+    c = tl.arange(0, BLOCK_C)
+    c_ok = c < TOP_K
+    dtype = out_ptr.dtype.element_ty
+    expert = tl.load(topi_ptr + t * TOP_K + c, mask=c_ok, other=0, cache_modifier=".cg").to(tl.int64)
+    # The weights as the reference holds them: rounded to the activations' dtype.
+    weight = tl.load(topw_ptr + t * TOP_K + c, mask=c_ok, other=0.0, cache_modifier=".cg")
+    weight = cast(weight, dtype).to(tl.float32)
+    w_rows = w2_ptr + expert[:, None] * w2_se + n[None, :] * w2_sn
+    _down_choices(h_ptr, h_width, w_rows, sd_ptr, sd_sn, weight, logits_ptr, l_st, out_ptr, t, n, n_ok, c, c_ok,
+                  hidden, inter, shared_inter, num_experts, TOP_K, BLOCK_C, BLOCK_N, BLOCK_K, PDL)
 
 
 @functools.cache

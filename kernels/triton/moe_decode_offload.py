@@ -26,7 +26,7 @@ import triton.language as tl
 
 from freetoken.kernels.triton._common import cast, device_function, new_empty, pow2, round_as
 from freetoken.kernels.triton import moe_decode, nvfp4_decode
-from freetoken.kernels.triton.moe_decode import _top_k
+from freetoken.kernels.triton.moe_decode import _down_choices, _gate_up_pairs, _top_k
 from freetoken.kernels.triton.nvfp4 import _load_tile
 
 NVFP4_GATE_UP_BLOCK_N, NVFP4_DOWN_BLOCK_N, NVFP4_BLOCK_K = 16, 16, 256  # the former block's tiles
@@ -103,28 +103,8 @@ def _offload_gate_up_kernel(
     expert_base = tl.where(slot >= 0, slot_w13_ptr + slot.to(tl.int64) * w13_se,
                            host_w13_ptr + expert.to(tl.int64) * w13_se)
     base = tl.where(routed, expert_base, sw_ptr)
-    row_st = tl.where(routed, w13_sn, sw_sn).to(tl.int64)
-    limit = tl.where(routed, inter, shared_inter)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = q_ok[:, None] & (n[None, :] < limit[:, None])
-    gate_rows = base[:, None] + n[None, :] * row_st[:, None]
-    up_rows = gate_rows + limit[:, None] * row_st[:, None]
-    acc_gate = tl.zeros([PAIRS, BLOCK_N], tl.float32)
-    acc_up = tl.zeros([PAIRS, BLOCK_N], tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < hidden
-        xv = tl.load(x_ptr + t[:, None] * x_st + k[None, :], mask=q_ok[:, None] & k_ok[None, :], other=0.0)
-        xv = xv.to(tl.float32)[:, None, :]
-        mask = n_ok[:, :, None] & k_ok[None, None, :]
-        w_gate = tl.load(gate_rows[:, :, None] + k[None, None, :], mask=mask, other=0.0).to(tl.float32)
-        w_up = tl.load(up_rows[:, :, None] + k[None, None, :], mask=mask, other=0.0).to(tl.float32)
-        acc_gate += tl.sum(w_gate * xv, 2)
-        acc_up += tl.sum(w_up * xv, 2)
-    dtype = h_ptr.dtype.element_ty
-    gate = round_as(acc_gate, dtype)
-    h = round_as(gate * tl.sigmoid(gate), dtype) * round_as(acc_up, dtype)
-    tl.store(h_ptr + q.to(tl.int64)[:, None] * h_width + n[None, :], cast(h, dtype), mask=n_ok)
+    _gate_up_pairs(x_ptr, x_st, base, routed, w13_sn, sw_sn, q, q_ok, t, h_ptr, h_width, hidden, inter, shared_inter,
+                   PAIRS, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -146,26 +126,9 @@ def _offload_down_kernel(
     # The weights as the reference holds them: rounded to the activations' dtype.
     weight = tl.load(topw_ptr + t * TOP_K + c, mask=c_ok, other=0.0)
     weight = cast(weight, dtype).to(tl.float32)
-    h_rows = h_ptr + (t.to(tl.int64) * (TOP_K + 1) + c) * h_width
-    h_shared = h_ptr + (t.to(tl.int64) * (TOP_K + 1) + TOP_K) * h_width
     w_rows = expert_base[:, None] + n[None, :] * w2_sn
-    acc = tl.zeros([BLOCK_C, BLOCK_N], tl.float32)
-    acc_shared = tl.zeros([BLOCK_N], tl.float32)
-    for k0 in range(0, h_width, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok, ks_ok = k < inter, k < shared_inter
-        mask = c_ok[:, None, None] & n_ok[None, :, None] & k_ok[None, None, :]
-        w = tl.load(w_rows[:, :, None] + k[None, None, :], mask=mask, other=0.0)
-        ws = tl.load(sd_ptr + n[:, None] * sd_sn + k[None, :], mask=n_ok[:, None] & ks_ok[None, :], other=0.0)
-        hv = tl.load(h_rows[:, None] + k[None, :], mask=c_ok[:, None] & k_ok[None, :], other=0.0)
-        hs = tl.load(h_shared + k, mask=ks_ok, other=0.0).to(tl.float32)
-        acc += tl.sum(w.to(tl.float32) * hv.to(tl.float32)[:, None, :], 2)
-        acc_shared += tl.sum(ws.to(tl.float32) * hs[None, :], 1)
-    scaled = round_as(round_as(acc, dtype) * weight[:, None], dtype)
-    routed = tl.sum(scaled, 0)  # the resident block's fixed order over the choices
-    gate = round_as(tl.sigmoid(tl.load(logits_ptr + t * l_st + num_experts).to(tl.float32)), dtype)
-    out = round_as(routed, dtype) + round_as(gate * round_as(acc_shared, dtype), dtype)
-    tl.store(out_ptr + t * hidden + n, cast(out, dtype), mask=n_ok)
+    _down_choices(h_ptr, h_width, w_rows, sd_ptr, sd_sn, weight, logits_ptr, l_st, out_ptr, t, n, n_ok, c, c_ok,
+                  hidden, inter, shared_inter, num_experts, TOP_K, BLOCK_C, BLOCK_N, BLOCK_K, False)
 
 
 def _check(x, gate_logits, slot_map, slot_w13, slot_w2, host_w13, host_w2, shared_gate_up, shared_down,
