@@ -1,0 +1,108 @@
+"""Triton GEMV for a few activation rows (decode): ``y = x @ W.T``, ``W [N, K]`` row-major.
+
+At one to eight rows a projection has no tensor-core work worth the name: it is a stream of its
+weight bytes, and what decides its time is how many bytes are in flight and how fast the launch
+ramps up and drains. Each program owns ``block_n`` whole weight rows and streams all of K
+(2048 or 4096 at the Qwen3.6-35B-A3B shape) in ``block_k`` steps, 16-byte loads a thread; the
+activation rows (a few KB, from L2) are multiplied against each loaded step in float32, one row at a
+time, so the weights are read once for all rows. No split-K: the rows alone give the programs
+(``benchmarks/gemv_sweep.py`` times the shapes).
+
+Under programmatic dependent launch (``GemvConfig.pdl``, sm_90 on) a program first lets the next
+launch start (its programs take SM slots as these finish) and loads its first weight step before it
+waits for the previous launch (``griddepcontrol.wait``): the weights are never written by the model,
+only ``x`` is the previous launch's output. Consecutive projections then overlap one's drain with
+the next's ramp-up, inside CUDA graphs too.
+
+Float32 accumulation in a fixed order per program; the output is rounded once to ``x``'s dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from freetoken.kernels.gemv import GEMV_DTYPES
+from freetoken.kernels.gemv_configs import GEMV_MAX_ROWS, GemvConfig, gemv_config
+from freetoken.kernels.triton._common import INTERPRETED, cast, new_empty, pow2
+from freetoken.kernels.triton.moe_decode import _pdl_available
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, x_st, w_ptr, w_st, out_ptr, M, N, K,
+    ROWS: tl.constexpr, ROWS_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    if PDL:  # the next launch may start: its programs take the slots these leave
+        tl.extra.cuda.gdc_launch_dependents()
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    # Rows past N read row N - 1 again (from L1) instead of masking every weight load.
+    w_rows = w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * w_st
+    m0 = tl.program_id(1) * ROWS
+    m = tl.arange(0, ROWS_P2)
+    # [BLOCK_N, rows]: the K reduction's layout, so each row's sums land without a layout change.
+    acc = tl.zeros([BLOCK_N, ROWS_P2], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            w = tl.load(w_rows + k[None, :])
+        else:
+            w = tl.load(w_rows + k[None, :], mask=(k < K)[None, :], other=0.0)
+        if PDL:  # x is the previous launch's output; returns at once after the first step
+            tl.extra.cuda.gdc_wait()
+        w = w.to(tl.float32)
+        for i in tl.static_range(ROWS):
+            # A last chunk's rows past M read row M - 1 again; their sums are not stored.
+            row = tl.minimum(m0 + i, M - 1).to(tl.int64)
+            xv = tl.load(x_ptr + row * x_st + k, mask=k < K, other=0.0)
+            part = tl.sum(w * xv.to(tl.float32)[None, :], 1)
+            acc = tl.where((m == i)[None, :], acc + part[:, None], acc)
+    out_rows = m0 + m
+    tl.store(out_ptr + out_rows.to(tl.int64)[None, :] * N + n[:, None], cast(acc, out_ptr.dtype.element_ty),
+             mask=n_ok[:, None] & (out_rows < M)[None, :] & (m < ROWS)[None, :])
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} disagree (weight [N, K], x [..., K])")
+    if x.dtype != weight.dtype or x.dtype not in GEMV_DTYPES:
+        raise ValueError(f"gemv: x {x.dtype} and weight {weight.dtype} must be one of {GEMV_DTYPES}, the same")
+
+
+def gemv_tiled(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig) -> torch.Tensor:
+    """``gemv`` launched in the given shape (``benchmarks/gemv_sweep.py``, the tests)."""
+    _check(x, weight)
+    n_out, k_in = weight.shape
+    rows = x.reshape(-1, k_in)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    num_rows = rows.shape[0]
+    out = new_empty((num_rows, n_out), x.dtype, x.device)
+    if num_rows and n_out:
+        per_program = min(num_rows, GEMV_MAX_ROWS)
+        # config.block_k counts 2-byte columns: float32 weights take half as many, the same bytes a load.
+        block_k = min(max(config.block_k * 2 // weight.element_size(), 16), pow2(k_in))
+        pdl = config.pdl and _pdl_available()
+        _gemv_kernel[(triton.cdiv(n_out, config.block_n), triton.cdiv(num_rows, per_program))](
+            rows, rows.stride(0), weight, weight.stride(0), out, num_rows, n_out, k_in,
+            ROWS=per_program, ROWS_P2=pow2(per_program), BLOCK_N=config.block_n, BLOCK_K=block_k,
+            EVEN_K=k_in % block_k == 0, PDL=pdl,
+            num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
+        )
+    return out.reshape(*x.shape[:-1], n_out)
+
+
+# Under the interpreter, whose cost is per program and per operation: few, wide programs.
+_INTERPRETER_CONFIG = GemvConfig(block_n=64, block_k=256, num_warps=4, pdl=False)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    _check(x, weight)
+    n_out, k_in = weight.shape
+    num_rows = x.numel() // k_in if k_in else 0
+    config = _INTERPRETER_CONFIG if INTERPRETED else gemv_config(num_rows, n_out, k_in)
+    return gemv_tiled(x, weight, config)
