@@ -9,7 +9,7 @@ Plain Python (no Triton import): ``layers.linear`` consults it on every call.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 # Up to this many activation rows the GEMV may replace cuBLAS (one program holds all of them; the
 # weights are read once whatever the row count, the FMAs grow with it).
@@ -37,10 +37,12 @@ class GemvConfig:
     pdl: bool = True
 
     def __post_init__(self) -> None:
-        for field in fields(self):
-            value = getattr(self, field.name)
-            if not isinstance(value, bool) and (value < 1 or value & (value - 1)):
-                raise ValueError(f"GemvConfig.{field.name} must be a power of two, got {value}")
+        for name in ("block_n", "block_k", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"GemvConfig.{name} must be a power of two, got {value}")
+        if self.num_stages < 1:
+            raise ValueError(f"GemvConfig.num_stages must be at least 1, got {self.num_stages}")
 
     def label(self) -> str:
         return f"{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages}{' pdl' if self.pdl else ''}"
@@ -60,11 +62,10 @@ def _pow2(n: int) -> int:
 
 
 def default_config(n_out: int, k_in: int) -> GemvConfig:
-    """Whole 2048-column row steps (4 KB a row, 128 B a thread at 8 warps), and rows enough per
-    program for about four programs an SM, at least one row."""
-    block_k = min(2048, _pow2(k_in))
+    """Whole 2048-column row steps (4 KB a row), one row a warp (64 weights a thread), and rows
+    enough per program for about four programs an SM, at least one row."""
     block_n = next((b for b in (8, 4, 2) if -(-n_out // b) >= 4 * NUM_SMS), 1)
-    return GemvConfig(block_n, block_k, 8 if block_n * block_k >= 8192 else 4)
+    return GemvConfig(block_n, min(2048, _pow2(k_in)), block_n)
 
 
 def _tuned(num_rows: int, n_out: int, k_in: int) -> tuple[bool, GemvConfig | None]:

@@ -31,33 +31,43 @@ from freetoken.kernels.triton.moe_decode import _pdl_available
 @triton.jit
 def _gemv_kernel(
     x_ptr, x_st, w_ptr, w_st, out_ptr, M, N, K,
-    ROWS: tl.constexpr, ROWS_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    PDL: tl.constexpr,
+    ROWS: tl.constexpr, ROWS_P2: tl.constexpr, BLOCK_N: tl.constexpr, REPS: tl.constexpr, CHUNK: tl.constexpr,
+    EVEN_K: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # the next launch may start: its programs take the slots these leave
         tl.extra.cuda.gdc_launch_dependents()
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
+    # A step is REPS chunks of CHUNK columns, the tile [BLOCK_N, REPS, CHUNK]: a warp's lanes span a
+    # chunk (16 bytes each), the warps the rows, and the chunks repeat in each thread's registers, so
+    # a row's sum is in-thread adds over the chunks and one warp reduction (no shared memory).
+    # (Triton orders the tile's dimensions by contiguity, ties by position: rows before chunks.)
     # Rows past N read row N - 1 again (from L1) instead of masking every weight load.
-    w_rows = w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * w_st
+    w_rows = w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None, None] * w_st
+    cols = (tl.arange(0, REPS) * CHUNK)[:, None] + tl.arange(0, CHUNK)[None, :]  # [REPS, CHUNK]
     m0 = tl.program_id(1) * ROWS
     m = tl.arange(0, ROWS_P2)
-    # [BLOCK_N, rows]: the K reduction's layout, so each row's sums land without a layout change.
     acc = tl.zeros([BLOCK_N, ROWS_P2], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
+    for k0 in range(0, K, REPS * CHUNK):
+        k = k0 + cols
         if EVEN_K:
-            w = tl.load(w_rows + k[None, :])
+            w = tl.load(w_rows + k[None, :, :])
         else:
-            w = tl.load(w_rows + k[None, :], mask=(k < K)[None, :], other=0.0)
+            w = tl.load(w_rows + k[None, :, :], mask=(k < K)[None, :, :], other=0.0)
         if PDL:  # x is the previous launch's output; returns at once after the first step
             tl.extra.cuda.gdc_wait()
         w = w.to(tl.float32)
         for i in tl.static_range(ROWS):
             # A last chunk's rows past M read row M - 1 again; their sums are not stored.
             row = tl.minimum(m0 + i, M - 1).to(tl.int64)
-            xv = tl.load(x_ptr + row * x_st + k, mask=k < K, other=0.0)
-            part = tl.sum(w * xv.to(tl.float32)[None, :], 1)
+            # Loaded through a tile-shaped pointer (zero row offsets) so that it takes the weights'
+            # layout: a [REPS, CHUNK] load would be moved through shared memory to meet it.
+            x_cols = x_ptr + row * x_st + k[None, :, :] + 0 * n[:, None, None]
+            if EVEN_K:
+                xv = tl.load(x_cols)
+            else:
+                xv = tl.load(x_cols, mask=(k < K)[None, :, :], other=0.0)
+            part = tl.sum(tl.sum(w * xv.to(tl.float32), 1), 1)  # over the chunks in-thread, then the lanes
             acc = tl.where((m == i)[None, :], acc + part[:, None], acc)
     out_rows = m0 + m
     tl.store(out_ptr + out_rows.to(tl.int64)[None, :] * N + n[:, None], cast(acc, out_ptr.dtype.element_ty),
@@ -84,12 +94,15 @@ def gemv_tiled(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig) -> tor
     out = new_empty((num_rows, n_out), x.dtype, x.device)
     if num_rows and n_out:
         per_program = min(num_rows, GEMV_MAX_ROWS)
-        # config.block_k counts 2-byte columns: float32 weights take half as many, the same bytes a load.
-        block_k = min(max(config.block_k * 2 // weight.element_size(), 16), pow2(k_in))
+        # A chunk: 32 lanes x 16 bytes (256 2-byte or 128 float32 columns), at most K; config.block_k
+        # counts 2-byte columns, so float32 steps take half as many columns, the same bytes.
+        chunk = min(32 * 16 // weight.element_size(), pow2(k_in))
+        reps = max(1, config.block_k * 2 // weight.element_size() // chunk)
+        block_k = reps * chunk
         pdl = config.pdl and _pdl_available()
         _gemv_kernel[(triton.cdiv(n_out, config.block_n), triton.cdiv(num_rows, per_program))](
             rows, rows.stride(0), weight, weight.stride(0), out, num_rows, n_out, k_in,
-            ROWS=per_program, ROWS_P2=pow2(per_program), BLOCK_N=config.block_n, BLOCK_K=block_k,
+            ROWS=per_program, ROWS_P2=pow2(per_program), BLOCK_N=config.block_n, REPS=reps, CHUNK=chunk,
             EVEN_K=k_in % block_k == 0, PDL=pdl,
             num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
         )
