@@ -50,16 +50,21 @@ SHAPES = {
 }
 TARGET_BYTES = 256 << 20  # distinct weight bytes per timed graph: past the L2 several times
 MIN_CALLS = 20
-REPLAYS = 10
-# Rows a program x 2-byte columns a step, warps, stages. A warp's lanes span 256 columns (16 bytes
-# each) of a row and the warps take the rows, so block_n / num_warps rows a warp (more reuse each
-# activation load: what matters at 8 rows), block_k / 256 loads of 16 bytes a row a thread (bytes in
-# flight); fewer rows than warps split the step over warps instead (a shared-memory reduction).
+MAX_REPLAYS = 10
+REPLAY_MS = 10.0  # timed replays per candidate: about this long, 3 to MAX_REPLAYS
+# Rows a program x 2-byte columns a step, warps, stages. FMA kernel: a warp's lanes span 256 columns
+# (16 bytes each) of a row and the warps take the rows, so block_n / num_warps rows a warp (more
+# reuse of each activation load: what matters at 8 rows), block_k / 256 loads of 16 bytes a row a
+# thread (bytes in flight); fewer rows than warps split the step over warps (a shared-memory
+# reduction). Tensor-core kernel (dot): block_n rows x block_k columns a stage through shared memory.
 CANDIDATES = [
     C(1, 2048, 1), C(2, 2048, 2), C(4, 2048, 4), C(8, 2048, 8), C(4, 2048, 2), C(8, 2048, 4),
-    C(4, 1024, 4), C(8, 1024, 8), C(8, 1024, 4), C(16, 1024, 8), C(16, 512, 4), C(32, 512, 8),
-    C(1, 2048, 4), C(2, 2048, 4), C(8, 4096, 8), C(4, 4096, 4), C(8, 512, 4, 3), C(16, 512, 8, 3),
+    C(8, 1024, 8), C(16, 1024, 8), C(16, 512, 4), C(32, 512, 8), C(1, 2048, 4), C(8, 4096, 8),
+    C(16, 256, 4, 4, dot=True), C(32, 256, 4, 4, dot=True), C(64, 128, 4, 3, dot=True), C(64, 256, 4, 3, dot=True),
+    C(128, 128, 4, 3, dot=True), C(128, 256, 8, 3, dot=True),
 ]
+# Of the fastest this many without PDL, the PDL variants are timed too.
+PDL_TIMED = 3
 
 
 def effective(config: GemvConfig, k_in: int) -> GemvConfig:
@@ -99,7 +104,8 @@ def precompile(shapes: dict[str, tuple[int, int, int]], rows: list[int]) -> None
     for n_out, k_in, _ in shapes.values():
         small_n = 256 if n_out % 16 == 0 else 257
         for config in candidates(k_in):
-            for r in rows:
+            # The tensor-core kernel takes the row count at run time: one row or more.
+            for r in sorted({min(r, 2) for r in rows}) if config.dot else rows:
                 job = (asdict(config), r, small_n, k_in)
                 if job not in jobs:
                     jobs.append(job)
@@ -123,9 +129,14 @@ def time_per_call(fn: Callable[[torch.Tensor], torch.Tensor], weights: list[torc
     graph.replay()
     torch.cuda.synchronize()
     err = max(check(outs[0], weights[0]), check(outs[-1], weights[(calls - 1) % len(weights)]))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
     graph.replay()
+    end.record()
+    end.synchronize()
+    replays = max(3, min(MAX_REPLAYS, math.ceil(REPLAY_MS / start.elapsed_time(end))))
     times = []
-    for _ in range(REPLAYS):
+    for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()
@@ -139,7 +150,8 @@ def time_per_call(fn: Callable[[torch.Tensor], torch.Tensor], weights: list[torc
 def config_source(config: GemvConfig | None) -> str:
     if config is None:
         return "None"
-    return f"C({config.block_n}, {config.block_k}, {config.num_warps}, {config.num_stages}, {config.pdl})"
+    dot = ", dot=True" if config.dot else ""
+    return f"C({config.block_n}, {config.block_k}, {config.num_warps}, {config.num_stages}, {config.pdl}{dot})"
 
 
 def main() -> None:
@@ -162,8 +174,8 @@ def main() -> None:
         calls = max(MIN_CALLS, copies)
         weights = [torch.randn(n_out, k_in, dtype=BF16, device="cuda", generator=gen) * k_in**-0.5
                    for _ in range(copies)]
-        print(f"\n{name} {n_out}x{k_in} ({nbytes / 1e6:.1f} MB, {copies} copies, {calls} calls a graph): "
-              f"us per call (TB/s)", flush=True)
+        print(f"\n[{time.perf_counter() - started:.0f} s] {name} {n_out}x{k_in} ({nbytes / 1e6:.1f} MB, {copies} copies, "
+              f"{calls} calls a graph): us per call (TB/s); top 5 without / with pdl", flush=True)
         buckets = []
         for rows in rows_list:
             x = torch.randn(rows, k_in, dtype=BF16, device="cuda", generator=gen)
@@ -175,21 +187,28 @@ def main() -> None:
             tbs = lambda us: nbytes / (us * 1e-6) / 1e12  # noqa: E731
             cublas_us, err = time_per_call(lambda w, x=x: F.linear(x, w), weights, calls, check)
             timed: dict[GemvConfig, float] = {}
-            for config in candidates(k_in):
+
+            def measure(config: GemvConfig, x: torch.Tensor = x, check=check) -> None:
                 try:
-                    us, err = time_per_call(lambda w, x=x, c=config: gemv_tiled(x, w, c), weights, calls, check)
+                    us, err = time_per_call(lambda w: gemv_tiled(x, w, config), weights, calls, check)
                 except Exception as exc:
-                    print(f"  M={rows} {config.label()}: failed: {exc!r}", flush=True)
-                    continue
+                    print(f"  M={x.shape[0]} {config.label()}: failed: {exc!r}", flush=True)
+                    return
                 if not err <= 1e-2:  # one bf16 rounding of float32 sums: ~2e-3
-                    print(f"  M={rows} {config.label()}: relative error {err:.3g}, skipped", flush=True)
-                    continue
+                    print(f"  M={x.shape[0]} {config.label()}: relative error {err:.3g}, skipped", flush=True)
+                    return
                 timed[config] = us
-                results.append({"shape": name, "n": n_out, "k": k_in, "rows": rows, "config": asdict(config),
+                results.append({"shape": name, "n": n_out, "k": k_in, "rows": x.shape[0], "config": asdict(config),
                                 "us": us, "TB/s": tbs(us), "rel_err": err})
+
+            for config in candidates(k_in):
+                if not config.pdl:
+                    measure(config)
+            plain = {c: us for c, us in timed.items() if not c.pdl}
+            for config in sorted(plain, key=plain.get)[:PDL_TIMED]:
+                measure(replace(config, pdl=True))
             results.append({"shape": name, "n": n_out, "k": k_in, "rows": rows, "config": "cublas",
                             "us": cublas_us, "TB/s": tbs(cublas_us)})
-            plain = {c: us for c, us in timed.items() if not c.pdl}
             if not plain:
                 buckets.append((rows, None))
                 step[rows][0] += per_step * cublas_us

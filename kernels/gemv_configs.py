@@ -28,13 +28,17 @@ class GemvConfig:
     weights: 16 bytes a thread at 8 per thread; float32 weights take half as many columns, the same
     bytes), ``num_warps``, ``num_stages`` (software pipelining of the K loop), and ``pdl``:
     programmatic dependent launch where the GPU has it (sm_90 on): the programs start while the
-    previous launch ends and load their first weight step before waiting for it."""
+    previous launch ends and load their first weight step before waiting for it. ``dot``: the
+    tensor-core variant for 2-byte weights (``W tile @ x.T``, the rows padded to 16, the K loop
+    pipelined through shared memory over ``num_stages``; needs ``block_n >= 16``); float32 weights
+    take the FMA kernel whatever it says."""
 
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int = 1
     pdl: bool = True
+    dot: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "num_warps"):
@@ -43,9 +47,12 @@ class GemvConfig:
                 raise ValueError(f"GemvConfig.{name} must be a power of two, got {value}")
         if self.num_stages < 1:
             raise ValueError(f"GemvConfig.num_stages must be at least 1, got {self.num_stages}")
+        if self.dot and (self.block_n < 16 or self.block_k < 16):
+            raise ValueError(f"GemvConfig.dot needs block_n and block_k >= 16, got {self.block_n}, {self.block_k}")
 
     def label(self) -> str:
-        return f"{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages}{' pdl' if self.pdl else ''}"
+        return (f"{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages}{' dot' if self.dot else ''}"
+                f"{' pdl' if self.pdl else ''}")
 
 
 C = GemvConfig

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from freetoken.kernels.gemv import GEMV_DTYPES
 from freetoken.kernels.gemv_configs import GEMV_MAX_ROWS, GemvConfig, gemv_config
-from freetoken.kernels.triton._common import INTERPRETED, cast, new_empty, pow2
+from freetoken.kernels.triton._common import INTERPRETED, cast, dot, new_empty, pow2
 from freetoken.kernels.triton.moe_decode import _pdl_available
 
 @triton.jit
@@ -74,6 +74,40 @@ def _gemv_kernel(
              mask=n_ok[:, None] & (out_rows < M)[None, :] & (m < ROWS)[None, :])
 
 
+@triton.jit
+def _gemv_dot_kernel(
+    x_ptr, x_st, w_ptr, w_st, out_ptr, M, N, K, rows_per_program,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
+):
+    """The tensor-core variant: ``acc [BLOCK_N, 16] += W tile @ x.T`` (the weights the MMA's wide
+    operand, the rows padded to 16: one compile for every row count), the loop's loads pipelined
+    through shared memory."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        # Before the loop: the pipeliner issues the first steps' loads, x's among them, ahead of it.
+        tl.extra.cuda.gdc_wait()
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    w_rows = w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * w_st
+    j = tl.arange(0, 16)
+    m = tl.program_id(1) * rows_per_program + j
+    m_ok = (j < rows_per_program) & (m < M)
+    x_rows = x_ptr + m.to(tl.int64)[None, :] * x_st
+    acc = tl.zeros([BLOCK_N, 16], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            w = tl.load(w_rows + k[None, :])
+            xt = tl.load(x_rows + k[:, None], mask=m_ok[None, :], other=0.0)
+        else:
+            k_ok = k < K
+            w = tl.load(w_rows + k[None, :], mask=k_ok[None, :], other=0.0)
+            xt = tl.load(x_rows + k[:, None], mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+        acc += dot(w, xt, "ieee")
+    tl.store(out_ptr + m.to(tl.int64)[None, :] * N + n[:, None], cast(acc, out_ptr.dtype.element_ty),
+             mask=n_ok[:, None] & m_ok[None, :])
+
+
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} disagree (weight [N, K], x [..., K])")
@@ -94,18 +128,26 @@ def gemv_tiled(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig) -> tor
     out = new_empty((num_rows, n_out), x.dtype, x.device)
     if num_rows and n_out:
         per_program = min(num_rows, GEMV_MAX_ROWS)
-        # A chunk: 32 lanes x 16 bytes (256 2-byte or 128 float32 columns), at most K; config.block_k
-        # counts 2-byte columns, so float32 steps take half as many columns, the same bytes.
-        chunk = min(32 * 16 // weight.element_size(), pow2(k_in))
-        reps = max(1, config.block_k * 2 // weight.element_size() // chunk)
-        block_k = reps * chunk
+        grid = (triton.cdiv(n_out, config.block_n), triton.cdiv(num_rows, per_program))
         pdl = config.pdl and _pdl_available()
-        _gemv_kernel[(triton.cdiv(n_out, config.block_n), triton.cdiv(num_rows, per_program))](
-            rows, rows.stride(0), weight, weight.stride(0), out, num_rows, n_out, k_in,
-            ROWS=per_program, ROWS_P2=pow2(per_program), BLOCK_N=config.block_n, REPS=reps, CHUNK=chunk,
-            EVEN_K=k_in % block_k == 0, PDL=pdl,
-            num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
-        )
+        if config.dot and weight.element_size() == 2:
+            block_k = min(config.block_k, pow2(k_in, 16))
+            _gemv_dot_kernel[grid](
+                rows, rows.stride(0), weight, weight.stride(0), out, num_rows, n_out, k_in, per_program,
+                BLOCK_N=config.block_n, BLOCK_K=block_k, EVEN_K=k_in % block_k == 0, PDL=pdl,
+                num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
+            )
+        else:
+            # A chunk: 32 lanes x 16 bytes (256 2-byte or 128 float32 columns), at most K; config.block_k
+            # counts 2-byte columns, so float32 steps take half as many columns, the same bytes.
+            chunk = min(32 * 16 // weight.element_size(), pow2(k_in))
+            reps = max(1, config.block_k * 2 // weight.element_size() // chunk)
+            _gemv_kernel[grid](
+                rows, rows.stride(0), weight, weight.stride(0), out, num_rows, n_out, k_in,
+                ROWS=per_program, ROWS_P2=pow2(per_program), BLOCK_N=config.block_n, REPS=reps, CHUNK=chunk,
+                EVEN_K=k_in % (reps * chunk) == 0, PDL=pdl,
+                num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
+            )
     return out.reshape(*x.shape[:-1], n_out)
 
 

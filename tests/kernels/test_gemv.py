@@ -42,10 +42,11 @@ def test_gemv(rng, dtype, rows, n_out, k_in):
 
 # Each launch-shape path at K = 300 (steps of 256 2-byte / 128 float32 columns a chunk, the last
 # partial): one row a warp, two rows a warp, several chunks a step, more rows a program than N,
-# more warps than rows (the step split over warps), software pipelining.
+# more warps than rows (the step split over warps); the tensor-core variant (float32: the FMA kernel).
 @pytest.mark.parametrize("config", [GemvConfig(1, 256, 1), GemvConfig(4, 256, 2, pdl=False), GemvConfig(8, 512, 4, 2),
-                                    GemvConfig(64, 512, 4), GemvConfig(2, 256, 4)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+                                    GemvConfig(64, 512, 4), GemvConfig(2, 256, 4), GemvConfig(16, 64, 4, 2, dot=True),
+                                    GemvConfig(32, 128, 4, 3, pdl=False, dot=True)], ids=lambda c: c.label())
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 7])
 def test_gemv_tiles(rng, config, dtype, rows):
     x, w = operands(rng, rows, 13, 300, dtype)
@@ -74,9 +75,13 @@ def test_gemv_rejects_mismatched_operands():
         _triton().gemv(torch.ones(2, 16, device=DEVICE, dtype=torch.bfloat16), w)
 
 
-def test_gemv_configs_must_be_powers_of_two():
+def test_gemv_configs_are_checked():
     with pytest.raises(ValueError, match="block_n"):
         GemvConfig(3, 256, 4)
+    with pytest.raises(ValueError, match="num_stages"):
+        GemvConfig(4, 256, 4, 0)
+    with pytest.raises(ValueError, match="dot"):
+        GemvConfig(8, 256, 4, dot=True)
 
 
 def test_prefers_gemv_follows_the_table(monkeypatch):
