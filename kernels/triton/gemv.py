@@ -1,20 +1,28 @@
 """Triton GEMV for a few activation rows (decode): ``y = x @ W.T``, ``W [N, K]`` row-major.
 
-At one to eight rows a projection has no tensor-core work worth the name: it is a stream of its
-weight bytes, and what decides its time is how many bytes are in flight and how fast the launch
-ramps up and drains. Each program owns ``block_n`` whole weight rows and streams all of K
-(2048 or 4096 at the Qwen3.6-35B-A3B shape) in ``block_k`` steps, 16-byte loads a thread; the
-activation rows (a few KB, from L2) are multiplied against each loaded step in float32, one row at a
-time, so the weights are read once for all rows. No split-K: the rows alone give the programs
-(``benchmarks/gemv_sweep.py`` times the shapes).
+At one to eight rows a projection is a stream of its weight bytes, and what decides its time is how
+many bytes are in flight and how fast the launch ramps up and drains. Each program owns ``block_n``
+whole weight rows and streams all of K (2048 or 4096 at the Qwen3.6-35B-A3B shape) in ``block_k``
+steps; the weights are read once for all rows. No split-K: the rows alone give the programs. Two
+kernels, the launch shape (``GemvConfig``) picks one:
+
+- ``_gemv_kernel`` (FMA): 16-byte loads a thread, a warp's lanes across a 256-column chunk of a row,
+  the warps on the rows, the step's chunks in each thread's registers; each activation row (a few
+  KB, from L1/L2) multiplied against the loaded step in float32, so a row's sum is in-thread adds
+  plus one warp reduction. Every dtype; float32 runs are exact float32 sums.
+- ``_gemv_dot_kernel`` (``GemvConfig.dot``, 2-byte weights): ``W tile @ x.T`` on the tensor cores,
+  the rows padded to 16, the loads pipelined through shared memory (cp.async): fewer instructions a
+  weight where eight rows make the FMA kernel's work count.
 
 Under programmatic dependent launch (``GemvConfig.pdl``, sm_90 on) a program first lets the next
-launch start (its programs take SM slots as these finish) and loads its first weight step before it
-waits for the previous launch (``griddepcontrol.wait``): the weights are never written by the model,
-only ``x`` is the previous launch's output. Consecutive projections then overlap one's drain with
-the next's ramp-up, inside CUDA graphs too.
+launch start (its programs take SM slots as these finish) and waits for the previous launch
+(``griddepcontrol.wait``) only before reading ``x``, the previous launch's output: the FMA kernel
+loads its first weight step before that (the model never writes its weights); the tensor-core one
+waits before its loop, whose pipelined prologue issues ``x``'s first loads. Consecutive projections
+then overlap one's drain with the next's ramp-up, inside CUDA graphs too.
 
-Float32 accumulation in a fixed order per program; the output is rounded once to ``x``'s dtype.
+``benchmarks/gemv_sweep.py`` times the shapes; ``kernels/gemv_configs.py`` holds its table. Float32
+accumulation in a fixed order per program; the output is rounded once to ``x``'s dtype.
 """
 
 from __future__ import annotations
