@@ -5,13 +5,14 @@ dense projections of a Qwen3.6-35B-A3B decode step on one GPU, and print the ``T
 
 Each timing replays a CUDA graph of back-to-back calls (as the engine decodes) on distinct copies of
 the weight, together over ``TARGET_BYTES`` (more than the 50 MB L2), so no call finds its weight
-cached by an earlier one. Times are per call (us, the median replay over the calls in it), with
-the weight's bytes over that time (TB/s; 4.3 is about the H200's reachable HBM bandwidth).
+cached by an earlier one. Times are per call (us: the median of three rounds of replays queued back
+to back, over the calls in them), with the weight's bytes over that time (TB/s; 4.3 is about the
+H200's reachable HBM bandwidth).
 
-A candidate is timed without programmatic dependent launch (``nopdl``: what a GEMV after an
-ordinary kernel sees, most of them in a step) and with it (``pdl``: back to back, each call's
-weight loads overlap the previous call's drain; in a step only a launch after a PDL kernel gets
-that). The shape is chosen by the ``nopdl`` time; ``pdl`` is kept on where it is not slower.
+Every candidate is timed without programmatic dependent launch (what a GEMV after an ordinary
+kernel sees, most of them in a step); the ``PDL_TIMED`` fastest also with it (back to back, each
+call's weight loads overlap the previous call's drain; in a step only a launch after a PDL kernel
+gets that). The shape is chosen by the time without PDL; PDL is kept on where it is not slower.
 Every candidate's output is first checked against float32 ``F.linear``.
 
 Output: per shape and row count, cuBLAS and the five fastest candidates; then the decode step's
@@ -50,8 +51,9 @@ SHAPES = {
 }
 TARGET_BYTES = 256 << 20  # distinct weight bytes per timed graph: past the L2 several times
 MIN_CALLS = 20
+ROUNDS = 3  # timed rounds per candidate (the median is kept), each of up to MAX_REPLAYS replays
 MAX_REPLAYS = 10
-REPLAY_MS = 10.0  # timed replays per candidate: about this long, 3 to MAX_REPLAYS
+REPLAY_MS = 10.0  # the rounds together about this long
 # Rows a program x 2-byte columns a step, warps, stages. FMA kernel: a warp's lanes span 256 columns
 # (16 bytes each) of a row and the warps take the rows, so block_n / num_warps rows a warp (more
 # reuse of each activation load: what matters at 8 rows), block_k / 256 loads of 16 bytes a row a
@@ -111,8 +113,12 @@ def precompile(shapes: dict[str, tuple[int, int, int]], rows: list[int]) -> None
                     jobs.append(job)
     start = time.perf_counter()
     workers = max(1, min(16, (os.cpu_count() or 2) - 1))
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        errors = [e for e in pool.map(_compile, jobs, chunksize=4) if e]
+    try:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            errors = [e for e in pool.map(_compile, jobs, chunksize=4) if e]
+    except Exception as exc:  # the timing pass then compiles each launch itself, serially
+        print(f"parallel compilation failed ({exc!r}); compiling as the candidates are timed", flush=True)
+        return
     print(f"compiled {len(jobs)} launches in {time.perf_counter() - start:.0f} s ({workers} processes)", flush=True)
     for e in errors:
         print(f"  compile failed: {e}", flush=True)
@@ -134,15 +140,15 @@ def time_per_call(fn: Callable[[torch.Tensor], torch.Tensor], weights: list[torc
     graph.replay()
     end.record()
     end.synchronize()
-    replays = max(3, min(MAX_REPLAYS, math.ceil(REPLAY_MS / start.elapsed_time(end))))
+    replays = max(1, min(MAX_REPLAYS, math.ceil(REPLAY_MS / ROUNDS / start.elapsed_time(end))))
     times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(ROUNDS):  # each round's replays queued back to back: one launch latency a round
         start.record()
-        graph.replay()
+        for _ in range(replays):
+            graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
+        times.append(start.elapsed_time(end) * 1e3 / (replays * calls))
     del graph, outs
     return statistics.median(times), err
 
