@@ -180,8 +180,8 @@ def main() -> None:
         calls = max(MIN_CALLS, copies)
         weights = [torch.randn(n_out, k_in, dtype=BF16, device="cuda", generator=gen) * k_in**-0.5
                    for _ in range(copies)]
-        print(f"\n[{time.perf_counter() - started:.0f} s] {name} {n_out}x{k_in} ({nbytes / 1e6:.1f} MB, {copies} copies, "
-              f"{calls} calls a graph): us per call (TB/s); top 5 without / with pdl", flush=True)
+        print(f"\n[{time.perf_counter() - started:.0f} s] {name} {n_out}x{k_in} ({nbytes / 1e6:.1f} MB, "
+              f"{copies} copies, {calls} calls a graph): us per call (TB/s); top 5 without / with pdl", flush=True)
         buckets = []
         for rows in rows_list:
             x = torch.randn(rows, k_in, dtype=BF16, device="cuda", generator=gen)

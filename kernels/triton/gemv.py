@@ -50,7 +50,8 @@ def _gemv_kernel(
     # chunk (16 bytes each), the warps the rows, and the chunks repeat in each thread's registers, so
     # a row's sum is in-thread adds over the chunks and one warp reduction (no shared memory).
     # (Triton orders the tile's dimensions by contiguity, ties by position: rows before chunks.)
-    # Rows past N read row N - 1 again (from L1) instead of masking every weight load.
+    # Rows past N read row N - 1 again (from L1) instead of masking every weight load. The weights
+    # are read once a step: evict_first keeps them from pushing activations and caches out of L2.
     w_rows = w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None, None] * w_st
     cols = (tl.arange(0, REPS) * CHUNK)[:, None] + tl.arange(0, CHUNK)[None, :]  # [REPS, CHUNK]
     m0 = tl.program_id(1) * ROWS
@@ -59,9 +60,9 @@ def _gemv_kernel(
     for k0 in range(0, K, REPS * CHUNK):
         k = k0 + cols
         if EVEN_K:
-            w = tl.load(w_rows + k[None, :, :])
+            w = tl.load(w_rows + k[None, :, :], eviction_policy="evict_first")
         else:
-            w = tl.load(w_rows + k[None, :, :], mask=(k < K)[None, :, :], other=0.0)
+            w = tl.load(w_rows + k[None, :, :], mask=(k < K)[None, :, :], other=0.0, eviction_policy="evict_first")
         if PDL:  # x is the previous launch's output; returns at once after the first step
             tl.extra.cuda.gdc_wait()
         w = w.to(tl.float32)
@@ -105,11 +106,11 @@ def _gemv_dot_kernel(
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
-            w = tl.load(w_rows + k[None, :])
+            w = tl.load(w_rows + k[None, :], eviction_policy="evict_first")
             xt = tl.load(x_rows + k[:, None], mask=m_ok[None, :], other=0.0)
         else:
             k_ok = k < K
-            w = tl.load(w_rows + k[None, :], mask=k_ok[None, :], other=0.0)
+            w = tl.load(w_rows + k[None, :], mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
             xt = tl.load(x_rows + k[:, None], mask=m_ok[None, :] & k_ok[:, None], other=0.0)
         acc += dot(w, xt, "ieee")
     tl.store(out_ptr + m.to(tl.int64)[None, :] * N + n[:, None], cast(acc, out_ptr.dtype.element_ty),
@@ -118,7 +119,9 @@ def _gemv_dot_kernel(
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} disagree (weight [N, K], x [..., K])")
+        raise ValueError(
+            f"gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} disagree (weight [N, K], x [..., K])"
+        )
     if x.dtype != weight.dtype or x.dtype not in GEMV_DTYPES:
         raise ValueError(f"gemv: x {x.dtype} and weight {weight.dtype} must be one of {GEMV_DTYPES}, the same")
 
