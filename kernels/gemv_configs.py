@@ -14,6 +14,10 @@ from dataclasses import dataclass
 # Up to this many activation rows the GEMV may replace cuBLAS (one program holds all of them; the
 # weights are read once whatever the row count, the FMAs grow with it).
 GEMV_MAX_ROWS = 8
+# For shapes the table does not list, up to this many: at 8 rows the FMA kernel's instructions (about
+# 1.2 a weight a row in SASS, plus the activation loads) come near its weight stream's time at the
+# H200's bandwidth, so only the sweep's measurement moves a shape past 4.
+UNTUNED_MAX_ROWS = 4
 # The H200's SMs: the default shape aims at a few programs on each.
 NUM_SMS = 132
 # Weights of at least this many elements stay with cuBLAS unless the table lists them: its GEMV
@@ -85,12 +89,14 @@ def _tuned(num_rows: int, n_out: int, k_in: int) -> tuple[bool, GemvConfig | Non
 
 def prefers_gemv(num_rows: int, n_out: int, k_in: int) -> bool:
     """Whether ``x [num_rows, k_in] @ W.T`` (``W [n_out, k_in]``) should run as the GEMV: up to
-    ``GEMV_MAX_ROWS`` rows, unless the sweep found cuBLAS faster at this shape and row count (or, for
-    a shape it did not measure, the weight is as large as an lm_head)."""
+    ``GEMV_MAX_ROWS`` rows where the sweep measured the shape and found the GEMV faster; for a shape
+    it did not measure, up to ``UNTUNED_MAX_ROWS`` rows unless the weight is as large as an lm_head."""
     if not 0 < num_rows <= GEMV_MAX_ROWS:
         return False
     listed, config = _tuned(num_rows, n_out, k_in)
-    return config is not None if listed else n_out * k_in < CUBLAS_MIN_ELEMENTS
+    if listed:
+        return config is not None
+    return num_rows <= UNTUNED_MAX_ROWS and n_out * k_in < CUBLAS_MIN_ELEMENTS
 
 
 def gemv_config(num_rows: int, n_out: int, k_in: int) -> GemvConfig:

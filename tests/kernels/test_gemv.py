@@ -93,8 +93,9 @@ def test_prefers_gemv_follows_the_table(monkeypatch):
     assert gemv_configs.prefers_gemv(8, 2048, 4096)
     assert not gemv_configs.prefers_gemv(9, 2048, 4096)  # past GEMV_MAX_ROWS
     assert not gemv_configs.prefers_gemv(0, 2048, 4096)
-    # Shapes not measured: the GEMV for projections, cuBLAS for an lm_head-sized weight.
-    assert gemv_configs.prefers_gemv(1, 9216, 2048)
+    # Shapes not measured: the GEMV for projections at a few rows, cuBLAS for an lm_head-sized weight.
+    assert gemv_configs.prefers_gemv(gemv_configs.UNTUNED_MAX_ROWS, 9216, 2048)
+    assert not gemv_configs.prefers_gemv(gemv_configs.UNTUNED_MAX_ROWS + 1, 9216, 2048)
     assert not gemv_configs.prefers_gemv(1, 248320, 2048)
 
 
