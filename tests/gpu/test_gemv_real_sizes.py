@@ -34,7 +34,7 @@ def operands(rng, rows: int, n_out: int, k_in: int, dtype: torch.dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8])  # each bucket of the table (1, 2, 4, 8)
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
 def test_gemv_real_sizes(rng, check, dtype, rows, shape):
     x, w = operands(rng, rows, *shape, dtype)
@@ -43,8 +43,8 @@ def test_gemv_real_sizes(rng, check, dtype, rows, shape):
     check(f"gemv_{shape[0]}x{shape[1]}_m{rows}", got.float(), gemv_reference(x.float(), w.float()), dtype)
 
 
-@pytest.mark.parametrize("config", [GemvConfig(8, 2048, 8), GemvConfig(16, 512, 4, 3), GemvConfig(1, 2048, 4)],
-                         ids=lambda c: c.label())
+@pytest.mark.parametrize("config", [GemvConfig(8, 2048, 8), GemvConfig(16, 512, 4), GemvConfig(1, 2048, 4),
+                                    GemvConfig(64, 256, 4, 3, dot=True)], ids=lambda c: c.label())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 8])
 def test_gemv_chain_in_a_cuda_graph(rng, check, config, dtype, rows):
