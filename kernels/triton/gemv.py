@@ -36,6 +36,7 @@ from freetoken.kernels.gemv_configs import GEMV_MAX_ROWS, GemvConfig, gemv_confi
 from freetoken.kernels.triton._common import INTERPRETED, cast, dot, new_empty, pow2
 from freetoken.kernels.triton.moe_decode import _pdl_available
 
+
 @triton.jit
 def _gemv_kernel(
     x_ptr, x_st, w_ptr, w_st, out_ptr, M, N, K,
