@@ -8,6 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from freetoken import kernels
+from freetoken.kernels.gemv import GEMV_DTYPES
+from freetoken.kernels.gemv_configs import prefers_gemv
 from freetoken.kernels.nvfp4 import GROUP_SIZE, dequantize_nvfp4
 
 
@@ -58,11 +60,23 @@ Weight = torch.Tensor | NVFP4Weight | SplitWeight
 
 
 def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
-    """``x @ weight.T`` for a dense, an NVFP4 or a split weight."""
+    """``x @ weight.T`` for a dense, an NVFP4 or a split weight.
+
+    A dense weight on CUDA against a few rows (decode) runs as ``kernels.gemv`` where the GEMV sweep
+    found it faster than cuBLAS (``kernels/gemv_configs.py``), else through cuBLAS."""
     if isinstance(weight, NVFP4Weight):
         return kernels.nvfp4_linear(x, weight.packed, weight.scales, weight.row_scales)
     if isinstance(weight, SplitWeight):
         return weight.forward_rows(x)
+    if (
+        weight.is_cuda
+        and weight.dim() == 2
+        and x.dtype == weight.dtype
+        and x.dtype in GEMV_DTYPES
+        and x.shape[-1] == weight.shape[1] > 0
+        and prefers_gemv(x.numel() // weight.shape[1], weight.shape[0], weight.shape[1])
+    ):
+        return kernels.gemv(x, weight)
     return F.linear(x, weight)
 
 
