@@ -1,0 +1,119 @@
+"""The one-launch split-KV decode attention against the torch reference, at small odd sizes.
+
+Small key blocks (``block_n`` 8) and splits of one block make short contexts take many splits, so
+the device-side split plan, the partials, the last program's merge and the counters run on the CPU
+(through the interpreter) for contexts that are and are not multiples of the page (4) and split
+sizes, with batches that end in padded graph rows (one-token contexts on the scratch page 0).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_checks import DEVICE, assert_close
+from freetoken.kernels import attention as ref
+
+PAGE_SIZE, HEAD_DIM, NUM_PAGES = 4, 24, 160
+SMALL_BLOCKS = dict(block_n=8, split_keys=8)
+CONTEXTS = [37, 1, 150, 16, 211, 9, 64]
+
+
+def _batch(rng, contexts: list[int], query_lens: list[int], padded_rows: int, heads: tuple[int, int], dtype):
+    """Inputs of ``paged_attention`` for the requests, then ``padded_rows`` rows laid out as the
+    graph runner pads: one query token of a one-token context, page-table row all zeros."""
+    hq, hkv = heads
+    contexts = contexts + [1] * padded_rows
+    query_lens = query_lens + [1] * padded_rows
+    pages = [-(-c // PAGE_SIZE) for c in contexts[: len(contexts) - padded_rows]]
+    perm = torch.randperm(NUM_PAGES - 1, generator=rng) + 1  # page 0 is the scratch page
+    table = torch.zeros(len(contexts), max(pages) + 3, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(pages):
+        table[b, :n] = perm[used : used + n].int()
+        used += n
+    cu = torch.tensor([0] + query_lens).cumsum(0).int()
+    t = sum(query_lens)
+    k_cache = torch.randn(NUM_PAGES, PAGE_SIZE, hkv, HEAD_DIM, generator=rng).to(dtype)
+    v_cache = torch.randn(NUM_PAGES, PAGE_SIZE, hkv, HEAD_DIM, generator=rng).to(dtype)
+    q_gate = torch.randn(t, hq, 2 * HEAD_DIM, generator=rng).to(dtype)
+    q, gate = q_gate[..., :HEAD_DIM], q_gate[..., HEAD_DIM:]  # strided views, as the layer passes them
+    on = lambda x: x.to(DEVICE)  # noqa: E731
+    seq_lens = torch.tensor(contexts, dtype=torch.int32)
+    return on(q), on(k_cache), on(v_cache), on(table), on(cu), on(seq_lens), on(gate)
+
+
+def _counters_zero() -> bool:
+    from freetoken.kernels.triton import attention_decode
+
+    return all(int(b.count_nonzero()) == 0 for b in attention_decode._counter_buffers.get(DEVICE, []))
+
+
+@pytest.mark.parametrize("max_splits", [1, 3, 32])
+@pytest.mark.parametrize(
+    "dtype,heads,with_gate",
+    [(torch.float32, (6, 2), True), (torch.bfloat16, (8, 2), True), (torch.bfloat16, (3, 3), False)],
+    ids=["f32-6q2kv-gate", "bf16-8q2kv-gate", "bf16-3q3kv"],
+)
+def test_decode_splits(rng, dtype, heads, with_gate, max_splits):
+    from freetoken.kernels.triton.attention_decode import DecodeTiles, paged_decode_attention
+
+    q, k_cache, v_cache, table, cu, seq_lens, gate = _batch(rng, CONTEXTS, [1] * len(CONTEXTS), 3, heads, dtype)
+    gate = gate if with_gate else None
+    args = (q, k_cache, v_cache, table, cu, seq_lens, HEAD_DIM**-0.5, 1)
+    got = paged_decode_attention(*args, gate=gate, max_splits=max_splits, tiles=DecodeTiles(**SMALL_BLOCKS))
+    assert_close(got, ref.paged_attention_reference(*args, gate=gate))
+    assert _counters_zero()
+
+
+def test_multi_token_steps(rng):
+    """Requests of 0, 1 and 2 new tokens (a verify step): causal masks inside the splits, and rows
+    whose keys all lie past their position in the last split (log-sum-exp -inf)."""
+    from freetoken.kernels.triton.attention_decode import DecodeTiles, paged_decode_attention
+
+    q, k_cache, v_cache, table, cu, seq_lens, gate = _batch(
+        rng, [37, 2, 150, 9, 17], [2, 2, 1, 0, 2], 1, (8, 2), torch.float32
+    )
+    args = (q, k_cache, v_cache, table, cu, seq_lens, HEAD_DIM**-0.5, 2)
+    got = paged_decode_attention(*args, gate=gate, max_splits=8, tiles=DecodeTiles(**SMALL_BLOCKS))
+    assert_close(got, ref.paged_attention_reference(*args, gate=gate))
+    assert _counters_zero()
+
+
+def test_replay_with_longer_contexts(rng):
+    """One set of static buffers, as a captured graph replays them: the contexts grow between calls
+    (so does each request's split count) and every call matches the reference."""
+    from freetoken.kernels.triton.attention_decode import DecodeTiles, paged_decode_attention
+
+    q, k_cache, v_cache, table, cu, seq_lens, gate = _batch(rng, [150, 211, 64], [1, 1, 1], 2, (6, 2), torch.float32)
+    args = (q, k_cache, v_cache, table, cu, seq_lens, HEAD_DIM**-0.5, 1)
+    for contexts in ([3, 5, 8, 1, 1], [40, 77, 9, 1, 1], [150, 211, 64, 1, 1]):
+        seq_lens.copy_(torch.tensor(contexts, dtype=torch.int32))
+        got = paged_decode_attention(*args, gate=gate, max_splits=16, tiles=DecodeTiles(**SMALL_BLOCKS))
+        assert_close(got, ref.paged_attention_reference(*args, gate=gate))
+        assert _counters_zero()
+
+
+def test_paged_attention_routes_decode_steps(rng):
+    """``paged_attention`` of a decode step (the default tiles and split axis) is the decode launch's result."""
+    from freetoken.kernels.triton.attention import paged_attention
+    from freetoken.kernels.triton.attention_decode import paged_decode_attention
+
+    q, k_cache, v_cache, table, cu, seq_lens, gate = _batch(rng, [211], [1], 0, (6, 2), torch.float32)
+    args = (q, k_cache, v_cache, table, cu, seq_lens, HEAD_DIM**-0.5, 1)
+    got = paged_attention(*args, gate=gate)
+    assert torch.equal(got, paged_decode_attention(*args, gate=gate))
+    assert_close(got, ref.paged_attention_reference(*args, gate=gate))
+
+
+def test_split_axis_is_bounded():
+    from freetoken.kernels.triton.attention_decode import MAX_SPLITS, num_splits, paged_decode_attention
+
+    q = torch.empty(1, 6, HEAD_DIM, device=DEVICE)
+    assert 1 < num_splits(q, programs=2) <= MAX_SPLITS
+    assert num_splits(q, programs=10**6) == 1
+    cache = torch.empty(4, PAGE_SIZE, 2, HEAD_DIM, device=DEVICE)
+    one = torch.ones(1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="max_splits"):
+        paged_decode_attention(q, cache, cache, one[None], torch.tensor([0, 1], device=DEVICE).int(), one, 1.0, 1,
+                               max_splits=MAX_SPLITS + 1)
