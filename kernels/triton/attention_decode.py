@@ -13,12 +13,15 @@ range. Programs past the plan exit at once. A request that needs one split write
 directly, gated.
 
 With several splits, each program stores its normalised partial output and log2-sum-exp in a
-workspace and increments its (request, KV head) group's counter; the program that brings the
-counter to the group's split count is the last to finish: it merges the partials in split order
-(so the result does not depend on which program came last), gates, stores, and resets the
-counter to zero, which keeps the counters graph-safe without a memset. The counters live in one
-zero-initialised buffer per device, kept for the process (``_counters``), so launches on one
-device must run in stream order, as the engine's do.
+workspace and arrives at a counter; the program that brings a counter to its member count is the
+last of them to finish and does the merge, so no second launch and no waiting. The merge has two
+levels so that no program reads many partials in turn: the last of each ``FAN_IN`` consecutive
+splits (a "quad") merges them into the quad's first slot, and the last quad to finish merges the
+quads, gates and stores (with at most ``FAN_IN`` splits the first level is the last). The order is
+fixed by split index, so the result does not depend on which programs came last. The last
+arrival resets its counter to zero, which keeps the counters graph-safe without a memset; they
+live in one zero-initialised buffer per device, kept for the process (``_counters``), so launches
+on one device must run in stream order, as the engine's do.
 """
 
 from __future__ import annotations
@@ -41,8 +44,8 @@ from freetoken.kernels.triton._common import (
     round_as,
 )
 
-MAX_SPLITS = 32  # bound of the grid's split axis; the merge reads the partials in a loop, not unrolled
-MERGE_UNROLL = 4  # partials loaded per merge step: several L2 reads in flight instead of one
+MAX_SPLITS = 32  # bound of the grid's split axis
+FAN_IN = 4  # partials one merging program combines per level (loaded at once: their reads overlap)
 
 
 @dataclass(frozen=True)
@@ -103,28 +106,51 @@ def _gated_store(o, gate_ptr, g_st, g_sh, out_ptr, tok_rows, head, out_rows, col
 
 
 @device_function
-def _merge(part_ptr, lse_ptr, out_rows, row_ok, cols, num_rows, splits,
-           BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, MAX_SPLITS: tl.constexpr, MERGE_UNROLL: tl.constexpr):
-    """The group's ``splits`` partials combined by their log2-sum-exp weights, in split order.
-    Loads bypass L1 (``.cg``): the partials were written by other multiprocessors."""
-    s = tl.arange(0, MAX_SPLITS)
-    lse_all = tl.load(lse_ptr + s[None, :] * num_rows + out_rows[:, None],
-                      mask=row_ok[:, None] & (s[None, :] < splits), other=float("-inf"), cache_modifier=".cg")
+def _store_partial(part_ptr, lse_ptr, slot, o, lse, out_rows, row_ok, cols, num_rows, BLOCK_D: tl.constexpr):
+    """Partial ``slot`` of the group's rows: normalised float32 output and its log2-sum-exp."""
+    rows = slot * num_rows + out_rows
+    tl.store(lse_ptr + rows, lse, mask=row_ok)
+    tl.store(part_ptr + rows[:, None] * BLOCK_D + cols[None, :], o, mask=row_ok[:, None])
+
+
+@device_function
+def _arrive(counter, members):
+    """Whether this program is the last of ``members`` to reach ``counter``; the last resets it.
+
+    The barrier orders every thread's partial stores before the counter's release; the acquire
+    orders the last program's reads of the other programs' partials after it."""
+    tl.debug_barrier()
+    last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == members - 1
+    if last:
+        tl.store(counter, 0)  # every member has arrived: nothing else touches it in this launch
+    return last
+
+
+@device_function
+def _merge(part_ptr, lse_ptr, out_rows, row_ok, cols, num_rows, first, count, step,
+           BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, SLOTS: tl.constexpr, UNROLL: tl.constexpr):
+    """Partials ``first, first + step, ...`` (``count <= SLOTS`` of them) combined by their
+    log2-sum-exp weights in that order: (normalised output, log2-sum-exp). ``UNROLL`` partials are
+    loaded at a time. Loads bypass L1 (``.cg``): other multiprocessors wrote the partials."""
+    s = tl.arange(0, SLOTS)
+    lse_all = tl.load(lse_ptr + (first + s[None, :] * step) * num_rows + out_rows[:, None],
+                      mask=row_ok[:, None] & (s[None, :] < count), other=float("-inf"), cache_modifier=".cg")
     lse_max = tl.max(lse_all, 1)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     total = tl.zeros([BLOCK_M], tl.float32)
-    for first in range(0, splits, MERGE_UNROLL):
-        for j in tl.static_range(MERGE_UNROLL):
-            ok = row_ok & (tl.full([BLOCK_M], first + j, tl.int32) < splits)
-            rows = (first + j) * num_rows + out_rows
+    for i in range(0, count, UNROLL):
+        for j in tl.static_range(UNROLL):
+            ok = row_ok & (tl.full([BLOCK_M], i + j, tl.int32) < count)
+            rows = (first + (i + j) * step) * num_rows + out_rows
             lse = tl.load(lse_ptr + rows, mask=ok, other=float("-inf"), cache_modifier=".cg")
             part = tl.load(part_ptr + rows[:, None] * BLOCK_D + cols[None, :], mask=ok[:, None], other=0.0,
                            cache_modifier=".cg")
             weight = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - lse_max))
             acc += part * weight[:, None]
             total += weight
-    return acc / tl.where(total > 0, total, 1.0)[:, None]
+    lse = tl.where(total > 0, lse_max + tl.log2(tl.where(total > 0, total, 1.0)), float("-inf"))
+    return acc / tl.where(total > 0, total, 1.0)[:, None], lse
 
 
 @triton.jit
@@ -144,7 +170,7 @@ def _decode_attention_kernel(
     HAS_GATE: tl.constexpr,
     PRECISION: tl.constexpr,
     MAX_SPLITS: tl.constexpr,
-    MERGE_UNROLL: tl.constexpr,
+    FAN_IN: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -199,22 +225,29 @@ def _decode_attention_kernel(
         if splits == 1:
             _gated_store(acc / l_i[:, None], *gate)
         else:
-            # Partial: normalised output and log2-sum-exp (-inf where a row saw no key: a query
-            # token of a multi-token step whose causal range ends before this split).
+            # Partial: -inf log-sum-exp where a row saw no key (a query token of a multi-token
+            # step whose causal range ends before this split).
             l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-            part_rows = split * num_rows + out_rows
-            tl.store(lse_ptr + part_rows, tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe)), mask=row_ok)
-            tl.store(part_ptr + part_rows[:, None] * BLOCK_D + cols[None, :], acc / l_safe[:, None],
-                     mask=row_ok[:, None])
-            # Every thread's stores precede the counter's release (the barrier), and the last
-            # program's acquire precedes its reads of the other programs' partials.
-            tl.debug_barrier()
-            counter = count_ptr + b * num_kv_heads + kv_head
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == splits - 1:
-                o = _merge(part_ptr, lse_ptr, out_rows, row_ok, cols, num_rows, splits,
-                           BLOCK_M, BLOCK_D, MAX_SPLITS, MERGE_UNROLL)
-                _gated_store(o, *gate)
-                tl.store(counter, 0)
+            lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+            layout = (out_rows, row_ok, cols, num_rows)
+            _store_partial(part_ptr, lse_ptr, split, acc / l_safe[:, None], lse, *layout, BLOCK_D)
+            # Two-level merge: the last of each FAN_IN consecutive splits merges them into the
+            # slot of their first; the last of those merges the slots 0, FAN_IN, 2 FAN_IN, ...
+            # Each level's reads are short, and the order is fixed by split index.
+            counters = count_ptr + (b * num_kv_heads + kv_head) * (1 + MAX_SPLITS // FAN_IN)
+            first = split // FAN_IN * FAN_IN
+            quads = tl.cdiv(splits, FAN_IN)
+            if _arrive(counters + 1 + split // FAN_IN, tl.minimum(FAN_IN, splits - first)):
+                o, lse = _merge(part_ptr, lse_ptr, *layout, first, tl.minimum(FAN_IN, splits - first), 1,
+                                BLOCK_M, BLOCK_D, FAN_IN, FAN_IN)
+                if quads == 1:
+                    _gated_store(o, *gate)
+                else:
+                    _store_partial(part_ptr, lse_ptr, first, o, lse, *layout, BLOCK_D)
+                    if _arrive(counters, quads):
+                        o, lse = _merge(part_ptr, lse_ptr, *layout, 0, quads, FAN_IN,
+                                        BLOCK_M, BLOCK_D, MAX_SPLITS // FAN_IN, FAN_IN)
+                        _gated_store(o, *gate)
 
 
 def paged_decode_attention(
@@ -241,6 +274,8 @@ def paged_decode_attention(
     block_m = pow2(group * max_seqlen_q, 16)
     wide = q.dtype == torch.float32 and head_dim > 128
     block_n = tiles.block_n or (32 if wide else 64)
+    if block_n < 16 or block_n != pow2(block_n):
+        raise ValueError(f"paged_decode_attention: block_n {block_n} is not a power of two >= 16 (tl.dot's least)")
     split_keys = triton.cdiv(tiles.split_keys or block_n, block_n) * block_n
     splits = max_splits or num_splits(q, num_requests * num_kv_heads)
     if not 1 <= splits <= MAX_SPLITS:
@@ -253,7 +288,7 @@ def paged_decode_attention(
     if splits > 1:
         part = new_empty((splits * num_tokens * num_q_heads, block_d), torch.float32, q.device)
         lse = new_empty((splits * num_tokens * num_q_heads,), torch.float32, q.device)
-        counters = _counters(q.device, num_requests * num_kv_heads)
+        counters = _counters(q.device, num_requests * num_kv_heads * (1 + MAX_SPLITS // FAN_IN))
     else:
         part = lse = counters = out  # never touched: every program's plan is one split
     gate_arg = gate if gate is not None else q
@@ -267,6 +302,6 @@ def paged_decode_attention(
         scale, num_q_heads, num_kv_heads, k_cache.shape[1], head_dim, num_tokens * num_q_heads, splits, split_keys,
         GROUP=group, BLOCK_Q=block_m // group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_GATE=gate is not None, PRECISION=dot_precision(q.dtype), MAX_SPLITS=MAX_SPLITS,
-        MERGE_UNROLL=MERGE_UNROLL, num_warps=num_warps, num_stages=tiles.num_stages,
+        FAN_IN=FAN_IN, num_warps=num_warps, num_stages=tiles.num_stages,
     )
     return out

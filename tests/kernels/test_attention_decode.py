@@ -1,6 +1,6 @@
 """The one-launch split-KV decode attention against the torch reference, at small odd sizes.
 
-Small key blocks (``block_n`` 8) and splits of one block make short contexts take many splits, so
+Small key blocks (``block_n`` 16) and splits of one block make short contexts take many splits, so
 the device-side split plan, the partials, the last program's merge and the counters run on the CPU
 (through the interpreter) for contexts that are and are not multiples of the page (4) and split
 sizes, with batches that end in padded graph rows (one-token contexts on the scratch page 0).
@@ -15,7 +15,7 @@ from kernel_checks import DEVICE, assert_close
 from freetoken.kernels import attention as ref
 
 PAGE_SIZE, HEAD_DIM, NUM_PAGES = 4, 24, 160
-SMALL_BLOCKS = dict(block_n=8, split_keys=8)
+SMALL_BLOCKS = dict(block_n=16, split_keys=16)  # the smallest blocks tl.dot takes
 CONTEXTS = [37, 1, 150, 16, 211, 9, 64]
 
 
