@@ -155,7 +155,8 @@ def sweep(batches: list[int], contexts: list[int], dtype: torch.dtype) -> list[d
 def tune(dtype: torch.dtype) -> list[dict]:
     variants = [
         new.DecodeTiles(block_n=block_n, num_warps=warps, num_stages=stages, split_keys=keys)
-        for block_n in (32, 64) for warps in (4, 8) for stages in (2, 3) for keys in (64, 128, 256)
+        for block_n in (32, 64) for warps in (4, 8) for stages in (2, 3) for keys in (32, 64, 128, 256)
+        if keys >= block_n  # fewer keys round up to one block
     ]
     rows = []
     for batch, context in TUNE_SHAPES:
