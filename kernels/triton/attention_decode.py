@@ -2,7 +2,7 @@
 
 Grid: (request, KV head, split). A program's rows are (query token, query head of the KV head's
 group) pairs, so the GQA heads of a KV head share one load of each key block (at Qwen3.5's shape,
-8 heads of 256: the rows of one matrix-unit tile). Each program attends to one range of its
+8 heads of 256: half the 16 rows of a matrix-unit tile). Each program attends to one range of its
 request's keys with an online softmax in float32.
 
 The split plan is derived on the device. The host fixes only the grid's split axis, ``max_splits``,
@@ -181,7 +181,7 @@ def _decode_attention_kernel(
     # The split plan of this context: at least split_keys keys a split, at most max_splits splits,
     # whole key blocks each; splits = how many ranges of split_len cover the context.
     splits = tl.minimum(tl.maximum(tl.cdiv(context, split_keys), 1), max_splits)
-    split_len = tl.cdiv(tl.cdiv(context, splits), BLOCK_N) * BLOCK_N
+    split_len = tl.maximum(tl.cdiv(tl.cdiv(context, splits), BLOCK_N), 1) * BLOCK_N  # > 0 for an empty row too
     splits = tl.cdiv(context, split_len)
     if (q_len > 0) & (split < splits):
         rows = tl.arange(0, BLOCK_M)
