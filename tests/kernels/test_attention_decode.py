@@ -49,11 +49,17 @@ def _counters_zero() -> bool:
     return all(int(b.count_nonzero()) == 0 for b in attention_decode._counter_buffers.get(DEVICE, []))
 
 
-@pytest.mark.parametrize("max_splits", [1, 3, 32])
 @pytest.mark.parametrize(
-    "dtype,heads,with_gate",
-    [(torch.float32, (6, 2), True), (torch.bfloat16, (8, 2), True), (torch.bfloat16, (3, 3), False)],
-    ids=["f32-6q2kv-gate", "bf16-8q2kv-gate", "bf16-3q3kv"],
+    "dtype,heads,with_gate,max_splits",
+    [
+        pytest.param(dtype, heads, gate, splits, id=f"{name}-{splits}splits")
+        for name, dtype, heads, gate, all_splits in [
+            ("f32-6q2kv-gate", torch.float32, (6, 2), True, (1, 3, 32)),
+            ("bf16-8q2kv-gate", torch.bfloat16, (8, 2), True, (1, 3, 32)),
+            ("bf16-3q3kv", torch.bfloat16, (3, 3), False, (3,)),  # no GQA: one query head a KV head
+        ]
+        for splits in all_splits
+    ],
 )
 def test_decode_splits(rng, dtype, heads, with_gate, max_splits):
     from freetoken.kernels.triton.attention_decode import DecodeTiles, paged_decode_attention
