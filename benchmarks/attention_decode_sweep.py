@@ -167,9 +167,10 @@ def tune(dtype: torch.dtype) -> list[dict]:
             times.append((graph_time_us(shape, fn), tiles))
             rows.append(dict(batch=batch, context=context, us=times[-1][0], **asdict(tiles)))
         best_us, best = min(times, key=lambda t: t[0])
-        default_us = next(us for us, tiles in times if tiles == new.DecodeTiles(64, 4, 2, 64))
+        default_us = graph_time_us(shape, new.paged_decode_attention)
+        rows.append(dict(batch=batch, context=context, us=default_us, default=True, **asdict(new.TILES)))
         print(f"tune batch {batch:>3} context {context:>6}: best {best_us:.2f} us {best}; "
-              f"block_n 64, 4 warps, 2 stages, 64 keys: {default_us:.2f} us", flush=True)
+              f"default {new.TILES}: {default_us:.2f} us", flush=True)
         del shape
         torch.cuda.empty_cache()
     return rows

@@ -51,13 +51,17 @@ FAN_IN = 4  # partials one merging program combines per level (loaded at once: t
 @dataclass(frozen=True)
 class DecodeTiles:
     """Launch shape: keys per block (``block_n``; ``None``: 64, or 32 for float32 heads wider than
-    128, where a 64-key float32 tile of K and V would not fit shared memory), warps, pipeline stages,
-    and the fewest keys a split may hold (``split_keys``, rounded up to a whole block; ``None``: one
-    block). ``benchmarks/attention_decode_sweep.py --tune`` times the candidates on the GPU."""
+    128, where a 64-key float32 tile of K and V would not fit shared memory), warps (``None``: 4,
+    8 in float32, where 4 spill thousands of bytes at head_dim 256 on sm_90), pipeline stages, and
+    the fewest keys a split may hold (``split_keys``, rounded up to a whole block; ``None``: one
+    block). Three stages let the pipeliner fetch a block's page numbers two blocks ahead and its
+    K/V tiles one ahead (with two, the page numbers are loaded synchronously each block) in the
+    same shared memory and fewer registers (sm_90, Triton 3.6: 220 vs 242 at bf16, head_dim 256).
+    ``benchmarks/attention_decode_sweep.py --tune`` times the candidates on the GPU."""
 
     block_n: int | None = None
-    num_warps: int = 4
-    num_stages: int = 2
+    num_warps: int | None = None
+    num_stages: int = 3
     split_keys: int | None = None
 
 
@@ -284,7 +288,7 @@ def paged_decode_attention(
     block_d = pow2(head_dim)
     # Multi-token steps with many rows: 8 warps once the float32 accumulator passes 8K elements
     # (64 registers a thread at 4 warps), as the varlen kernel's tiles.
-    num_warps = 8 if block_m * block_d > 8192 else tiles.num_warps
+    num_warps = 8 if block_m * block_d > 8192 else tiles.num_warps or (8 if q.dtype == torch.float32 else 4)
     if splits > 1:
         part = new_empty((splits * num_tokens * num_q_heads, block_d), torch.float32, q.device)
         lse = new_empty((splits * num_tokens * num_q_heads,), torch.float32, q.device)
