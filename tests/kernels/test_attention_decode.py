@@ -14,7 +14,7 @@ import torch
 from kernel_checks import DEVICE, assert_close
 from freetoken.kernels import attention as ref
 
-PAGE_SIZE, HEAD_DIM, NUM_PAGES = 4, 24, 160
+PAGE_SIZE, HEAD_DIM, NUM_PAGES = 4, 24, 300
 SMALL_BLOCKS = dict(block_n=16, split_keys=16)  # the smallest blocks tl.dot takes
 CONTEXTS = [37, 1, 150, 16, 211, 9, 64]
 
@@ -68,6 +68,17 @@ def test_decode_splits(rng, dtype, heads, with_gate, max_splits):
     gate = gate if with_gate else None
     args = (q, k_cache, v_cache, table, cu, seq_lens, HEAD_DIM**-0.5, 1)
     got = paged_decode_attention(*args, gate=gate, max_splits=max_splits, tiles=DecodeTiles(**SMALL_BLOCKS))
+    assert_close(got, ref.paged_attention_reference(*args, gate=gate))
+    assert _counters_zero()
+
+
+def test_most_splits(rng):
+    """``MAX_SPLITS`` splits of a long context: the second merge level's widest read."""
+    from freetoken.kernels.triton.attention_decode import MAX_SPLITS, DecodeTiles, paged_decode_attention
+
+    q, k_cache, v_cache, table, cu, seq_lens, gate = _batch(rng, [16 * MAX_SPLITS + 37], [1], 1, (6, 2), torch.float32)
+    args = (q, k_cache, v_cache, table, cu, seq_lens, HEAD_DIM**-0.5, 1)
+    got = paged_decode_attention(*args, gate=gate, max_splits=MAX_SPLITS, tiles=DecodeTiles(**SMALL_BLOCKS))
     assert_close(got, ref.paged_attention_reference(*args, gate=gate))
     assert _counters_zero()
 
