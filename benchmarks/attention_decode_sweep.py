@@ -10,7 +10,8 @@ Each timing replays one graph of ``layers`` launches, each over its own KV pages
 256 MB, more than the 60 MB L2), so no launch finds its keys cached by the one before, as in a step
 of a model; the figure is the replay time divided by ``layers``. ``floor`` is that layer's KV bytes
 over 4.3 TB/s. Both kernels' outputs are compared before timing. ``--tune`` adds a sweep of the new
-kernel's ``DecodeTiles`` at a few shapes and prints the best per shape.
+kernel's ``DecodeTiles`` at a few shapes (the best per shape, and the default's time), then the
+default tiles under other split axes (``max_splits`` 8 to 64).
 """
 
 from __future__ import annotations
@@ -171,6 +172,13 @@ def tune(dtype: torch.dtype) -> list[dict]:
         rows.append(dict(batch=batch, context=context, us=default_us, default=True, **asdict(new.TILES)))
         print(f"tune batch {batch:>3} context {context:>6}: best {best_us:.2f} us {best}; "
               f"default {new.TILES}: {default_us:.2f} us", flush=True)
+        by_axis = {}
+        for splits in (8, 16, 32, 64):  # the grid's split axis (default: num_splits), default tiles
+            fn = lambda *a, splits=splits, **k: new.paged_decode_attention(*a, max_splits=splits, **k)  # noqa: E731
+            by_axis[splits] = graph_time_us(shape, fn)
+            rows.append(dict(batch=batch, context=context, us=by_axis[splits], max_splits=splits))
+        print(f"    split axis (default {new.num_splits(shape.q, batch * HKV)}) -> us: "
+              + ", ".join(f"{splits}: {us:.2f}" for splits, us in by_axis.items()), flush=True)
         del shape
         torch.cuda.empty_cache()
     return rows
