@@ -14,19 +14,21 @@ import torch
 from kernel_checks import DEVICE, assert_close
 from freetoken.kernels import attention as ref
 
-PAGE_SIZE, HEAD_DIM, NUM_PAGES = 4, 24, 300
+PAGE_SIZE, HEAD_DIM = 4, 24
 SMALL_BLOCKS = dict(block_n=16, split_keys=16)  # the smallest blocks tl.dot takes
 CONTEXTS = [37, 1, 150, 16, 211, 9, 64]
 
 
-def _batch(rng, contexts: list[int], query_lens: list[int], padded_rows: int, heads: tuple[int, int], dtype):
+def _batch(rng, contexts: list[int], query_lens: list[int], padded_rows: int, heads: tuple[int, int], dtype,
+           head_dim: int = HEAD_DIM, page_size: int = PAGE_SIZE):
     """Inputs of ``paged_attention`` for the requests, then ``padded_rows`` rows laid out as the
     graph runner pads: one query token of a one-token context, page-table row all zeros."""
     hq, hkv = heads
     contexts = contexts + [1] * padded_rows
     query_lens = query_lens + [1] * padded_rows
-    pages = [-(-c // PAGE_SIZE) for c in contexts[: len(contexts) - padded_rows]]
-    perm = torch.randperm(NUM_PAGES - 1, generator=rng) + 1  # page 0 is the scratch page
+    pages = [-(-c // page_size) for c in contexts[: len(contexts) - padded_rows]]
+    num_pages = sum(pages) + 1
+    perm = torch.randperm(num_pages - 1, generator=rng) + 1  # page 0 is the scratch page
     table = torch.zeros(len(contexts), max(pages) + 3, dtype=torch.int32)
     used = 0
     for b, n in enumerate(pages):
@@ -34,10 +36,10 @@ def _batch(rng, contexts: list[int], query_lens: list[int], padded_rows: int, he
         used += n
     cu = torch.tensor([0] + query_lens).cumsum(0).int()
     t = sum(query_lens)
-    k_cache = torch.randn(NUM_PAGES, PAGE_SIZE, hkv, HEAD_DIM, generator=rng).to(dtype)
-    v_cache = torch.randn(NUM_PAGES, PAGE_SIZE, hkv, HEAD_DIM, generator=rng).to(dtype)
-    q_gate = torch.randn(t, hq, 2 * HEAD_DIM, generator=rng).to(dtype)
-    q, gate = q_gate[..., :HEAD_DIM], q_gate[..., HEAD_DIM:]  # strided views, as the layer passes them
+    k_cache = torch.randn(num_pages, page_size, hkv, head_dim, generator=rng).to(dtype)
+    v_cache = torch.randn(num_pages, page_size, hkv, head_dim, generator=rng).to(dtype)
+    q_gate = torch.randn(t, hq, 2 * head_dim, generator=rng).to(dtype)
+    q, gate = q_gate[..., :head_dim], q_gate[..., head_dim:]  # strided views, as the layer passes them
     on = lambda x: x.to(DEVICE)  # noqa: E731
     seq_lens = torch.tensor(contexts, dtype=torch.int32)
     return on(q), on(k_cache), on(v_cache), on(table), on(cu), on(seq_lens), on(gate)
@@ -79,6 +81,22 @@ def test_most_splits(rng):
     q, k_cache, v_cache, table, cu, seq_lens, gate = _batch(rng, [16 * MAX_SPLITS + 37], [1], 1, (6, 2), torch.float32)
     args = (q, k_cache, v_cache, table, cu, seq_lens, HEAD_DIM**-0.5, 1)
     got = paged_decode_attention(*args, gate=gate, max_splits=MAX_SPLITS, tiles=DecodeTiles(**SMALL_BLOCKS))
+    assert_close(got, ref.paged_attention_reference(*args, gate=gate))
+    assert _counters_zero()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qwen_shape_default_tiles(rng, dtype):
+    """Qwen3.6-35B-A3B's heads (16 query / 2 KV of 256, pages of 16) with the default tiles, so the
+    compile check (``FREETOKEN_COMPILE_CHECK``) compiles the variants the model launches; a 300-key
+    context takes both merge levels (5 or 10 splits, at most 8)."""
+    from freetoken.kernels.triton.attention_decode import paged_decode_attention
+
+    q, k_cache, v_cache, table, cu, seq_lens, gate = _batch(
+        rng, [300, 1, 45], [1, 1, 1], 1, (16, 2), dtype, head_dim=256, page_size=16
+    )
+    args = (q, k_cache, v_cache, table, cu, seq_lens, 256**-0.5, 1)
+    got = paged_decode_attention(*args, gate=gate, max_splits=8)
     assert_close(got, ref.paged_attention_reference(*args, gate=gate))
     assert _counters_zero()
 
