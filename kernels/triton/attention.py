@@ -1,21 +1,16 @@
-"""Triton paged attention (prefill and decode in one varlen launch) and the KV-cache store.
+"""Triton paged attention (varlen prefill and decode) and the KV-cache store.
 
-``paged_attention`` grid: (request x query block, KV head, split). A program's rows are
-(query token, query head of the KV head's group) pairs, so GQA heads share one load of each key
-block and a decode step still fills the rows of a matrix-unit tile. Keys are gathered through the
-page table block by block, with an online (flash) softmax in float32.
+``paged_attention`` grid: (request x query block, KV head). A program's rows are (query token,
+query head of the KV head's group) pairs, so GQA heads share one load of each key block and a
+decode step still fills the rows of a matrix-unit tile. Keys are gathered through the page table
+block by block, with an online (flash) softmax in float32.
 
-Split-K (flash-decoding): when every request's new tokens fit in one query block (decode steps),
-the keys of a request are cut into ``num_splits`` ranges handled by separate programs, each writing
-an unnormalised partial output and its log-sum-exp; a second kernel merges them. The number of
-splits is chosen from the launch size alone, so no device->host sync is needed: each program
-computes its range from the context length it reads on the device, and a split past the end of a
-short context writes an empty partial.
+When every request's new tokens fit in one query block (decode steps), the launch goes to
+``attention_decode.paged_decode_attention`` instead: split-KV over the keys, with the split plan
+derived on the device and the merge done in the same launch.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
@@ -27,13 +22,11 @@ from freetoken.kernels.triton._common import (
     dot,
     dot_precision,
     new_empty,
-    on_gpu,
     pow2,
     round_as,
     rows_per_program,
 )
-
-MAX_SPLITS = 32
+from freetoken.kernels.triton.attention_decode import paged_decode_attention
 
 
 @triton.jit
@@ -120,14 +113,13 @@ def _attention_kernel(
     pt_ptr, pt_sb,
     cu_ptr, seq_ptr,
     gate_ptr, g_st, g_sh,
-    out_ptr, part_ptr, lse_ptr,
+    out_ptr,
     scale, num_q_heads, page_size, head_dim, blocks_per_request,
     GROUP: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     HAS_GATE: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -135,7 +127,6 @@ def _attention_kernel(
     b = pid // blocks_per_request
     q_block = blocks_per_request - 1 - pid % blocks_per_request  # longest (causal) programs first
     kv_head = tl.program_id(1)
-    split = tl.program_id(2)
     q_start = tl.load(cu_ptr + b)
     q_len = tl.load(cu_ptr + b + 1) - q_start
     if q_block * BLOCK_Q < q_len:
@@ -152,98 +143,36 @@ def _attention_kernel(
             mask=row_ok[:, None] & col_ok[None, :],
             other=0.0,
         )
-        # Keys this query block can see (causal), and this split's share of them.
-        kv_end = context - q_len + tl.minimum(q_len, (q_block + 1) * BLOCK_Q)
-        split_len = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        lo = split * split_len
-        hi = tl.minimum(lo + split_len, kv_end)
+        hi = context - q_len + tl.minimum(q_len, (q_block + 1) * BLOCK_Q)  # keys this block sees (causal)
         qk_scale = scale * 1.4426950408889634  # softmax in base 2
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         # Key blocks every row of the block sees in full need no mask; the causal diagonal does.
         first_pos = context - q_len + q_block * BLOCK_Q
-        mid = tl.minimum(tl.maximum((first_pos + 1) // BLOCK_N * BLOCK_N, lo), hi)
+        mid = tl.minimum((first_pos + 1) // BLOCK_N * BLOCK_N, hi)
         kv = (k_ptr, v_ptr, c_sp, c_st, c_sh, pt_ptr + b * pt_sb, page_size, kv_head, cols, col_ok)
-        for start in range(lo, mid, BLOCK_N):
+        for start in range(0, mid, BLOCK_N):
             acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, start, hi, pos, qk_scale, *kv, BLOCK_N, False, PRECISION)
         for start in range(mid, hi, BLOCK_N):
             acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, start, hi, pos, qk_scale, *kv, BLOCK_N, True, PRECISION)
         out_rows = (q_start + tok) * num_q_heads + head
-        if NUM_SPLITS == 1:
-            dtype = out_ptr.dtype.element_ty
-            # Rounded to the output dtype first (as the reference rounds): the float32 accumulator
-            # is dead before the gate tile is loaded.
-            o = cast(acc / l_i[:, None], dtype)
-            if HAS_GATE:
-                g = tl.load(
-                    gate_ptr + (q_start + tok)[:, None] * g_st + head[:, None] * g_sh + cols[None, :],
-                    mask=row_ok[:, None] & col_ok[None, :],
-                    other=0.0,
-                ).to(tl.float32)
-                o = cast(o.to(tl.float32) * round_as(tl.sigmoid(g), dtype), dtype)
-            tl.store(
-                out_ptr + out_rows[:, None] * head_dim + cols[None, :],
-                o,
+        dtype = out_ptr.dtype.element_ty
+        # Rounded to the output dtype first (as the reference rounds): the float32 accumulator
+        # is dead before the gate tile is loaded.
+        o = cast(acc / l_i[:, None], dtype)
+        if HAS_GATE:
+            g = tl.load(
+                gate_ptr + (q_start + tok)[:, None] * g_st + head[:, None] * g_sh + cols[None, :],
                 mask=row_ok[:, None] & col_ok[None, :],
-            )
-        else:
-            # Partial: normalised output and log2-sum-exp of this split (-inf when it saw no key).
-            l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-            lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
-            part_rows = out_rows * NUM_SPLITS + split
-            tl.store(lse_ptr + part_rows, lse, mask=row_ok)
-            tl.store(
-                part_ptr + part_rows[:, None] * BLOCK_D + cols[None, :],
-                acc / l_safe[:, None],
-                mask=row_ok[:, None],
-            )
-
-
-@triton.jit
-def _merge_splits_kernel(
-    part_ptr, lse_ptr, gate_ptr, g_st, g_sh, out_ptr,
-    num_rows, num_q_heads, head_dim,
-    NUM_SPLITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr,
-):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # (token, head) pairs
-    row_ok = rows < num_rows
-    cols = tl.arange(0, BLOCK_D)[None, :]
-    lse_max = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
-        lse_max = tl.maximum(lse_max, tl.load(lse_ptr + rows * NUM_SPLITS + s, mask=row_ok, other=0.0))
-    total = tl.zeros([BLOCK_R], tl.float32)
-    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
-        lse = tl.load(lse_ptr + rows * NUM_SPLITS + s, mask=row_ok, other=0.0)
-        weight = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - lse_max))
-        part = tl.load(part_ptr + (rows * NUM_SPLITS + s)[:, None] * BLOCK_D + cols, mask=row_ok[:, None], other=0.0)
-        acc += tl.where(weight[:, None] > 0, part * weight[:, None], 0.0)
-        total += weight
-    o = acc / tl.where(total > 0, total, 1.0)[:, None]
-    dtype = out_ptr.dtype.element_ty
-    mask = row_ok[:, None] & (cols < head_dim)
-    if HAS_GATE:
-        t = (rows // num_q_heads)[:, None]
-        h = (rows % num_q_heads)[:, None]
-        g = tl.load(gate_ptr + t * g_st + h * g_sh + cols, mask=mask, other=0.0).to(tl.float32)
-        o = round_as(o, dtype) * round_as(tl.sigmoid(g), dtype)
-    tl.store(out_ptr + rows[:, None] * head_dim + cols, cast(o, dtype), mask=mask)
-
-
-def num_splits(q: torch.Tensor, programs: int) -> int:
-    """Key-range splits for a launch of ``programs`` (request, KV head) pairs: enough programs to
-    give every multiprocessor two, at most ``MAX_SPLITS`` (a power of two). The merge is unrolled
-    over the splits; with 128 allowed, an H200 run stalled in the engine tests (compile time
-    suspected, not isolated: docs/benchmarks.md), so 32, the limit every GPU run passed with."""
-    # Under the interpreter: as if 4 multiprocessors, so the CPU tests exercise the split path.
-    processors = _multiprocessors(q.device.index or 0) if on_gpu(q) else 4
-    return min(MAX_SPLITS, pow2(triton.cdiv(2 * processors, programs)))
-
-
-@functools.cache
-def _multiprocessors(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+                other=0.0,
+            ).to(tl.float32)
+            o = cast(o.to(tl.float32) * round_as(tl.sigmoid(g), dtype), dtype)
+        tl.store(
+            out_ptr + out_rows[:, None] * head_dim + cols[None, :],
+            o,
+            mask=row_ok[:, None] & col_ok[None, :],
+        )
 
 
 def _tile_sizes(dtype: torch.dtype, head_dim: int, group: int, max_seqlen_q: int) -> tuple[int, int, int, int]:
@@ -287,10 +216,9 @@ def paged_attention(
     check_attention_shapes("paged_attention", q, k_cache, v_cache, gate)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    out = new_empty((num_tokens, num_q_heads, head_dim), q.dtype, q.device)
     num_requests = seq_lens.shape[0]
     if num_tokens == 0 or num_requests == 0:
-        return out
+        return new_empty((num_tokens, num_q_heads, head_dim), q.dtype, q.device)
     if q.stride(-1) != 1:
         q = q.contiguous()
     if gate is not None and gate.stride(-1) != 1:
@@ -301,32 +229,22 @@ def paged_attention(
     block_m, block_n, num_warps, num_stages = _tile_sizes(q.dtype, head_dim, group, max_seqlen_q)
     block_q = block_m // group
     blocks_per_request = triton.cdiv(max_seqlen_q, block_q)
-    splits = num_splits(q, num_requests * num_kv_heads) if blocks_per_request == 1 else 1
-    block_d = pow2(head_dim)
-    if splits > 1:
-        part = new_empty((num_tokens * num_q_heads * splits, block_d), torch.float32, q.device)
-        lse = new_empty((num_tokens * num_q_heads * splits,), torch.float32, q.device)
-    else:
-        part = lse = out
+    if blocks_per_request == 1:
+        return paged_decode_attention(
+            q, k_cache, v_cache, page_table, cu_seqlens_q, seq_lens, scale, max_seqlen_q, gate=gate
+        )
+    out = new_empty((num_tokens, num_q_heads, head_dim), q.dtype, q.device)
     gate_arg = gate if gate is not None else q
-    _attention_kernel[(num_requests * blocks_per_request, num_kv_heads, splits)](
+    _attention_kernel[(num_requests * blocks_per_request, num_kv_heads)](
         q, q.stride(0), q.stride(1),
         k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         page_table, page_table.stride(0),
         cu_seqlens_q, seq_lens,
         gate_arg, gate_arg.stride(0), gate_arg.stride(1),
-        out, part, lse,
+        out,
         scale, num_q_heads, k_cache.shape[1], head_dim, blocks_per_request,
-        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        NUM_SPLITS=splits, HAS_GATE=gate is not None, PRECISION=dot_precision(q.dtype),
+        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=pow2(head_dim),
+        HAS_GATE=gate is not None, PRECISION=dot_precision(q.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
-    if splits > 1:
-        num_rows = num_tokens * num_q_heads
-        block_r = rows_per_program(num_rows, block_d)
-        _merge_splits_kernel[(triton.cdiv(num_rows, block_r),)](
-            part, lse, gate_arg, gate_arg.stride(0), gate_arg.stride(1), out,
-            num_rows, num_q_heads, head_dim,
-            NUM_SPLITS=splits, BLOCK_R=block_r, BLOCK_D=block_d, HAS_GATE=gate is not None,
-        )
     return out

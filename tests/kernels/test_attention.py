@@ -76,7 +76,7 @@ def test_paged_attention(rng, dtype, case, heads, with_gate):
 
 
 def test_decode_batches_split_the_keys():
-    from freetoken.kernels.triton.attention import num_splits
+    from freetoken.kernels.triton.attention_decode import num_splits
 
     q = torch.empty(1, 6, 24, device=DEVICE)
     assert num_splits(q, programs=1 * 2) > 1

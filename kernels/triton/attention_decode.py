@@ -1,0 +1,318 @@
+"""Split-KV paged attention for steps whose every request fits one query block (decode), in one launch.
+
+Grid: (request, KV head, split). A program's rows are (query token, query head of the KV head's
+group) pairs, so the GQA heads of a KV head share one load of each key block (at Qwen3.5's shape,
+8 heads of 256: half the 16 rows of a matrix-unit tile). Each program attends to one range of its
+request's keys with an online softmax in float32.
+
+The split plan is derived on the device. The host fixes only the grid's split axis, ``max_splits``,
+from the launch size (requests x KV heads, so a CUDA graph captured for a batch size replays for
+any context length); every program reads its request's context length and computes how many
+splits that context needs (``split_keys`` keys at least each, ``max_splits`` at most) and its own
+range. Programs past the plan exit at once. A request that needs one split writes its output
+directly, gated.
+
+With several splits, each program stores its normalised partial output and log2-sum-exp in a
+workspace and arrives at a counter; the program that brings a counter to its member count is the
+last of them to finish and does the merge, so no second launch and no waiting. The merge has two
+levels so that no program reads many partials in turn: the last of each ``FAN_IN`` consecutive
+splits (a "quad") merges them into the quad's first slot, and the last quad to finish merges the
+quads, gates and stores (with at most ``FAN_IN`` splits the first level is the last). The order is
+fixed by split index, so the result does not depend on which programs came last. The last
+arrival resets its counter to zero, which keeps the counters graph-safe without a memset; they
+live in one zero-initialised buffer per device, kept for the process (``_counters``), so launches
+on one device must run in stream order, as the engine's do.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from freetoken.kernels.triton._common import (
+    cast,
+    device_function,
+    dot,
+    dot_precision,
+    new_empty,
+    on_gpu,
+    pow2,
+    round_as,
+)
+
+# Bound of the grid's split axis: at batch 1, 64 splits x 2 KV heads are about one program per
+# multiprocessor of an H200. No loop is unrolled over it (the merge reads at most FAN_IN partials,
+# then at most MAX_SPLITS / FAN_IN), so it costs no compile time.
+MAX_SPLITS = 64
+FAN_IN = 4  # partials one merging program combines per level (loaded together where registers allow)
+
+
+@dataclass(frozen=True)
+class DecodeTiles:
+    """Launch shape: keys per block (``block_n``; ``None``: 64, or 32 for float32 heads wider than
+    128, where a 64-key float32 tile of K and V would not fit shared memory), warps (``None``: 4,
+    8 in float32, where 4 spill thousands of bytes at head_dim 256 on sm_90), pipeline stages, and
+    the fewest keys a split may hold (``split_keys``, rounded up to a whole block; ``None``: one
+    block). Three stages let the pipeliner fetch a block's page numbers two blocks ahead and its
+    K/V tiles one ahead (with two, the page numbers are loaded synchronously each block) in the
+    same shared memory and fewer registers (sm_90, Triton 3.6: 220 vs 242 at bf16, head_dim 256).
+    ``benchmarks/attention_decode_sweep.py --tune`` times the candidates on the GPU."""
+
+    block_n: int | None = None
+    num_warps: int | None = None
+    num_stages: int = 3
+    split_keys: int | None = None
+
+
+TILES = DecodeTiles()
+
+
+def num_splits(q: torch.Tensor, programs: int) -> int:
+    """The grid's split axis for a launch of ``programs`` (request, KV head) pairs: enough programs
+    to give every multiprocessor two, at most ``MAX_SPLITS``. A host value of the launch size
+    alone; the programs then use as many of these splits as their context needs."""
+    # Under the interpreter: as if 4 multiprocessors, so the CPU tests exercise the split path.
+    processors = _multiprocessors(q.device.index or 0) if on_gpu(q) else 4
+    return min(MAX_SPLITS, pow2(triton.cdiv(2 * processors, programs)))
+
+
+@functools.cache
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+_counter_buffers: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _counters(device: torch.device, size: int) -> torch.Tensor:
+    """``size`` zeroed int32 split counters on ``device`` (every launch leaves them zero again).
+
+    Grown, never shrunk or freed: a captured graph keeps using the buffer it was captured with.
+    The engine's eager warm-up runs before each capture allocate the largest buffer first."""
+    buffers = _counter_buffers.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < size:
+        buffers.append(torch.zeros(max(pow2(size), 1024), dtype=torch.int32, device=device))
+    return buffers[-1]
+
+
+@device_function
+def _gated_store(o, gate_ptr, g_st, g_sh, out_ptr, tok_rows, head, out_rows, cols, mask, head_dim,
+                 HAS_GATE: tl.constexpr):
+    """The normalised float32 output ``o`` rounded to the output dtype, times ``sigmoid(gate)``
+    rounded to it (the reference's roundings), stored."""
+    dtype = out_ptr.dtype.element_ty
+    o = round_as(o, dtype)
+    if HAS_GATE:
+        g = tl.load(gate_ptr + tok_rows[:, None] * g_st + head[:, None] * g_sh + cols[None, :], mask=mask, other=0.0)
+        o = o * round_as(tl.sigmoid(g.to(tl.float32)), dtype)
+    tl.store(out_ptr + out_rows[:, None] * head_dim + cols[None, :], cast(o, dtype), mask=mask)
+
+
+@device_function
+def _store_partial(part_ptr, lse_ptr, slot, o, lse, out_rows, row_ok, cols, num_rows, BLOCK_D: tl.constexpr):
+    """Partial ``slot`` of the group's rows: normalised float32 output and its log2-sum-exp."""
+    rows = slot * num_rows + out_rows
+    tl.store(lse_ptr + rows, lse, mask=row_ok)
+    tl.store(part_ptr + rows[:, None] * BLOCK_D + cols[None, :], o, mask=row_ok[:, None])
+
+
+@device_function
+def _arrive(counter, members):
+    """Whether this program is the last of ``members`` to reach ``counter``; the last resets it.
+
+    The barrier orders every thread's partial stores before the counter's release; the acquire
+    orders the last program's reads of the other programs' partials after it."""
+    tl.debug_barrier()
+    last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == members - 1
+    if last:
+        tl.store(counter, 0)  # every member has arrived: nothing else touches it in this launch
+    return last
+
+
+@device_function
+def _merge(part_ptr, lse_ptr, out_rows, row_ok, cols, num_rows, first, count, step,
+           BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, SLOTS: tl.constexpr, UNROLL: tl.constexpr):
+    """Partials ``first, first + step, ...`` (``count <= SLOTS`` of them) combined by their
+    log2-sum-exp weights in that order: (normalised output, log2-sum-exp). ``UNROLL`` partials are
+    loaded at a time. Loads bypass L1 (``.cg``): other multiprocessors wrote the partials."""
+    s = tl.arange(0, SLOTS)
+    lse_all = tl.load(lse_ptr + (first + s[None, :] * step) * num_rows + out_rows[:, None],
+                      mask=row_ok[:, None] & (s[None, :] < count), other=float("-inf"), cache_modifier=".cg")
+    lse_max = tl.max(lse_all, 1)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    for i in range(0, count, UNROLL):
+        for j in tl.static_range(UNROLL):
+            ok = row_ok & (tl.full([BLOCK_M], i + j, tl.int32) < count)
+            rows = (first + (i + j) * step) * num_rows + out_rows
+            lse = tl.load(lse_ptr + rows, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            part = tl.load(part_ptr + rows[:, None] * BLOCK_D + cols[None, :], mask=ok[:, None], other=0.0,
+                           cache_modifier=".cg")
+            weight = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - lse_max))
+            acc += part * weight[:, None]
+            total += weight
+    lse = tl.where(total > 0, lse_max + tl.log2(tl.where(total > 0, total, 1.0)), float("-inf"))
+    return acc / tl.where(total > 0, total, 1.0)[:, None], lse
+
+
+@triton.jit
+def _decode_attention_kernel(
+    q_ptr, q_st, q_sh,
+    k_ptr, v_ptr, c_sp, c_st, c_sh,
+    pt_ptr, pt_sb,
+    cu_ptr, seq_ptr,
+    gate_ptr, g_st, g_sh,
+    out_ptr, part_ptr, lse_ptr, count_ptr,
+    scale, num_q_heads, num_kv_heads, page_size, head_dim, num_rows, max_splits, split_keys,
+    GROUP: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
+    FAN_IN: tl.constexpr,
+    MERGE_UNROLL: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(cu_ptr + b)
+    q_len = tl.load(cu_ptr + b + 1) - q_start
+    context = tl.load(seq_ptr + b)  # the request's keys; its queries are the last q_len of them
+    # The split plan of this context: at least split_keys keys a split, at most max_splits splits,
+    # whole key blocks each; splits = how many ranges of split_len cover the context.
+    splits = tl.minimum(tl.maximum(tl.cdiv(context, split_keys), 1), max_splits)
+    split_len = tl.maximum(tl.cdiv(tl.cdiv(context, splits), BLOCK_N), 1) * BLOCK_N  # > 0 for an empty row too
+    splits = tl.cdiv(context, split_len)
+    if (q_len > 0) & (split < splits):
+        rows = tl.arange(0, BLOCK_M)
+        tok = rows // GROUP
+        head = kv_head * GROUP + rows % GROUP
+        row_ok = (rows < BLOCK_Q * GROUP) & (tok < q_len)
+        pos = context - q_len + tok
+        cols = tl.arange(0, BLOCK_D)
+        col_ok = cols < head_dim
+        tok_rows = q_start + tok
+        q = tl.load(q_ptr + tok_rows[:, None] * q_st + head[:, None] * q_sh + cols[None, :],
+                    mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        lo = split * split_len
+        hi = tl.minimum(lo + split_len, context)
+        pages_ptr = pt_ptr + b * pt_sb
+        qk_scale = scale * 1.4426950408889634  # softmax in base 2
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            n_ok = n < hi
+            page = tl.load(pages_ptr + n // page_size, mask=n_ok, other=0).to(tl.int64)
+            offs = page * c_sp + (n % page_size) * c_st + kv_head * c_sh
+            kv_mask = n_ok[:, None] & col_ok[None, :]
+            # V is loaded with K, before the scores need K: both reads are in flight at once.
+            k = tl.load(k_ptr + offs[:, None] + cols[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_ptr + offs[:, None] + cols[None, :], mask=kv_mask, other=0.0)
+            s = dot(q, tl.trans(k), PRECISION) * qk_scale
+            s = tl.where(n_ok[None, :] & (n[None, :] <= pos[:, None]), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, PRECISION)
+            m_i = m_new
+        out_rows = tok_rows * num_q_heads + head
+        mask = row_ok[:, None] & col_ok[None, :]
+        gate = (gate_ptr, g_st, g_sh, out_ptr, tok_rows, head, out_rows, cols, mask, head_dim, HAS_GATE)
+        if splits == 1:
+            _gated_store(acc / l_i[:, None], *gate)
+        else:
+            # Partial: -inf log-sum-exp where a row saw no key (a query token of a multi-token
+            # step whose causal range ends before this split).
+            l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+            lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+            layout = (out_rows, row_ok, cols, num_rows)
+            _store_partial(part_ptr, lse_ptr, split, acc / l_safe[:, None], lse, *layout, BLOCK_D)
+            # Two-level merge: the last of each FAN_IN consecutive splits merges them into the
+            # slot of their first; the last of those merges the slots 0, FAN_IN, 2 FAN_IN, ...
+            # Each level's reads are short, and the order is fixed by split index.
+            counters = count_ptr + (b * num_kv_heads + kv_head) * (1 + MAX_SPLITS // FAN_IN)
+            first = split // FAN_IN * FAN_IN
+            quads = tl.cdiv(splits, FAN_IN)
+            if _arrive(counters + 1 + split // FAN_IN, tl.minimum(FAN_IN, splits - first)):
+                o, lse = _merge(part_ptr, lse_ptr, *layout, first, tl.minimum(FAN_IN, splits - first), 1,
+                                BLOCK_M, BLOCK_D, FAN_IN, MERGE_UNROLL)
+                if quads == 1:
+                    _gated_store(o, *gate)
+                else:
+                    _store_partial(part_ptr, lse_ptr, first, o, lse, *layout, BLOCK_D)
+                    if _arrive(counters, quads):
+                        o, lse = _merge(part_ptr, lse_ptr, *layout, 0, quads, FAN_IN,
+                                        BLOCK_M, BLOCK_D, MAX_SPLITS // FAN_IN, MERGE_UNROLL)
+                        _gated_store(o, *gate)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seqlen_q: int,
+    gate: torch.Tensor | None = None,
+    max_splits: int | None = None,
+    tiles: DecodeTiles = TILES,
+) -> torch.Tensor:
+    """``paged_attention`` (same arguments and result) for steps whose requests all have at most
+    ``max_seqlen_q`` new tokens, few enough that a request's rows (tokens x GQA group) fit one
+    program's tile. ``max_splits`` overrides the grid's split axis (``num_splits``; at most
+    ``MAX_SPLITS``). Callers have checked the shapes and made the head dims unit-stride."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    num_requests = seq_lens.shape[0]
+    group = num_q_heads // num_kv_heads
+    block_m = pow2(group * max_seqlen_q, 16)
+    wide = q.dtype == torch.float32 and head_dim > 128
+    block_n = tiles.block_n or (32 if wide else 64)
+    if block_n < 16 or block_n != pow2(block_n):
+        raise ValueError(f"paged_decode_attention: block_n {block_n} is not a power of two >= 16 (tl.dot's least)")
+    split_keys = triton.cdiv(tiles.split_keys or block_n, block_n) * block_n
+    splits = max_splits or num_splits(q, num_requests * num_kv_heads)
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"paged_decode_attention: max_splits {splits} outside 1..{MAX_SPLITS}")
+    out = new_empty((num_tokens, num_q_heads, head_dim), q.dtype, q.device)
+    block_d = pow2(head_dim)
+    # Multi-token steps with many rows: 8 warps once the float32 accumulator passes 8K elements
+    # (64 registers a thread at 4 warps), as the varlen kernel's tiles.
+    num_warps = 8 if block_m * block_d > 8192 else tiles.num_warps or (8 if q.dtype == torch.float32 else 4)
+    # The merge loads FAN_IN partial tiles at once for 16 rows, fewer for more rows (registers:
+    # 4 at 128 rows spilled 1 KB a thread, 1 spills 264 B; sm_90, Triton 3.6, bf16 head_dim 256).
+    merge_unroll = max(1, FAN_IN * 16 // block_m)
+    if splits > 1:
+        part = new_empty((splits * num_tokens * num_q_heads, block_d), torch.float32, q.device)
+        lse = new_empty((splits * num_tokens * num_q_heads,), torch.float32, q.device)
+        counters = _counters(q.device, num_requests * num_kv_heads * (1 + MAX_SPLITS // FAN_IN))
+    else:
+        part = lse = counters = out  # never touched: every program's plan is one split
+    gate_arg = gate if gate is not None else q
+    _decode_attention_kernel[(num_requests, num_kv_heads, splits)](
+        q, q.stride(0), q.stride(1),
+        k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        page_table, page_table.stride(0),
+        cu_seqlens_q, seq_lens,
+        gate_arg, gate_arg.stride(0), gate_arg.stride(1),
+        out, part, lse, counters,
+        scale, num_q_heads, num_kv_heads, k_cache.shape[1], head_dim, num_tokens * num_q_heads, splits, split_keys,
+        GROUP=group, BLOCK_Q=block_m // group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        HAS_GATE=gate is not None, PRECISION=dot_precision(q.dtype), MAX_SPLITS=MAX_SPLITS,
+        FAN_IN=FAN_IN, MERGE_UNROLL=merge_unroll, num_warps=num_warps, num_stages=tiles.num_stages,
+    )
+    return out
