@@ -132,6 +132,13 @@ NVFP4_TILE_CASES = [
     dict(gate_up_block_n=4, gate_up_block_k=32, gate_up_pairs=2, down_block_n=8, down_block_k=32),
     dict(gate_up_block_n=2, gate_up_block_k=4096, gate_up_pairs=16, down_block_n=2, down_block_k=4096, down_warps=1,
          pdl=False),
+    # The stream kernels (nvfp4_decode_stream): one program a token on the interpreter's one "SM" or
+    # several, looping over tiles that do not divide the rows, prefetching or not, routing in the
+    # programs or not, beside a one-program-per-tile pass.
+    dict(gate_up_per_sm=2, down_per_sm=3, gate_up_block_n=4, down_block_n=16, gate_up_warps=2, down_warps=2),
+    dict(gate_up_per_sm=1, down_per_sm=1, prefetch=False, fuse_route=True, gate_up_block_n=32, down_block_n=32),
+    dict(gate_up_per_sm=7, down_per_sm=5, fuse_route=True, pdl=False, gate_up_block_n=8, down_block_n=4),
+    dict(gate_up_per_sm=2, gate_up_block_n=16, down_block_n=8, gate_up_regs=128),
 ]
 
 
@@ -153,3 +160,14 @@ def test_nvfp4_decode_tiles_reject_a_step_below_one_group():
 
     with pytest.raises(ValueError, match="down_block_k"):
         NVFP4DecodeTiles(down_block_k=8)
+
+
+def test_nvfp4_decode_tiles_reject_bad_stream_fields():
+    from freetoken.kernels.triton.nvfp4_decode import NVFP4DecodeTiles
+
+    with pytest.raises(ValueError, match="fuse_route"):
+        NVFP4DecodeTiles(gate_up_per_sm=2, fuse_route=True)
+    with pytest.raises(ValueError, match="down_regs"):
+        NVFP4DecodeTiles(down_regs=300)
+    with pytest.raises(ValueError, match="gate_up_per_sm"):
+        NVFP4DecodeTiles(gate_up_per_sm=-1)
