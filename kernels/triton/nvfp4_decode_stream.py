@@ -32,7 +32,7 @@ import triton.language as tl
 
 from freetoken.kernels.triton._common import cast, device_function, round_as
 from freetoken.kernels.triton.moe_decode import _top_k_of
-from freetoken.kernels.triton.nvfp4_rows import _row_dots
+from freetoken.kernels.triton.nvfp4_rows import _word_dots
 
 
 @device_function
@@ -57,69 +57,85 @@ def _choices(logits_ptr, l_st, topw_ptr, topi_ptr, t, num_experts, TOP_K: tl.con
 
 
 @device_function
-def _gate_up_tile(w13_ptr, w13_s_ptr, w13_r_ptr, sw_ptr, sw_s_ptr, sw_r_ptr, experts, tile, num_tiles, nb,
-                  hidden, inter, shared_inter, TOP_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
-    """Tile ``tile``'s packed gate and up rows ``[1, BLOCK_N, BLOCK_K / 2]``, their scale bytes
-    ``[1, BLOCK_N, BLOCK_K / 16]`` and row scales ``[1, BLOCK_N]`` (all zeros past ``num_tiles``)."""
-    j = tile // nb
+def _word_columns(rows_ptr, word, ok):
+    """Activations ``rows_ptr[..., 8 · word + m]`` as float32, one tensor for each column ``m`` of
+    ``nvfp4_rows.WORD_COLUMNS`` (0, 2, 4, 6, 1, 3, 5, 7), the operands of ``_word_dots``."""
+    base = rows_ptr + 8 * word
+    return (tl.load(base, mask=ok, other=0.0).to(tl.float32), tl.load(base + 2, mask=ok, other=0.0).to(tl.float32),
+            tl.load(base + 4, mask=ok, other=0.0).to(tl.float32), tl.load(base + 6, mask=ok, other=0.0).to(tl.float32),
+            tl.load(base + 1, mask=ok, other=0.0).to(tl.float32), tl.load(base + 3, mask=ok, other=0.0).to(tl.float32),
+            tl.load(base + 5, mask=ok, other=0.0).to(tl.float32), tl.load(base + 7, mask=ok, other=0.0).to(tl.float32))
+
+
+@device_function
+def _gate_up_tile(w13_ptr, w13_s_ptr, w13_r_ptr, sw_ptr, sw_s_ptr, sw_r_ptr, experts, tile, num_tiles, w_row, s_row,
+                  w_offs, s_offs, w_k_ok, s_k_ok, inter, shared_inter, TOP_K: tl.constexpr, BLOCK_C: tl.constexpr,
+                  BLOCK_N: tl.constexpr, NB: tl.constexpr):
+    """Tile ``tile``'s packed gate and up rows as int32 words ``[1, BLOCK_N, BLOCK_K / 8]``, their scale bytes
+    ``[1, BLOCK_N, BLOCK_K / 16]`` and row scales ``[1, BLOCK_N]`` (zeros past ``num_tiles``). The
+    element offsets within a tile (``w_offs``, ``s_offs``) are the program's, so a tile costs one
+    64-bit add and one mask a vector."""
+    j = tile // NB
     routed = j < TOP_K
     expert = tl.sum(tl.where(tl.arange(0, BLOCK_C) == j, experts, 0), 0).to(tl.int64)
     limit = tl.where(routed, inter, shared_inter)
-    first = tl.where(routed, expert * 2 * inter, 0)  # the pair's first row
-    n = (tile % nb) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < tl.where(tile < num_tiles, limit, 0)  # (one compare: the interpreter's bool & bool scalar gives int32)
-    gate_n = n[None, :].to(tl.int64) + first
-    up_n = gate_n + limit
-    half = tl.arange(0, BLOCK_K // 2)
-    group = tl.arange(0, BLOCK_K // 16)
-    half_ok = n_ok[None, :, None] & (half < hidden // 2)[None, None, :]
-    group_ok = n_ok[None, :, None] & (group < hidden // 16)[None, None, :]
-    packed = tl.where(routed, w13_ptr, sw_ptr)
-    scales = tl.where(routed, w13_s_ptr, sw_s_ptr)
-    row_scales = tl.where(routed, w13_r_ptr, sw_r_ptr)
-    gate_w = tl.load(packed + gate_n[:, :, None] * (hidden // 2) + half[None, None, :], mask=half_ok, other=0)
-    up_w = tl.load(packed + up_n[:, :, None] * (hidden // 2) + half[None, None, :], mask=half_ok, other=0)
-    gate_s = tl.load(scales + gate_n[:, :, None] * (hidden // 16) + group[None, None, :], mask=group_ok, other=0)
-    up_s = tl.load(scales + up_n[:, :, None] * (hidden // 16) + group[None, None, :], mask=group_ok, other=0)
-    gate_r = tl.load(row_scales + gate_n, mask=n_ok[None, :], other=0.0)
-    up_r = tl.load(row_scales + up_n, mask=n_ok[None, :], other=0.0)
+    row = tl.where(routed, expert * 2 * inter, 0) + (tile % NB) * BLOCK_N  # the tile's first gate row
+    n_ok = (tl.arange(0, BLOCK_N) < tl.where(tile < num_tiles, limit - (tile % NB) * BLOCK_N, 0))[None, :]
+    gate_w_ptr = tl.where(routed, w13_ptr, sw_ptr) + row * w_row
+    gate_s_ptr = tl.where(routed, w13_s_ptr, sw_s_ptr) + row * s_row
+    gate_r_ptr = tl.where(routed, w13_r_ptr, sw_r_ptr) + row
+    gate_w = tl.load(gate_w_ptr + w_offs, mask=n_ok[:, :, None] & w_k_ok, other=0)
+    up_w = tl.load(gate_w_ptr + limit * w_row + w_offs, mask=n_ok[:, :, None] & w_k_ok, other=0)
+    gate_s = tl.load(gate_s_ptr + s_offs, mask=n_ok[:, :, None] & s_k_ok, other=0)
+    up_s = tl.load(gate_s_ptr + limit * s_row + s_offs, mask=n_ok[:, :, None] & s_k_ok, other=0)
+    n = tl.arange(0, BLOCK_N)[None, :]
+    gate_r = tl.load(gate_r_ptr + n, mask=n_ok, other=0.0)
+    up_r = tl.load(gate_r_ptr + limit + n, mask=n_ok, other=0.0)
     return gate_w, up_w, gate_s, up_s, gate_r, up_r
 
 
 @triton.jit
 def _gate_up_stream_kernel(
     x_ptr, x_st, w13_ptr, w13_s_ptr, w13_r_ptr, sw_ptr, sw_s_ptr, sw_r_ptr, topw_ptr, topi_ptr, logits_ptr, l_st,
-    h_ptr, h_width, hidden, inter, shared_inter, num_experts,
+    h_ptr, h_width, hidden, w_row, s_row, inter, shared_inter, num_experts,
     TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FUSE_ROUTE: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, NB: tl.constexpr, BLOCK_K: tl.constexpr, FUSE_ROUTE: tl.constexpr, PREFETCH: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    # NB: column blocks a pair (cdiv(h_width, BLOCK_N)), a constant so that a tile's pair is a shift.
+    # w_row, s_row: hidden / 8 and hidden / 16, the row strides in int32 words of packed codes and in
+    # scale bytes, as arguments so that Triton sees them divisible by 16 where they are (wide loads).
     if PDL:  # the routing (or the router logits) is the previous launch's output; the down programs may start
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     _, experts = _choices(logits_ptr, l_st, topw_ptr, topi_ptr, t, num_experts, TOP_K, RENORMALIZE, BLOCK_E, BLOCK_C,
                           FUSE_ROUTE)
-    nb = tl.cdiv(h_width, BLOCK_N)
-    num_tiles = (TOP_K + 1) * nb
-    k = tl.arange(0, BLOCK_K)
-    xv = tl.load(x_ptr + t * x_st + k[None, :], mask=(k < hidden)[None, :], other=0.0).to(tl.float32)[:, None, :]
+    num_tiles = (TOP_K + 1) * NB
+    word = tl.arange(0, BLOCK_K // 8)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _word_columns(x_ptr + t * x_st + word[None, None, :] * 0, word[None, None, :],
+                                                   (word < w_row)[None, None, :])
     dtype = h_ptr.dtype.element_ty
+    group = tl.arange(0, BLOCK_K // 16)
+    rows = tl.arange(0, BLOCK_N)[None, :, None]
+    w_offs, s_offs = rows * w_row + word[None, None, :], rows * s_row + group[None, None, :]
+    w_k_ok, s_k_ok = (word < w_row)[None, None, :], (group < s_row)[None, None, :]
     step = tl.num_programs(1)
     first = tl.program_id(1)
     gate_w, up_w, gate_s, up_s, gate_r, up_r = _gate_up_tile(
-        w13_ptr, w13_s_ptr, w13_r_ptr, sw_ptr, sw_s_ptr, sw_r_ptr, experts, first, num_tiles, nb,
-        hidden, inter, shared_inter, TOP_K, BLOCK_C, BLOCK_N, BLOCK_K)
+        w13_ptr, w13_s_ptr, w13_r_ptr, sw_ptr, sw_s_ptr, sw_r_ptr, experts, first, num_tiles, w_row, s_row,
+        w_offs, s_offs, w_k_ok, s_k_ok, inter, shared_inter, TOP_K, BLOCK_C, BLOCK_N, NB)
     for tile in range(first, num_tiles, step):
         if PREFETCH:  # the next tile's loads in flight during this tile's decode
             next_tile = _gate_up_tile(
-                w13_ptr, w13_s_ptr, w13_r_ptr, sw_ptr, sw_s_ptr, sw_r_ptr, experts, tile + step, num_tiles, nb,
-                hidden, inter, shared_inter, TOP_K, BLOCK_C, BLOCK_N, BLOCK_K)
-        j = tile // nb
-        n = (tile % nb) * BLOCK_N + tl.arange(0, BLOCK_N)
+                w13_ptr, w13_s_ptr, w13_r_ptr, sw_ptr, sw_s_ptr, sw_r_ptr, experts, tile + step, num_tiles, w_row,
+                s_row, w_offs, s_offs, w_k_ok, s_k_ok, inter, shared_inter, TOP_K, BLOCK_C, BLOCK_N, NB)
+        j = tile // NB
+        n = (tile % NB) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < tl.where(j < TOP_K, inter, shared_inter)
-        gate = round_as(_row_dots(gate_w, gate_s, xv, BLOCK_N, BLOCK_K) * gate_r, dtype)
-        up = round_as(_row_dots(up_w, up_s, xv, BLOCK_N, BLOCK_K) * up_r, dtype)
+        gate = _word_dots(gate_w, gate_s, x0, x1, x2, x3, x4, x5, x6, x7, BLOCK_N, BLOCK_K // 8)
+        up = _word_dots(up_w, up_s, x0, x1, x2, x3, x4, x5, x6, x7, BLOCK_N, BLOCK_K // 8)
+        gate, up = round_as(gate * gate_r, dtype), round_as(up * up_r, dtype)
         h = round_as(gate * tl.sigmoid(gate), dtype) * up
         q = t.to(tl.int64) * (TOP_K + 1) + j
         tl.store(h_ptr + q * h_width + n[None, :], cast(h, dtype), mask=n_ok[None, :])
@@ -127,44 +143,39 @@ def _gate_up_stream_kernel(
             gate_w, up_w, gate_s, up_s, gate_r, up_r = next_tile
         else:
             gate_w, up_w, gate_s, up_s, gate_r, up_r = _gate_up_tile(
-                w13_ptr, w13_s_ptr, w13_r_ptr, sw_ptr, sw_s_ptr, sw_r_ptr, experts, tile + step, num_tiles, nb,
-                hidden, inter, shared_inter, TOP_K, BLOCK_C, BLOCK_N, BLOCK_K)
+                w13_ptr, w13_s_ptr, w13_r_ptr, sw_ptr, sw_s_ptr, sw_r_ptr, experts, tile + step, num_tiles, w_row,
+                s_row, w_offs, s_offs, w_k_ok, s_k_ok, inter, shared_inter, TOP_K, BLOCK_C, BLOCK_N, NB)
 
 
 @device_function
-def _down_tile(w2_ptr, w2_s_ptr, w2_r_ptr, sd_ptr, sd_s_ptr, sd_r_ptr, experts, tile, num_tiles, hidden, inter,
-               shared_inter, TOP_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Tile ``tile``'s packed down rows of every choice ``[BLOCK_C, BLOCK_N, BLOCK_K / 2]`` and of the
-    shared expert ``[1, BLOCK_N, BLOCK_K / 2]``, their scale bytes and row scales (zeros past
-    ``num_tiles``)."""
-    c = tl.arange(0, BLOCK_C)
-    n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < tl.where(tile < num_tiles, hidden, 0)
-    rows = experts.to(tl.int64)[:, None] * hidden + n[None, :]  # rows of the flattened [E · H, I] weight
-    rows_ok = (c < TOP_K)[:, None] & n_ok[None, :]
-    half = tl.arange(0, BLOCK_K // 2)
-    group = tl.arange(0, BLOCK_K // 16)
-    w = tl.load(w2_ptr + rows[:, :, None] * (inter // 2) + half[None, None, :],
-                mask=rows_ok[:, :, None] & (half < inter // 2)[None, None, :], other=0)
-    s = tl.load(w2_s_ptr + rows[:, :, None] * (inter // 16) + group[None, None, :],
-                mask=rows_ok[:, :, None] & (group < inter // 16)[None, None, :], other=0)
-    r = tl.load(w2_r_ptr + rows, mask=rows_ok, other=0.0)
-    shared_rows = n[None, :].to(tl.int64)
-    ws = tl.load(sd_ptr + shared_rows[:, :, None] * (shared_inter // 2) + half[None, None, :],
-                 mask=n_ok[None, :, None] & (half < shared_inter // 2)[None, None, :], other=0)
-    ss = tl.load(sd_s_ptr + shared_rows[:, :, None] * (shared_inter // 16) + group[None, None, :],
-                 mask=n_ok[None, :, None] & (group < shared_inter // 16)[None, None, :], other=0)
-    rs = tl.load(sd_r_ptr + shared_rows, mask=n_ok[None, :], other=0.0)
+def _down_tile(w2_ptr, w2_s_ptr, w2_r_ptr, sd_ptr, sd_s_ptr, sd_r_ptr, experts, tile, num_tiles, hidden, w_row, s_row,
+               sw_row, ss_row, w_offs, s_offs, ws_offs, ss_offs, w_k_ok, s_k_ok, ws_k_ok, ss_k_ok,
+               TOP_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Tile ``tile``'s packed down rows (int32 words) of every choice ``[BLOCK_C, BLOCK_N, BLOCK_K / 8]``
+    and of the shared expert ``[1, BLOCK_N, BLOCK_K / 8]``, their scale bytes and row scales (zeros past
+    ``num_tiles``); the element offsets within a tile are the program's, as in ``_gate_up_tile``."""
+    n0 = tile * BLOCK_N
+    n_ok = (tl.arange(0, BLOCK_N) < tl.where(tile < num_tiles, hidden - n0, 0))[None, :]
+    row = experts.to(tl.int64) * hidden + n0  # each choice's first row of the flattened [E · H, I] weight
+    rows_ok = (tl.arange(0, BLOCK_C) < TOP_K)[:, None] & n_ok
+    w = tl.load(w2_ptr + (row * w_row)[:, None, None] + w_offs, mask=rows_ok[:, :, None] & w_k_ok, other=0)
+    s = tl.load(w2_s_ptr + (row * s_row)[:, None, None] + s_offs, mask=rows_ok[:, :, None] & s_k_ok, other=0)
+    r = tl.load(w2_r_ptr + row[:, None] + tl.arange(0, BLOCK_N)[None, :], mask=rows_ok, other=0.0)
+    ws = tl.load(sd_ptr + n0.to(tl.int64) * sw_row + ws_offs, mask=n_ok[:, :, None] & ws_k_ok, other=0)
+    ss = tl.load(sd_s_ptr + n0.to(tl.int64) * ss_row + ss_offs, mask=n_ok[:, :, None] & ss_k_ok, other=0)
+    rs = tl.load(sd_r_ptr + n0 + tl.arange(0, BLOCK_N)[None, :], mask=n_ok, other=0.0)
     return w, s, r, ws, ss, rs
 
 
 @triton.jit
 def _down_stream_kernel(
     h_ptr, h_width, w2_ptr, w2_s_ptr, w2_r_ptr, sd_ptr, sd_s_ptr, sd_r_ptr, topw_ptr, topi_ptr,
-    logits_ptr, l_st, out_ptr, hidden, inter, shared_inter, num_experts,
+    logits_ptr, l_st, out_ptr, hidden, inter, shared_inter, w_row, s_row, sw_row, ss_row, num_experts,
     TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FUSE_ROUTE: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
+    # w_row, s_row (sw_row, ss_row): the routed (shared) down rows' strides in words and scale bytes,
+    # inter / 8 and inter / 16, as arguments for their divisibility (see _gate_up_stream_kernel).
     # Under PDL this starts while the gate/up launch runs: the routing and the first tile's weights
     # are loaded before the wait, ``h`` (the gate/up output) after it.
     t = tl.program_id(0)
@@ -173,26 +184,31 @@ def _down_stream_kernel(
                                BLOCK_C, FUSE_ROUTE)
     weight = cast(weight, dtype).to(tl.float32)  # as the reference holds them: rounded to the activations' dtype
     num_tiles = tl.cdiv(hidden, BLOCK_N)
+    word = tl.arange(0, BLOCK_K // 8)[None, None, :]
+    group = tl.arange(0, BLOCK_K // 16)[None, None, :]
+    rows = tl.arange(0, BLOCK_N)[None, :, None]
+    w_offs, s_offs, ws_offs, ss_offs = rows * w_row + word, rows * s_row + group, rows * sw_row + word, rows * ss_row + group
+    w_k_ok, s_k_ok, ws_k_ok, ss_k_ok = word < w_row, group < s_row, word < sw_row, group < ss_row
     step = tl.num_programs(1)
     first = tl.program_id(1)
     w, s, r, ws, ss, rs = _down_tile(w2_ptr, w2_s_ptr, w2_r_ptr, sd_ptr, sd_s_ptr, sd_r_ptr, experts, first, num_tiles,
-                                     hidden, inter, shared_inter, TOP_K, BLOCK_C, BLOCK_N, BLOCK_K)
+                                     hidden, w_row, s_row, sw_row, ss_row, w_offs, s_offs, ws_offs, ss_offs,
+                                     w_k_ok, s_k_ok, ws_k_ok, ss_k_ok, TOP_K, BLOCK_C, BLOCK_N)
     if PDL:
         tl.extra.cuda.gdc_wait()
     c = tl.arange(0, BLOCK_C)
-    k = tl.arange(0, BLOCK_K)
     h_rows = h_ptr + (t.to(tl.int64) * (TOP_K + 1) + c) * h_width
-    hv = tl.load(h_rows[:, None] + k[None, :], mask=(c < TOP_K)[:, None] & (k < inter)[None, :], other=0.0)
-    hv = hv.to(tl.float32)[:, None, :]
+    h0, h1, h2, h3, h4, h5, h6, h7 = _word_columns(h_rows[:, None, None], word, (c < TOP_K)[:, None, None] & w_k_ok)
     h_shared = h_ptr + (t.to(tl.int64) * (TOP_K + 1) + TOP_K) * h_width
-    hs = tl.load(h_shared + k[None, :], mask=(k < shared_inter)[None, :], other=0.0).to(tl.float32)[:, None, :]
+    s0, s1, s2, s3, s4, s5, s6, s7 = _word_columns(h_shared + word * 0, word, ws_k_ok)
     gate = round_as(tl.sigmoid(tl.load(logits_ptr + t * l_st + num_experts).to(tl.float32)), dtype)
     for tile in range(first, num_tiles, step):
         if PREFETCH:
             next_tile = _down_tile(w2_ptr, w2_s_ptr, w2_r_ptr, sd_ptr, sd_s_ptr, sd_r_ptr, experts, tile + step,
-                                   num_tiles, hidden, inter, shared_inter, TOP_K, BLOCK_C, BLOCK_N, BLOCK_K)
-        acc = _row_dots(w, s, hv, BLOCK_N, BLOCK_K) * r
-        shared = tl.sum(_row_dots(ws, ss, hs, BLOCK_N, BLOCK_K) * rs, 0)
+                                   num_tiles, hidden, w_row, s_row, sw_row, ss_row, w_offs, s_offs, ws_offs, ss_offs,
+                                   w_k_ok, s_k_ok, ws_k_ok, ss_k_ok, TOP_K, BLOCK_C, BLOCK_N)
+        acc = _word_dots(w, s, h0, h1, h2, h3, h4, h5, h6, h7, BLOCK_N, BLOCK_K // 8) * r
+        shared = tl.sum(_word_dots(ws, ss, s0, s1, s2, s3, s4, s5, s6, s7, BLOCK_N, BLOCK_K // 8) * rs, 0)
         scaled = round_as(round_as(acc, dtype) * weight[:, None], dtype)
         # One float32 sum over the choices in a fixed (tree) order, as moe_decode's.
         out = round_as(tl.sum(scaled, 0), dtype) + round_as(gate * round_as(shared, dtype), dtype)
@@ -202,5 +218,6 @@ def _down_stream_kernel(
             w, s, r, ws, ss, rs = next_tile
         else:
             w, s, r, ws, ss, rs = _down_tile(w2_ptr, w2_s_ptr, w2_r_ptr, sd_ptr, sd_s_ptr, sd_r_ptr, experts,
-                                             tile + step, num_tiles, hidden, inter, shared_inter, TOP_K, BLOCK_C,
-                                             BLOCK_N, BLOCK_K)
+                                             tile + step, num_tiles, hidden, w_row, s_row, sw_row, ss_row, w_offs,
+                                             s_offs, ws_offs, ss_offs, w_k_ok, s_k_ok, ws_k_ok, ss_k_ok, TOP_K,
+                                             BLOCK_C, BLOCK_N)
