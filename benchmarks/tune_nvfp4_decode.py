@@ -11,7 +11,7 @@ loads issued before the current one's decode), varying rows a tile, warps, progr
 to the registers each shape compiles to, so that all its programs are resident: ``nvfp4_sass.py``),
 routing fused into the passes or not, prefetch and PDL off as controls. ``--old`` adds the frozen
 two-launch kernels (``nvfp4_decode_baseline.py``), ``--dense`` the one-row dense GEMVs (attention
-qkv and o) against the frozen tensor-core tile. The default run (16 shapes, two token counts)
+qkv and o) against the frozen tensor-core tile. The default run (17 shapes, two token counts)
 takes about two minutes with a cold Triton cache, most of it compiling.
 
 As ``tune_moe_decode.py`` (whose graph check and profiler breakdown this reuses): each timing runs
@@ -63,7 +63,7 @@ def stream(gate_up: tuple[int, int, int], down: tuple[int, int, int], **flags) -
 
 # Registers by nvfp4_sass.py (sm_90, Triton 3.6): gate/up 8 rows 8 warps 124 (2 programs an SM),
 # 4 rows 4 warps 96 (5), 8 rows 4 warps 166 (3); down 4 rows 8 warps 128 (2), 2 rows 4 warps 123 (4),
-# 8 rows 4 warps 254 (2).
+# 8 rows 4 warps 254 (2); gate/up 16 rows 8 warps 168 (1).
 G8, G4, G2 = (8, 8, 2), (4, 4, 4), (2, 4, 4)
 D4, D2, D8 = (4, 8, 2), (2, 4, 4), (8, 4, 2)
 CANDIDATES = [
@@ -81,6 +81,7 @@ CANDIDATES = [
     stream((4, 8, 3), D4, fuse_route=True),
     stream((8, 4, 3), (8, 4, 3), down_regs=168),  # down capped from 254 registers: 3 programs an SM
     stream((8, 8, 1), (4, 8, 1)),  # fewer programs, more tiles each
+    stream((16, 8, 1), D4),  # gate/up 168 registers: one program an SM, half the tiles
     stream(G8, D4, prefetch=False),  # controls
     stream(G8, D4, pdl=False),
 ]
