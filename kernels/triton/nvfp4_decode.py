@@ -16,13 +16,19 @@ shape), so each program keeps many of them in flight, as the bf16 block does; un
 dependent launch (``NVFP4DecodeTiles.pdl``, sm_90 on) each launch starts while the previous one
 finishes. ``benchmarks/tune_nvfp4_decode.py`` times the launch shapes on the GPU.
 
+Either pass can instead run as a stream (``nvfp4_decode_stream.py``; ``NVFP4DecodeTiles.gate_up_per_sm``
+/ ``down_per_sm``): a grid sized to the GPU, each program looping over row tiles with the next
+tile's loads in flight during the current decode, optionally with the routing computed in both
+passes (``fuse_route``: two launches). The defaults stay the one-program-per-tile kernels until
+the sweep has measured the streams.
+
 The weights are never formed: one row against one token has no tensor-core work, so
 ``nvfp4_rows._row_dots`` reduces the e2m1 codes (decoded a 32-bit word at a time where compiled)
 against the activations per group of 16 and multiplies each group's sum by its e4m3 scale (one
 multiply per 16 weights instead of one per weight), and the per-row scale multiplies the float32
 dot product. Rounding follows the reference (the projections, SiLU, the
 products and the combine rounded to the activations' dtype). Grids depend only on the token
-count, so the launches are capture-safe.
+count (and the GPU's SM count), so the launches are capture-safe.
 """
 
 from __future__ import annotations
