@@ -81,17 +81,9 @@ def _top_k(row_ptr, num_experts, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
     The choices compare the probabilities' bits as int32 (non-negative floats order as their bits
     do): a warp reduces 32-bit integers in one instruction (``redux.sync``), floats in five shuffles."""
     e = tl.arange(0, BLOCK_E)
-    logits = tl.load(row_ptr + e, mask=e < num_experts, other=0.0)
-    return _top_k_of(logits, num_experts, TOP_K, RENORMALIZE, BLOCK_E)
-
-
-@device_function
-def _top_k_of(logits, num_experts, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr):
-    """``_top_k`` of logits already loaded (``[BLOCK_E]``, any float dtype), for kernels that load
-    them themselves (``nvfp4_decode_stream``: from L2, under programmatic dependent launch)."""
-    e = tl.arange(0, BLOCK_E)
     ok = e < num_experts
-    logits = tl.where(ok, logits.to(tl.float32), float("-inf"))
+    logits = tl.load(row_ptr + e, mask=ok, other=0.0).to(tl.float32)
+    logits = tl.where(ok, logits, float("-inf"))
     p = tl.exp(logits - tl.max(logits, 0))
     key = tl.where(ok, (p / tl.sum(p, 0)).to(tl.int32, bitcast=True), -1)
     total = tl.sum(tl.zeros([BLOCK_E], tl.float32), 0)

@@ -293,8 +293,9 @@ def sparse_moe_decode_nvfp4_tiled(
     h_width, pairs = max(inter, shared_inter), num_tokens * (top_k + 1)
     h = new_empty((pairs, h_width), x.dtype, x.device)
     pdl = tiles.pdl and _pdl_available()
-    if tiles.fuse_route:
-        top_w, top_i = gate_logits, gate_logits  # not read: the programs route
+    if tiles.fuse_route:  # written by the programs, which route
+        top_w = new_empty((num_tokens, top_k), torch.float32, x.device)
+        top_i = new_empty((num_tokens, top_k), torch.int32, x.device)
     else:
         top_w, top_i = route(gate_logits, num_experts, top_k, renormalize, pdl)
     w13 = weight(w13_packed, w13_scales, w13_row_scales)
@@ -312,8 +313,7 @@ def sparse_moe_decode_nvfp4_tiled(
             x, x.stride(0), *words(w13), *words(shared_gate_up), top_w, top_i, gate_logits, gate_logits.stride(0),
             h, h_width, hidden, hidden // 8, hidden // GROUP, inter, shared_inter, num_experts,
             BLOCK_N=tiles.gate_up_block_n, NB=triton.cdiv(h_width, tiles.gate_up_block_n), BLOCK_K=pow2(hidden),
-            num_warps=tiles.gate_up_warps,
-            **routing, **_regs(tiles.gate_up_regs),
+            num_warps=tiles.gate_up_warps, **routing, **_regs(tiles.gate_up_regs),
         )
     else:
         _gate_up_kernel[(triton.cdiv(pairs, tiles.gate_up_pairs), triton.cdiv(h_width, tiles.gate_up_block_n))](

@@ -12,11 +12,11 @@ and each program's loads of tile i + 1 are issued before tile i's decode (``PREF
 DRAM and the decode overlap within every program. A program handles one token: its activations
 (``x`` for gate/up, the token's ``h`` rows for down) are loaded and widened once, not per tile.
 
-``FUSE_ROUTE``: the programs compute the token's top-k themselves (``moe_decode._top_k_of``, the
-routing launch's own selection) instead of reading the routing launch's output, so the block is
-two launches. The down programs read the logits from L2 (``.cg``) before waiting for the gate/up
-launch: they were written two launches back, before the gate/up programs' wait returned, which
-precedes this launch (as ``moe_decode._down_kernel`` reads the routing).
+``FUSE_ROUTE``: the programs compute the token's top-k themselves (``_route_token``, the routing
+launch's selection) instead of the routing launch, so the block is two launches. The down programs
+read the logits from L2 (``.cg``) before waiting for the gate/up launch: they were written two
+launches back, before the gate/up programs' wait returned, which precedes this launch (as
+``moe_decode._down_kernel`` reads the routing).
 
 Tiles: gate/up tile ``i`` of a token is pair ``j = i // NB`` (choice ``j``, the shared expert at
 ``j = TOP_K``), intermediate columns ``(i % NB) · BLOCK_N`` on, the whole hidden dim in one load;
@@ -31,28 +31,57 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels.triton._common import cast, device_function, round_as
-from freetoken.kernels.triton.moe_decode import _top_k_of
 from freetoken.kernels.triton.nvfp4_rows import _word_dots
+
+
+@device_function
+def _route_token(logits_ptr, l_st, topw_ptr, topi_ptr, t, num_experts, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                 BLOCK_E: tl.constexpr):
+    """Token ``t``'s routing, ``moe_decode._top_k``'s choices (softmax, then the top-k of the
+    probabilities' bits, lowest index among ties), stored to ``topw`` / ``topi`` as the routing
+    launch would (every program of the token stores the same values).
+
+    Each choice is one int64 max over ``probability bits << 32 | (BLOCK_E - 1 - expert)`` (the
+    larger probability, then the lower index) instead of ``_top_k``'s two int32 reductions: a
+    reduction over a whole program's warps is a round trip through shared memory with two barriers,
+    so this halves the ~17 such trips before the first weight load (``_top_k`` runs in one warp)."""
+    e = tl.arange(0, BLOCK_E)
+    ok = e < num_experts
+    logits = tl.load(logits_ptr + t * l_st + e, mask=ok, other=0.0, cache_modifier=".cg")
+    logits = tl.where(ok, logits.to(tl.float32), float("-inf"))
+    p = tl.exp(logits - tl.max(logits, 0))
+    bits = (p / tl.sum(p, 0)).to(tl.int32, bitcast=True).to(tl.int64)
+    key = tl.where(ok, (bits << 32) | (BLOCK_E - 1 - e), -1)
+    total = tl.sum(tl.zeros([BLOCK_E], tl.float32), 0)
+    weights = tl.zeros([BLOCK_E], tl.float32)
+    experts = tl.zeros([BLOCK_E], tl.int32)
+    for c in tl.static_range(TOP_K):
+        best = tl.max(key, 0)
+        best_i = (BLOCK_E - 1 - (best & 0xFFFFFFFF)).to(tl.int32)
+        best_p = (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        total += best_p
+        weights = tl.where(e == c, best_p, weights)
+        experts = tl.where(e == c, best_i, experts)
+        key = tl.where(e == best_i, -1, key)
+    if RENORMALIZE:
+        weights = weights / total
+    tl.store(topw_ptr + t * TOP_K + e, weights, mask=e < TOP_K)
+    tl.store(topi_ptr + t * TOP_K + e, experts, mask=e < TOP_K)
 
 
 @device_function
 def _choices(logits_ptr, l_st, topw_ptr, topi_ptr, t, num_experts, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
              BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr, FUSE_ROUTE: tl.constexpr):
     """Token ``t``'s routing weights (float32) and expert ids (int32), ``[BLOCK_C]`` with choice ``c``
-    in lane ``c``: computed from its logits (``FUSE_ROUTE``) or read from the routing launch's output,
-    both from L2 (``.cg``: L1 may hold an earlier layer's at the same address)."""
-    c = tl.arange(0, BLOCK_C)
-    c_ok = c < TOP_K
+    in lane ``c``: the routing launch's output, or (``FUSE_ROUTE``) computed here first and read
+    back after a barrier, both from L2 (``.cg``: L1 may hold an earlier layer's at the same address;
+    the program's own stores are in L2)."""
     if FUSE_ROUTE:
-        e = tl.arange(0, BLOCK_E)
-        logits = tl.load(logits_ptr + t * l_st + e, mask=e < num_experts, other=0.0, cache_modifier=".cg")
-        weights_e, experts_e = _top_k_of(logits, num_experts, TOP_K, RENORMALIZE, BLOCK_E)
-        pick = e[None, :] == c[:, None]
-        weights = tl.sum(tl.where(pick, weights_e[None, :], 0.0), 1)
-        experts = tl.sum(tl.where(pick, experts_e[None, :], 0), 1)
-    else:
-        weights = tl.load(topw_ptr + t * TOP_K + c, mask=c_ok, other=0.0, cache_modifier=".cg")
-        experts = tl.load(topi_ptr + t * TOP_K + c, mask=c_ok, other=0, cache_modifier=".cg")
+        _route_token(logits_ptr, l_st, topw_ptr, topi_ptr, t, num_experts, TOP_K, RENORMALIZE, BLOCK_E)
+        tl.debug_barrier()
+    c = tl.arange(0, BLOCK_C)
+    weights = tl.load(topw_ptr + t * TOP_K + c, mask=c < TOP_K, other=0.0, cache_modifier=".cg")
+    experts = tl.load(topi_ptr + t * TOP_K + c, mask=c < TOP_K, other=0, cache_modifier=".cg")
     return weights, experts
 
 
