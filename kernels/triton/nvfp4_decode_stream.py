@@ -21,8 +21,10 @@ launches back, before the gate/up programs' wait returned, which precedes this l
 Tiles: gate/up tile ``i`` of a token is pair ``j = i // NB`` (choice ``j``, the shared expert at
 ``j = TOP_K``), intermediate columns ``(i % NB) · BLOCK_N`` on, the whole hidden dim in one load;
 down tile ``i`` is hidden columns ``i · BLOCK_N`` on, all choices and the shared expert, the whole
-intermediate dim in one load. Numerics are those of ``nvfp4_decode``'s kernels (``_row_dots``, the
-same rounding), so every variant gives the reference's result.
+intermediate dim in one load. The packed codes are loaded and carried as int32 words and reduced by
+``nvfp4_rows._word_dots`` (``_row_dots`` a word at a time: a byte tensor carried across the loop
+would sit one byte a register and be repacked before every decode); the rounding is that of
+``nvfp4_decode``'s kernels, so every variant gives the reference's result.
 """
 
 from __future__ import annotations
