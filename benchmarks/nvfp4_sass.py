@@ -70,15 +70,25 @@ def random_nvfp4(*shape: int):
             torch.ones(*lead, rows))
 
 
+# Stream variants of the decode block (nvfp4_decode_stream.py): rows a tile, warps, fused routing.
+STREAM_TILES = [
+    dict(gate_up_per_sm=2, down_per_sm=2, gate_up_block_n=4, down_block_n=4, gate_up_warps=8, down_warps=4),
+    dict(gate_up_per_sm=2, down_per_sm=2, gate_up_block_n=8, down_block_n=8, gate_up_warps=8, down_warps=8,
+         fuse_route=True),
+]
+
+
 def cases():
     """(label, launch) at the sizes of benchmarks/nvfp4.py: decode B=1 / 64 and prefill 8k."""
-    def block(t=1):
+    def block(t=1, tiles=nvfp4_decode.TILES):
         weights = (*random_nvfp4(EXPERTS, 2 * INTER, HIDDEN), *random_nvfp4(EXPERTS, HIDDEN, INTER),
                    *random_nvfp4(2 * INTER, HIDDEN), *random_nvfp4(HIDDEN, INTER))
-        nvfp4_decode.sparse_moe_decode_nvfp4(torch.zeros(t, HIDDEN, dtype=BF16), torch.zeros(t, EXPERTS + 1, dtype=BF16),
-                                             *weights, TOP_K, True)
+        nvfp4_decode.sparse_moe_decode_nvfp4_tiled(torch.zeros(t, HIDDEN, dtype=BF16),
+                                                   torch.zeros(t, EXPERTS + 1, dtype=BF16), *weights, TOP_K, True, tiles)
 
     yield "MoE block decode B=1 (sparse_moe_decode_nvfp4)", block
+    for tiles in STREAM_TILES:
+        yield f"MoE block decode B=1 stream {tiles}", lambda tiles=tiles: block(tiles=nvfp4_decode.NVFP4DecodeTiles(**tiles))
     for tokens, label in ((1, "decode B=1"), (64, "decode B=64"), (8192, "prefill 8k")):
         def experts(t=tokens):
             x = torch.zeros(t, HIDDEN, dtype=BF16)
@@ -111,14 +121,16 @@ def loop_body(sass: str) -> list[str]:
 def weights_per_thread(name: str, config: dict) -> float:
     """Weights one thread decodes per iteration of the K loop (gate/up decode two tiles; the decode
     block's gate/up those of ``PAIRS`` pairs, its down pass ``BLOCK_C`` choices' and the shared one's)."""
-    rows = config["BLOCK_N"] * config.get("PAIRS", 1) * (config["BLOCK_C"] + 1 if "BLOCK_C" in config else 1)
-    tiles = 2 if name == "_gate_up_kernel" and ("BLOCK_M" in config or "PAIRS" in config) else 1
+    down = name in ("_down_kernel", "_down_stream_kernel") and "BLOCK_C" in config
+    rows = config["BLOCK_N"] * config.get("PAIRS", 1) * (config["BLOCK_C"] + 1 if down else 1)
+    tiles = 2 if name == "_gate_up_stream_kernel" or (name == "_gate_up_kernel" and ("BLOCK_M" in config or "PAIRS" in config)) else 1
     return tiles * rows * config["BLOCK_K"] / (32 * config["num_warps"])
 
 
 def report(label: str, dump: str | None) -> None:
     for name, config, kernel in compiled:
-        if name not in ("_linear_kernel", "_gemv_kernel", "_gate_up_kernel", "_down_kernel"):
+        if name not in ("_linear_kernel", "_gemv_kernel", "_gate_up_kernel", "_down_kernel", "_gate_up_stream_kernel",
+                        "_down_stream_kernel"):
             continue
         with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
             f.write(kernel.asm["cubin"])

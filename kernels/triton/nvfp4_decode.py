@@ -16,26 +16,33 @@ shape), so each program keeps many of them in flight, as the bf16 block does; un
 dependent launch (``NVFP4DecodeTiles.pdl``, sm_90 on) each launch starts while the previous one
 finishes. ``benchmarks/tune_nvfp4_decode.py`` times the launch shapes on the GPU.
 
+Either pass can instead run as a stream (``nvfp4_decode_stream.py``; ``NVFP4DecodeTiles.gate_up_per_sm``
+/ ``down_per_sm``): a grid sized to the GPU, each program looping over row tiles with the next
+tile's loads in flight during the current decode, optionally with the routing computed in both
+passes (``fuse_route``: two launches). The defaults stay the one-program-per-tile kernels until
+the sweep has measured the streams.
+
 The weights are never formed: one row against one token has no tensor-core work, so
 ``nvfp4_rows._row_dots`` reduces the e2m1 codes (decoded a 32-bit word at a time where compiled)
 against the activations per group of 16 and multiplies each group's sum by its e4m3 scale (one
 multiply per 16 weights instead of one per weight), and the per-row scale multiplies the float32
 dot product. Rounding follows the reference (the projections, SiLU, the
 products and the combine rounded to the activations' dtype). Grids depend only on the token
-count, so the launches are capture-safe.
+count (and the GPU's SM count), so the launches are capture-safe.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels.triton._common import cast, device_function, new_empty, pow2, round_as
+from freetoken.kernels.triton._common import INTERPRETED, cast, device_function, new_empty, pow2, round_as
 from freetoken.kernels.triton.moe_decode import DecodeTiles, _pdl_available, route
 from freetoken.kernels.triton.nvfp4 import GROUP
+from freetoken.kernels.triton.nvfp4_decode_stream import _down_stream_kernel, _gate_up_stream_kernel
 from freetoken.kernels.triton.nvfp4_rows import _row_dots
 
 
@@ -43,7 +50,15 @@ from freetoken.kernels.triton.nvfp4_rows import _row_dots
 class NVFP4DecodeTiles(DecodeTiles):
     """``DecodeTiles`` for the NVFP4 block (``block_k`` counts weights, at least one group of 16).
     A packed row is a quarter of a bf16 row's bytes, so a program holds more rows for the same
-    bytes in flight."""
+    bytes in flight.
+
+    ``gate_up_per_sm`` / ``down_per_sm``: 0 runs that pass one program per tile (the kernels here);
+    above 0, as ``nvfp4_decode_stream``'s kernels, that many programs an SM (split over the tokens)
+    each looping over tiles of ``*_block_n`` rows with the whole reduced dim in one load (``*_block_k``
+    unused), the next tile's loads issued before the current one's decode where ``prefetch``.
+    ``fuse_route`` (both passes streams): the routing computed in both passes' programs, no routing
+    launch. ``gate_up_regs`` / ``down_regs``: a register cap per thread (Triton's ``maxnreg``; 0: the
+    compiler's choice), for more resident programs an SM."""
 
     gate_up_block_n: int = 8
     gate_up_block_k: int = 2048
@@ -53,12 +68,29 @@ class NVFP4DecodeTiles(DecodeTiles):
     down_block_k: int = 512
     down_warps: int = 4  # the H200 sweep's best at one and eight tokens (tune_nvfp4_decode.py)
     pdl: bool = True
+    gate_up_per_sm: int = 0
+    down_per_sm: int = 0
+    prefetch: bool = True
+    fuse_route: bool = False
+    gate_up_regs: int = 0
+    down_regs: int = 0
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        counts = ("gate_up_per_sm", "down_per_sm", "gate_up_regs", "down_regs")
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, bool):
+                continue
+            if field.name in counts:
+                if value < 0 or (field.name.endswith("regs") and value and not 32 <= value <= 255):
+                    raise ValueError(f"NVFP4DecodeTiles.{field.name} must be 0 or a count (regs 32-255), got {value}")
+            elif value < 1 or value & (value - 1):
+                raise ValueError(f"NVFP4DecodeTiles.{field.name} must be a power of two, got {value}")
         for name in ("gate_up_block_k", "down_block_k"):
             if getattr(self, name) < GROUP:
                 raise ValueError(f"NVFP4DecodeTiles.{name} must be at least {GROUP}, got {getattr(self, name)}")
+        if self.fuse_route and not (self.gate_up_per_sm and self.down_per_sm):
+            raise ValueError("NVFP4DecodeTiles.fuse_route needs both passes as streams (gate_up_per_sm, down_per_sm > 0)")
 
 
 TILES = NVFP4DecodeTiles()
@@ -169,6 +201,18 @@ def _down_kernel(
     tl.store(out_ptr + t * hidden + n, cast(out, dtype), mask=n_ok)
 
 
+def _regs(cap: int) -> dict:
+    """The launch option capping registers per thread (none where 0, and under the interpreter)."""
+    return {"maxnreg": cap} if cap and not INTERPRETED else {}
+
+
+def _stream_programs(device: torch.device, per_sm: int, num_tokens: int, tiles_per_token: int) -> int:
+    """Programs per token of a stream kernel: ``per_sm`` an SM over all tokens, at most one a tile.
+    (On the CPU, under the interpreter, one "SM".)"""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    return max(1, min(tiles_per_token, sms * per_sm // num_tokens))
+
+
 def _check(name: str, packed: torch.Tensor, scales: torch.Tensor, row_scales: torch.Tensor, shape: tuple[int, ...]) -> None:
     *lead, rows, cols = shape
     expected = ((*lead, rows, cols // 2), (*lead, rows, cols // GROUP), (*lead, rows))
@@ -249,19 +293,50 @@ def sparse_moe_decode_nvfp4_tiled(
     h_width, pairs = max(inter, shared_inter), num_tokens * (top_k + 1)
     h = new_empty((pairs, h_width), x.dtype, x.device)
     pdl = tiles.pdl and _pdl_available()
-    top_w, top_i = route(gate_logits, num_experts, top_k, renormalize, pdl)
-    _gate_up_kernel[(triton.cdiv(pairs, tiles.gate_up_pairs), triton.cdiv(h_width, tiles.gate_up_block_n))](
-        x, x.stride(0), *weight(w13_packed, w13_scales, w13_row_scales),
-        *weight(shared_gate_up_packed, shared_gate_up_scales, shared_gate_up_row_scales), top_i,
-        h, h_width, pairs, hidden, inter, shared_inter,
-        TOP_K=top_k, PAIRS=tiles.gate_up_pairs, BLOCK_N=tiles.gate_up_block_n,
-        BLOCK_K=min(pow2(hidden), tiles.gate_up_block_k), PDL=pdl, num_warps=tiles.gate_up_warps, launch_pdl=pdl,
-    )
-    _down_kernel[(num_tokens, triton.cdiv(hidden, tiles.down_block_n))](
-        h, h_width, *weight(w2_packed, w2_scales, w2_row_scales),
-        *weight(shared_down_packed, shared_down_scales, shared_down_row_scales), top_w, top_i,
-        gate_logits, gate_logits.stride(0), out, hidden, inter, shared_inter, num_experts,
-        TOP_K=top_k, BLOCK_C=pow2(top_k), BLOCK_N=tiles.down_block_n,
-        BLOCK_K=min(pow2(h_width), tiles.down_block_k), PDL=pdl, num_warps=tiles.down_warps, launch_pdl=pdl,
-    )
+    if tiles.fuse_route:  # written by the programs, which route
+        top_w = new_empty((num_tokens, top_k), torch.float32, x.device)
+        top_i = new_empty((num_tokens, top_k), torch.int32, x.device)
+    else:
+        top_w, top_i = route(gate_logits, num_experts, top_k, renormalize, pdl)
+    w13 = weight(w13_packed, w13_scales, w13_row_scales)
+    shared_gate_up = weight(shared_gate_up_packed, shared_gate_up_scales, shared_gate_up_row_scales)
+    w2 = weight(w2_packed, w2_scales, w2_row_scales)
+    shared_down = weight(shared_down_packed, shared_down_scales, shared_down_row_scales)
+    routing = dict(TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=pow2(num_experts), BLOCK_C=pow2(top_k),
+                   FUSE_ROUTE=tiles.fuse_route, PREFETCH=tiles.prefetch, PDL=pdl, launch_pdl=pdl)
+    def words(weight):  # the packed codes as int32 words (8 codes each) for the stream kernels
+        return (weight[0].view(torch.int32), *weight[1:])
+
+    if tiles.gate_up_per_sm:
+        tiles_per_token = (top_k + 1) * triton.cdiv(h_width, tiles.gate_up_block_n)
+        _gate_up_stream_kernel[(num_tokens, _stream_programs(x.device, tiles.gate_up_per_sm, num_tokens, tiles_per_token))](
+            x, x.stride(0), *words(w13), *words(shared_gate_up), top_w, top_i, gate_logits, gate_logits.stride(0),
+            h, h_width, hidden, hidden // 8, hidden // GROUP, inter, shared_inter, num_experts,
+            BLOCK_N=tiles.gate_up_block_n, NB=triton.cdiv(h_width, tiles.gate_up_block_n), BLOCK_K=pow2(hidden),
+            num_warps=tiles.gate_up_warps, **routing, **_regs(tiles.gate_up_regs),
+        )
+    else:
+        _gate_up_kernel[(triton.cdiv(pairs, tiles.gate_up_pairs), triton.cdiv(h_width, tiles.gate_up_block_n))](
+            x, x.stride(0), *w13, *shared_gate_up, top_i,
+            h, h_width, pairs, hidden, inter, shared_inter,
+            TOP_K=top_k, PAIRS=tiles.gate_up_pairs, BLOCK_N=tiles.gate_up_block_n,
+            BLOCK_K=min(pow2(hidden), tiles.gate_up_block_k), PDL=pdl, num_warps=tiles.gate_up_warps, launch_pdl=pdl,
+            **_regs(tiles.gate_up_regs),
+        )
+    if tiles.down_per_sm:
+        tiles_per_token = triton.cdiv(hidden, tiles.down_block_n)
+        _down_stream_kernel[(num_tokens, _stream_programs(x.device, tiles.down_per_sm, num_tokens, tiles_per_token))](
+            h, h_width, *words(w2), *words(shared_down), top_w, top_i, gate_logits, gate_logits.stride(0), out,
+            hidden, inter, shared_inter, inter // 8, inter // GROUP, shared_inter // 8, shared_inter // GROUP, num_experts,
+            BLOCK_N=tiles.down_block_n, BLOCK_K=pow2(h_width), num_warps=tiles.down_warps,
+            **routing, **_regs(tiles.down_regs),
+        )
+    else:
+        _down_kernel[(num_tokens, triton.cdiv(hidden, tiles.down_block_n))](
+            h, h_width, *w2, *shared_down, top_w, top_i,
+            gate_logits, gate_logits.stride(0), out, hidden, inter, shared_inter, num_experts,
+            TOP_K=top_k, BLOCK_C=pow2(top_k), BLOCK_N=tiles.down_block_n,
+            BLOCK_K=min(pow2(h_width), tiles.down_block_k), PDL=pdl, num_warps=tiles.down_warps, launch_pdl=pdl,
+            **_regs(tiles.down_regs),
+        )
     return out

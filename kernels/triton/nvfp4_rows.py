@@ -166,3 +166,76 @@ def nvfp4_gemv(rows: torch.Tensor, packed: torch.Tensor, scale_bytes: torch.Tens
         rows, rows.stride(0), packed, scale_bytes, row_scales, out, num_rows, n_out, k_in,
         BLOCK_M=pow2(num_rows), BLOCK_N=block_n, BLOCK_K=min(pow2(k_in), block_k), num_warps=warps,
     )
+
+
+# One 32-bit word of packed codes (8 columns) -> its 8 codes as float32 ``e2m1 · 2^-6``, in the order
+# of ``WORD_COLUMNS``: the even (low-nibble) codes of bytes 0-3, then the odd ones; the bit moves of
+# ``_EVEN_TO_FLOAT`` / ``_ODD_TO_FLOAT`` on the whole word, then the hardware e4m3x2 -> f16x2.
+_WORD_TO_FLOAT = tl.constexpr("""{
+.reg .b32 t, e, p0, p1, p2, p3;
+.reg .b16 lo, hi, h0, h1, h2, h3, h4, h5, h6, h7;
+shl.b32 t, $8, 4;
+and.b32 t, t, 0x80808080;
+shl.b32 e, $8, 2;
+and.b32 e, e, 0x1C1C1C1C;
+or.b32 e, e, t;
+mov.b32 {lo, hi}, e;
+cvt.rn.f16x2.e4m3x2 p0, lo;
+cvt.rn.f16x2.e4m3x2 p1, hi;
+shr.b32 t, $8, 2;
+and.b32 t, t, 0x1C1C1C1C;
+and.b32 e, $8, 0x80808080;
+or.b32 e, e, t;
+mov.b32 {lo, hi}, e;
+cvt.rn.f16x2.e4m3x2 p2, lo;
+cvt.rn.f16x2.e4m3x2 p3, hi;
+mov.b32 {h0, h1}, p0;
+mov.b32 {h2, h3}, p1;
+mov.b32 {h4, h5}, p2;
+mov.b32 {h6, h7}, p3;
+cvt.f32.f16 $0, h0;
+cvt.f32.f16 $1, h1;
+cvt.f32.f16 $2, h2;
+cvt.f32.f16 $3, h3;
+cvt.f32.f16 $4, h4;
+cvt.f32.f16 $5, h5;
+cvt.f32.f16 $6, h6;
+cvt.f32.f16 $7, h7;
+}""")
+# The column within its word of each of ``_word_values``' 8 outputs.
+WORD_COLUMNS = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+@device_function
+def _word_code(words, SHIFT: tl.constexpr):
+    """The code at bits ``SHIFT`` to ``SHIFT + 3`` of every int32 word as float32 ``e2m1 · 2^-6``
+    (byte-wise, as ``_e4m3_codes``: the interpreter's path of ``_word_values``)."""
+    q = (words >> SHIFT) & 0xF
+    return (((q & 0x8) << 4) | ((q & 0x7) << 2)).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@device_function
+def _word_values(words):
+    """int32 words of packed codes ``[...]`` -> 8 float32 tensors ``[...]`` of values ``e2m1 · 2^-6``,
+    the word's columns ``WORD_COLUMNS``. Compiled: one inline-PTX block a word; taking words, not
+    bytes, a kernel can hold packed tiles across loop iterations in 32-bit registers (byte tensors
+    are carried one byte a register and repacked before every decode)."""
+    if _INTERPRETED:
+        return (_word_code(words, 0), _word_code(words, 8), _word_code(words, 16), _word_code(words, 24),
+                _word_code(words, 4), _word_code(words, 12), _word_code(words, 20), _word_code(words, 28))
+    else:
+        return tl.inline_asm_elementwise(_WORD_TO_FLOAT, "=r,=r,=r,=r,=r,=r,=r,=r,r", [words],
+                                         dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+
+
+@device_function
+def _word_dots(words, scale_bytes, x0, x1, x2, x3, x4, x5, x6, x7, B: tl.constexpr, W: tl.constexpr):
+    """``_row_dots`` on int32 words: float32 ``[A, B]`` dot products, before the row scale, of NVFP4
+    row tiles (words ``[A, B, W]``, 8 codes each, two words a scale group; e4m3 scale bytes
+    ``[A, B, W / 2]``) with float32 activations ``x0 .. x7`` (``[A or 1, 1, W]``: each word's columns
+    ``WORD_COLUMNS``, in that order)."""
+    v0, v1, v2, v3, v4, v5, v6, v7 = _word_values(words)
+    per_word = v0 * x0 + v1 * x1 + v2 * x2 + v3 * x3 + v4 * x4 + v5 * x5 + v6 * x6 + v7 * x7
+    groups = tl.sum(tl.reshape(per_word, (words.shape[0], B, W // 2, 2)), 3)
+    scales = scale_bytes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 64.0
+    return tl.sum(groups * scales, 2)

@@ -92,3 +92,41 @@ def test_sparse_moe_decode_nvfp4_real_sizes(rng, dtype, tokens):
     logits = torch.randn(tokens, EXPERTS + 1, generator=rng).to(dtype).to(CUDA)
     got = nvfp4_decode.sparse_moe_decode_nvfp4(x, logits, *weights, TOP_K, True)
     assert_close(got, ref.sparse_moe_decode_nvfp4_reference(x, logits, *weights, TOP_K, True))
+
+
+# The stream kernels (nvfp4_decode_stream.py) in shapes the tuner tries: one program-a-tile count
+# per SM over the whole grid, fused routing, without prefetch or PDL.
+STREAM_TILES = [
+    dict(gate_up_per_sm=2, down_per_sm=2, down_block_n=4, down_warps=8),
+    dict(gate_up_per_sm=4, gate_up_block_n=4, gate_up_warps=4, down_per_sm=4, down_block_n=2, fuse_route=True),
+    dict(gate_up_per_sm=3, gate_up_warps=4, down_per_sm=3, down_regs=168, prefetch=False, pdl=False),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 8])
+@pytest.mark.parametrize("tiles", STREAM_TILES, ids=lambda t: "-".join(f"{v}" for v in t.values()))
+def test_sparse_moe_decode_nvfp4_stream_real_sizes(rng, dtype, tokens, tiles):
+    """The stream kernels' block against the reference, eager and replayed from a CUDA graph with new
+    activations and router logits (their routing read or computed inside the graph)."""
+    from freetoken.kernels.triton import nvfp4_decode
+
+    weights = (
+        *random_nvfp4(rng, EXPERTS, 2 * INTER, HIDDEN), *random_nvfp4(rng, EXPERTS, HIDDEN, INTER),
+        *random_nvfp4(rng, 2 * INTER, HIDDEN), *random_nvfp4(rng, HIDDEN, INTER),
+    )
+    x = torch.randn(tokens, HIDDEN, generator=rng).to(dtype).to(CUDA)
+    logits = torch.randn(tokens, EXPERTS + 1, generator=rng).to(dtype).to(CUDA)
+    config = nvfp4_decode.NVFP4DecodeTiles(**tiles)
+
+    def block():
+        return nvfp4_decode.sparse_moe_decode_nvfp4_tiled(x, logits, *weights, TOP_K, True, config)
+
+    assert_close(block(), ref.sparse_moe_decode_nvfp4_reference(x, logits, *weights, TOP_K, True))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = block()
+    x.copy_(torch.randn(tokens, HIDDEN, generator=rng).to(dtype))
+    logits.copy_(torch.randn(tokens, EXPERTS + 1, generator=rng).to(dtype))
+    graph.replay()
+    assert_close(out, ref.sparse_moe_decode_nvfp4_reference(x, logits, *weights, TOP_K, True))

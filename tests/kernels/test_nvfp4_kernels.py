@@ -3,9 +3,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+import triton
+import triton.language as tl
+
 from kernel_checks import DEVICE, assert_close
 from freetoken.kernels import moe as moe_ref
 from freetoken.kernels import nvfp4 as ref
+from freetoken.kernels.triton.nvfp4_rows import WORD_COLUMNS, _word_values  # after conftest picked the interpreter
 
 
 def _triton():
@@ -111,6 +115,37 @@ def test_gemv_decodes_every_code_and_scale(dtype):
     assert torch.equal(got, ref.dequantize_nvfp4(packed, scales, row_scales, dtype)[:, :2].T)
 
 
+@triton.jit
+def _word_values_kernel(words_ptr, out_ptr, N: tl.constexpr):
+    """``nvfp4_rows._word_values`` of ``N`` int32 words stored as ``[N, 8]`` in column order."""
+    i = tl.arange(0, N)
+    v0, v1, v2, v3, v4, v5, v6, v7 = _word_values(tl.load(words_ptr + i))
+    row = out_ptr + i * 8
+    tl.store(row, v0)
+    tl.store(row + 2, v1)
+    tl.store(row + 4, v2)
+    tl.store(row + 6, v3)
+    tl.store(row + 1, v4)
+    tl.store(row + 3, v5)
+    tl.store(row + 5, v6)
+    tl.store(row + 7, v7)
+
+
+def test_word_decode_reads_every_code_in_every_byte():
+    """The stream kernels' decode of a 32-bit word (inline PTX where compiled, byte-wise under the
+    interpreter) gives ``e2m1 · 2^-6`` of all 8 codes in ``WORD_COLUMNS`` order, bit-exact: every
+    byte value in each of the word's four bytes."""
+    assert sorted(WORD_COLUMNS) == list(range(8))
+    values = torch.arange(256)
+    packed = torch.stack([(values + 64 * b) % 256 for b in range(4)], dim=1).to(torch.uint8)  # [256 words, 4 bytes]
+    out = torch.empty(256, 8, device=DEVICE)
+    _word_values_kernel[(1,)](packed.to(DEVICE).view(torch.int32).view(-1), out, N=256)
+    # Two words a row make one group of 16 columns, at scale 1 (e4m3 0x38) and row scale 1.
+    ones = torch.full((128, 1), 0x38, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    want = ref.dequantize_nvfp4(packed.view(128, 8), ones, torch.ones(128), torch.float32).view(256, 8)
+    assert torch.equal(out.cpu() * 64, want)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 3, 8])
 def test_sparse_moe_decode_nvfp4(rng, dtype, tokens):
@@ -132,6 +167,13 @@ NVFP4_TILE_CASES = [
     dict(gate_up_block_n=4, gate_up_block_k=32, gate_up_pairs=2, down_block_n=8, down_block_k=32),
     dict(gate_up_block_n=2, gate_up_block_k=4096, gate_up_pairs=16, down_block_n=2, down_block_k=4096, down_warps=1,
          pdl=False),
+    # The stream kernels (nvfp4_decode_stream): one program a token on the interpreter's one "SM" or
+    # several, looping over tiles that do not divide the rows, prefetching or not, routing in the
+    # programs or not, beside a one-program-per-tile pass.
+    dict(gate_up_per_sm=2, down_per_sm=3, gate_up_block_n=4, down_block_n=16, gate_up_warps=2, down_warps=2),
+    dict(gate_up_per_sm=1, down_per_sm=1, prefetch=False, fuse_route=True, gate_up_block_n=32, down_block_n=32),
+    dict(gate_up_per_sm=7, down_per_sm=5, fuse_route=True, pdl=False, gate_up_block_n=8, down_block_n=4),
+    dict(gate_up_per_sm=2, gate_up_block_n=16, down_block_n=8, gate_up_regs=128),
 ]
 
 
@@ -153,3 +195,14 @@ def test_nvfp4_decode_tiles_reject_a_step_below_one_group():
 
     with pytest.raises(ValueError, match="down_block_k"):
         NVFP4DecodeTiles(down_block_k=8)
+
+
+def test_nvfp4_decode_tiles_reject_bad_stream_fields():
+    from freetoken.kernels.triton.nvfp4_decode import NVFP4DecodeTiles
+
+    with pytest.raises(ValueError, match="fuse_route"):
+        NVFP4DecodeTiles(gate_up_per_sm=2, fuse_route=True)
+    with pytest.raises(ValueError, match="down_regs"):
+        NVFP4DecodeTiles(down_regs=300)
+    with pytest.raises(ValueError, match="gate_up_per_sm"):
+        NVFP4DecodeTiles(gate_up_per_sm=-1)

@@ -1,0 +1,254 @@
+"""The NVFP4 MoE decode block's gate/up and down passes as streams: a fixed number of programs per
+token, each looping over row tiles and loading the next tile's packed rows while it decodes the
+current one (``NVFP4DecodeTiles.gate_up_per_sm`` / ``down_per_sm`` pick them; ``nvfp4_decode.py``
+launches them).
+
+Why: at one token a layer's block reads ~16 MB, ~120 KB an SM, and the one-program-per-tile
+kernels (``nvfp4_decode._gate_up_kernel``: 576 programs at one token, two resident an SM) run it
+as ~2.2 waves of "load every byte, then decode": each wave waits a full DRAM latency with nothing
+to decode and then decodes with nothing in flight, and the last wave leaves most SMs idle. Here
+the grid is sized to the GPU (programs an SM x SMs, split over the tokens), so there is one wave,
+and each program's loads of tile i + 1 are issued before tile i's decode (``PREFETCH``), so that
+DRAM and the decode overlap within every program. A program handles one token: its activations
+(``x`` for gate/up, the token's ``h`` rows for down) are loaded and widened once, not per tile.
+
+``FUSE_ROUTE``: the programs compute the token's top-k themselves (``_route_token``, the routing
+launch's selection) instead of the routing launch, so the block is two launches. The down programs
+read the logits from L2 (``.cg``) before waiting for the gate/up launch: they were written two
+launches back, before the gate/up programs' wait returned, which precedes this launch (as
+``moe_decode._down_kernel`` reads the routing).
+
+Tiles: gate/up tile ``i`` of a token is pair ``j = i // NB`` (choice ``j``, the shared expert at
+``j = TOP_K``), intermediate columns ``(i % NB) · BLOCK_N`` on, the whole hidden dim in one load;
+down tile ``i`` is hidden columns ``i · BLOCK_N`` on, all choices and the shared expert, the whole
+intermediate dim in one load. The packed codes are loaded and carried as int32 words and reduced by
+``nvfp4_rows._word_dots`` (``_row_dots`` a word at a time: a byte tensor carried across the loop
+would sit one byte a register and be repacked before every decode); the rounding is that of
+``nvfp4_decode``'s kernels, so every variant gives the reference's result.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from freetoken.kernels.triton._common import cast, device_function, round_as
+from freetoken.kernels.triton.nvfp4_rows import _word_dots
+
+
+@device_function
+def _route_token(logits_ptr, l_st, topw_ptr, topi_ptr, t, num_experts, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                 BLOCK_E: tl.constexpr):
+    """Token ``t``'s routing, ``moe_decode._top_k``'s choices (softmax, then the top-k of the
+    probabilities' bits, lowest index among ties), stored to ``topw`` / ``topi`` as the routing
+    launch would (every program of the token stores the same values).
+
+    Each choice is one int64 max over ``probability bits << 32 | (BLOCK_E - 1 - expert)`` (the
+    larger probability, then the lower index) instead of ``_top_k``'s two int32 reductions: a
+    reduction over a whole program's warps is a round trip through shared memory with two barriers,
+    so this halves the ~17 such trips before the first weight load (``_top_k`` runs in one warp)."""
+    e = tl.arange(0, BLOCK_E)
+    ok = e < num_experts
+    logits = tl.load(logits_ptr + t * l_st + e, mask=ok, other=0.0, cache_modifier=".cg")
+    logits = tl.where(ok, logits.to(tl.float32), float("-inf"))
+    p = tl.exp(logits - tl.max(logits, 0))
+    bits = (p / tl.sum(p, 0)).to(tl.int32, bitcast=True).to(tl.int64)
+    key = tl.where(ok, (bits << 32) | (BLOCK_E - 1 - e), -1)
+    total = tl.sum(tl.zeros([BLOCK_E], tl.float32), 0)
+    weights = tl.zeros([BLOCK_E], tl.float32)
+    experts = tl.zeros([BLOCK_E], tl.int32)
+    for c in tl.static_range(TOP_K):
+        best = tl.max(key, 0)
+        best_i = (BLOCK_E - 1 - (best & 0xFFFFFFFF)).to(tl.int32)
+        best_p = (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        total += best_p
+        weights = tl.where(e == c, best_p, weights)
+        experts = tl.where(e == c, best_i, experts)
+        key = tl.where(e == best_i, -1, key)
+    if RENORMALIZE:
+        weights = weights / total
+    tl.store(topw_ptr + t * TOP_K + e, weights, mask=e < TOP_K)
+    tl.store(topi_ptr + t * TOP_K + e, experts, mask=e < TOP_K)
+
+
+@device_function
+def _choices(logits_ptr, l_st, topw_ptr, topi_ptr, t, num_experts, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+             BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr, FUSE_ROUTE: tl.constexpr):
+    """Token ``t``'s routing weights (float32) and expert ids (int32), ``[BLOCK_C]`` with choice ``c``
+    in lane ``c``: the routing launch's output, or (``FUSE_ROUTE``) computed here first and read
+    back after a barrier, both from L2 (``.cg``: L1 may hold an earlier layer's at the same address;
+    the program's own stores are in L2)."""
+    if FUSE_ROUTE:
+        _route_token(logits_ptr, l_st, topw_ptr, topi_ptr, t, num_experts, TOP_K, RENORMALIZE, BLOCK_E)
+        tl.debug_barrier()
+    c = tl.arange(0, BLOCK_C)
+    weights = tl.load(topw_ptr + t * TOP_K + c, mask=c < TOP_K, other=0.0, cache_modifier=".cg")
+    experts = tl.load(topi_ptr + t * TOP_K + c, mask=c < TOP_K, other=0, cache_modifier=".cg")
+    return weights, experts
+
+
+@device_function
+def _word_columns(rows_ptr, word, ok):
+    """Activations ``rows_ptr[..., 8 · word + m]`` as float32, one tensor for each column ``m`` of
+    ``nvfp4_rows.WORD_COLUMNS`` (0, 2, 4, 6, 1, 3, 5, 7), the operands of ``_word_dots``."""
+    base = rows_ptr + 8 * word
+    return (tl.load(base, mask=ok, other=0.0).to(tl.float32), tl.load(base + 2, mask=ok, other=0.0).to(tl.float32),
+            tl.load(base + 4, mask=ok, other=0.0).to(tl.float32), tl.load(base + 6, mask=ok, other=0.0).to(tl.float32),
+            tl.load(base + 1, mask=ok, other=0.0).to(tl.float32), tl.load(base + 3, mask=ok, other=0.0).to(tl.float32),
+            tl.load(base + 5, mask=ok, other=0.0).to(tl.float32), tl.load(base + 7, mask=ok, other=0.0).to(tl.float32))
+
+
+@device_function
+def _gate_up_tile(w13_ptr, w13_s_ptr, w13_r_ptr, sw_ptr, sw_s_ptr, sw_r_ptr, experts, tile, num_tiles, w_row, s_row,
+                  w_offs, s_offs, w_k_ok, s_k_ok, inter, shared_inter, TOP_K: tl.constexpr, BLOCK_C: tl.constexpr,
+                  BLOCK_N: tl.constexpr, NB: tl.constexpr):
+    """Tile ``tile``'s packed gate and up rows as int32 words ``[1, BLOCK_N, BLOCK_K / 8]``, their scale bytes
+    ``[1, BLOCK_N, BLOCK_K / 16]`` and row scales ``[1, BLOCK_N]`` (zeros past ``num_tiles``). The
+    element offsets within a tile (``w_offs``, ``s_offs``) are the program's, so a tile costs one
+    64-bit add and one mask a vector."""
+    j = tile // NB
+    routed = j < TOP_K
+    expert = tl.sum(tl.where(tl.arange(0, BLOCK_C) == j, experts, 0), 0).to(tl.int64)
+    limit = tl.where(routed, inter, shared_inter)
+    row = tl.where(routed, expert * 2 * inter, 0) + (tile % NB) * BLOCK_N  # the tile's first gate row
+    n_ok = (tl.arange(0, BLOCK_N) < tl.where(tile < num_tiles, limit - (tile % NB) * BLOCK_N, 0))[None, :]
+    gate_w_ptr = tl.where(routed, w13_ptr, sw_ptr) + row * w_row
+    gate_s_ptr = tl.where(routed, w13_s_ptr, sw_s_ptr) + row * s_row
+    gate_r_ptr = tl.where(routed, w13_r_ptr, sw_r_ptr) + row
+    gate_w = tl.load(gate_w_ptr + w_offs, mask=n_ok[:, :, None] & w_k_ok, other=0)
+    up_w = tl.load(gate_w_ptr + limit * w_row + w_offs, mask=n_ok[:, :, None] & w_k_ok, other=0)
+    gate_s = tl.load(gate_s_ptr + s_offs, mask=n_ok[:, :, None] & s_k_ok, other=0)
+    up_s = tl.load(gate_s_ptr + limit * s_row + s_offs, mask=n_ok[:, :, None] & s_k_ok, other=0)
+    n = tl.arange(0, BLOCK_N)[None, :]
+    gate_r = tl.load(gate_r_ptr + n, mask=n_ok, other=0.0)
+    up_r = tl.load(gate_r_ptr + limit + n, mask=n_ok, other=0.0)
+    return gate_w, up_w, gate_s, up_s, gate_r, up_r
+
+
+@triton.jit
+def _gate_up_stream_kernel(
+    x_ptr, x_st, w13_ptr, w13_s_ptr, w13_r_ptr, sw_ptr, sw_s_ptr, sw_r_ptr, topw_ptr, topi_ptr, logits_ptr, l_st,
+    h_ptr, h_width, hidden, w_row, s_row, inter, shared_inter, num_experts,
+    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_N: tl.constexpr, NB: tl.constexpr, BLOCK_K: tl.constexpr, FUSE_ROUTE: tl.constexpr, PREFETCH: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # NB: column blocks a pair (cdiv(h_width, BLOCK_N)), a constant so that a tile's pair is a shift.
+    # w_row, s_row: hidden / 8 and hidden / 16, the row strides in int32 words of packed codes and in
+    # scale bytes, as arguments so that Triton sees them divisible by 16 where they are (wide loads).
+    if PDL:  # the routing (or the router logits) is the previous launch's output; the down programs may start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    t = tl.program_id(0)
+    _, experts = _choices(logits_ptr, l_st, topw_ptr, topi_ptr, t, num_experts, TOP_K, RENORMALIZE, BLOCK_E, BLOCK_C,
+                          FUSE_ROUTE)
+    num_tiles = (TOP_K + 1) * NB
+    word = tl.arange(0, BLOCK_K // 8)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _word_columns(x_ptr + t * x_st + word[None, None, :] * 0, word[None, None, :],
+                                                   (word < w_row)[None, None, :])
+    dtype = h_ptr.dtype.element_ty
+    group = tl.arange(0, BLOCK_K // 16)
+    rows = tl.arange(0, BLOCK_N)[None, :, None]
+    w_offs, s_offs = rows * w_row + word[None, None, :], rows * s_row + group[None, None, :]
+    w_k_ok, s_k_ok = (word < w_row)[None, None, :], (group < s_row)[None, None, :]
+    step = tl.num_programs(1)
+    first = tl.program_id(1)
+    gate_w, up_w, gate_s, up_s, gate_r, up_r = _gate_up_tile(
+        w13_ptr, w13_s_ptr, w13_r_ptr, sw_ptr, sw_s_ptr, sw_r_ptr, experts, first, num_tiles, w_row, s_row,
+        w_offs, s_offs, w_k_ok, s_k_ok, inter, shared_inter, TOP_K, BLOCK_C, BLOCK_N, NB)
+    for tile in range(first, num_tiles, step):
+        if PREFETCH:  # the next tile's loads in flight during this tile's decode
+            next_tile = _gate_up_tile(
+                w13_ptr, w13_s_ptr, w13_r_ptr, sw_ptr, sw_s_ptr, sw_r_ptr, experts, tile + step, num_tiles, w_row,
+                s_row, w_offs, s_offs, w_k_ok, s_k_ok, inter, shared_inter, TOP_K, BLOCK_C, BLOCK_N, NB)
+        j = tile // NB
+        n = (tile % NB) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < tl.where(j < TOP_K, inter, shared_inter)
+        gate = _word_dots(gate_w, gate_s, x0, x1, x2, x3, x4, x5, x6, x7, BLOCK_N, BLOCK_K // 8)
+        up = _word_dots(up_w, up_s, x0, x1, x2, x3, x4, x5, x6, x7, BLOCK_N, BLOCK_K // 8)
+        gate, up = round_as(gate * gate_r, dtype), round_as(up * up_r, dtype)
+        h = round_as(gate * tl.sigmoid(gate), dtype) * up
+        q = t.to(tl.int64) * (TOP_K + 1) + j
+        tl.store(h_ptr + q * h_width + n[None, :], cast(h, dtype), mask=n_ok[None, :])
+        if PREFETCH:
+            gate_w, up_w, gate_s, up_s, gate_r, up_r = next_tile
+        else:
+            gate_w, up_w, gate_s, up_s, gate_r, up_r = _gate_up_tile(
+                w13_ptr, w13_s_ptr, w13_r_ptr, sw_ptr, sw_s_ptr, sw_r_ptr, experts, tile + step, num_tiles, w_row,
+                s_row, w_offs, s_offs, w_k_ok, s_k_ok, inter, shared_inter, TOP_K, BLOCK_C, BLOCK_N, NB)
+
+
+@device_function
+def _down_tile(w2_ptr, w2_s_ptr, w2_r_ptr, sd_ptr, sd_s_ptr, sd_r_ptr, experts, tile, num_tiles, hidden, w_row, s_row,
+               sw_row, ss_row, w_offs, s_offs, ws_offs, ss_offs, w_k_ok, s_k_ok, ws_k_ok, ss_k_ok,
+               TOP_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Tile ``tile``'s packed down rows (int32 words) of every choice ``[BLOCK_C, BLOCK_N, BLOCK_K / 8]``
+    and of the shared expert ``[1, BLOCK_N, BLOCK_K / 8]``, their scale bytes and row scales (zeros past
+    ``num_tiles``); the element offsets within a tile are the program's, as in ``_gate_up_tile``."""
+    n0 = tile * BLOCK_N
+    n_ok = (tl.arange(0, BLOCK_N) < tl.where(tile < num_tiles, hidden - n0, 0))[None, :]
+    row = experts.to(tl.int64) * hidden + n0  # each choice's first row of the flattened [E · H, I] weight
+    rows_ok = (tl.arange(0, BLOCK_C) < TOP_K)[:, None] & n_ok
+    w = tl.load(w2_ptr + (row * w_row)[:, None, None] + w_offs, mask=rows_ok[:, :, None] & w_k_ok, other=0)
+    s = tl.load(w2_s_ptr + (row * s_row)[:, None, None] + s_offs, mask=rows_ok[:, :, None] & s_k_ok, other=0)
+    r = tl.load(w2_r_ptr + row[:, None] + tl.arange(0, BLOCK_N)[None, :], mask=rows_ok, other=0.0)
+    ws = tl.load(sd_ptr + n0.to(tl.int64) * sw_row + ws_offs, mask=n_ok[:, :, None] & ws_k_ok, other=0)
+    ss = tl.load(sd_s_ptr + n0.to(tl.int64) * ss_row + ss_offs, mask=n_ok[:, :, None] & ss_k_ok, other=0)
+    rs = tl.load(sd_r_ptr + n0 + tl.arange(0, BLOCK_N)[None, :], mask=n_ok, other=0.0)
+    return w, s, r, ws, ss, rs
+
+
+@triton.jit
+def _down_stream_kernel(
+    h_ptr, h_width, w2_ptr, w2_s_ptr, w2_r_ptr, sd_ptr, sd_s_ptr, sd_r_ptr, topw_ptr, topi_ptr,
+    logits_ptr, l_st, out_ptr, hidden, inter, shared_inter, w_row, s_row, sw_row, ss_row, num_experts,
+    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FUSE_ROUTE: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+):
+    # w_row, s_row (sw_row, ss_row): the routed (shared) down rows' strides in words and scale bytes,
+    # inter / 8 and inter / 16, as arguments for their divisibility (see _gate_up_stream_kernel).
+    # Under PDL this starts while the gate/up launch runs: the routing and the first tile's weights
+    # are loaded before the wait, ``h`` (the gate/up output) after it.
+    t = tl.program_id(0)
+    dtype = out_ptr.dtype.element_ty
+    weight, experts = _choices(logits_ptr, l_st, topw_ptr, topi_ptr, t, num_experts, TOP_K, RENORMALIZE, BLOCK_E,
+                               BLOCK_C, FUSE_ROUTE)
+    weight = cast(weight, dtype).to(tl.float32)  # as the reference holds them: rounded to the activations' dtype
+    num_tiles = tl.cdiv(hidden, BLOCK_N)
+    word = tl.arange(0, BLOCK_K // 8)[None, None, :]
+    group = tl.arange(0, BLOCK_K // 16)[None, None, :]
+    rows = tl.arange(0, BLOCK_N)[None, :, None]
+    w_offs, s_offs, ws_offs, ss_offs = rows * w_row + word, rows * s_row + group, rows * sw_row + word, rows * ss_row + group
+    w_k_ok, s_k_ok, ws_k_ok, ss_k_ok = word < w_row, group < s_row, word < sw_row, group < ss_row
+    step = tl.num_programs(1)
+    first = tl.program_id(1)
+    w, s, r, ws, ss, rs = _down_tile(w2_ptr, w2_s_ptr, w2_r_ptr, sd_ptr, sd_s_ptr, sd_r_ptr, experts, first, num_tiles,
+                                     hidden, w_row, s_row, sw_row, ss_row, w_offs, s_offs, ws_offs, ss_offs,
+                                     w_k_ok, s_k_ok, ws_k_ok, ss_k_ok, TOP_K, BLOCK_C, BLOCK_N)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    c = tl.arange(0, BLOCK_C)
+    h_rows = h_ptr + (t.to(tl.int64) * (TOP_K + 1) + c) * h_width
+    h0, h1, h2, h3, h4, h5, h6, h7 = _word_columns(h_rows[:, None, None], word, (c < TOP_K)[:, None, None] & w_k_ok)
+    h_shared = h_ptr + (t.to(tl.int64) * (TOP_K + 1) + TOP_K) * h_width
+    s0, s1, s2, s3, s4, s5, s6, s7 = _word_columns(h_shared + word * 0, word, ws_k_ok)
+    gate = round_as(tl.sigmoid(tl.load(logits_ptr + t * l_st + num_experts).to(tl.float32)), dtype)
+    for tile in range(first, num_tiles, step):
+        if PREFETCH:
+            next_tile = _down_tile(w2_ptr, w2_s_ptr, w2_r_ptr, sd_ptr, sd_s_ptr, sd_r_ptr, experts, tile + step,
+                                   num_tiles, hidden, w_row, s_row, sw_row, ss_row, w_offs, s_offs, ws_offs, ss_offs,
+                                   w_k_ok, s_k_ok, ws_k_ok, ss_k_ok, TOP_K, BLOCK_C, BLOCK_N)
+        acc = _word_dots(w, s, h0, h1, h2, h3, h4, h5, h6, h7, BLOCK_N, BLOCK_K // 8) * r
+        shared = tl.sum(_word_dots(ws, ss, s0, s1, s2, s3, s4, s5, s6, s7, BLOCK_N, BLOCK_K // 8) * rs, 0)
+        scaled = round_as(round_as(acc, dtype) * weight[:, None], dtype)
+        # One float32 sum over the choices in a fixed (tree) order, as moe_decode's.
+        out = round_as(tl.sum(scaled, 0), dtype) + round_as(gate * round_as(shared, dtype), dtype)
+        n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(out_ptr + t * hidden + n, cast(out, dtype), mask=n < hidden)
+        if PREFETCH:
+            w, s, r, ws, ss, rs = next_tile
+        else:
+            w, s, r, ws, ss, rs = _down_tile(w2_ptr, w2_s_ptr, w2_r_ptr, sd_ptr, sd_s_ptr, sd_r_ptr, experts,
+                                             tile + step, num_tiles, hidden, w_row, s_row, sw_row, ss_row, w_offs,
+                                             s_offs, ws_offs, ss_offs, w_k_ok, s_k_ok, ws_k_ok, ss_k_ok, TOP_K,
+                                             BLOCK_C, BLOCK_N)
