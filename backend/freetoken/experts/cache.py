@@ -25,6 +25,16 @@ class CacheCounters:
     bytes_copied: int = 0
     prefetched: int = 0
     prefetch_hits: int = 0
+    # The zero-copy decode forwards alone (``ExpertOffload.settle``), a part of the above: what a
+    # benchmark of the steady decode judges (the eager path's prefill copies are the rest).
+    decode_forwards: int = 0  # zero-copy decode forwards settled
+    decode_hits: int = 0
+    decode_misses: int = 0
+    decode_fills: int = 0  # experts whose copies the settles queued (their bytes are in bytes_copied)
+    zero_copy_bytes: int = 0  # expert bytes the kernels read from host memory: missed (token, choice) pairs
+    fills_waited_on: int = 0  # fills mapped while still copying: the next step waits for them on the device
+    copy_wait_seconds: float = 0.0  # device time the compute stream spent waiting for those (CUDA)
+    settle_seconds: float = 0.0  # host time the settles took (policy, eviction, queuing the copies)
 
 
 class SlotTable:

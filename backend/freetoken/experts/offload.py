@@ -17,6 +17,7 @@ host in each layer and copy the misses in before the layer runs (``begin``).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -146,8 +147,11 @@ class ExpertOffload:
             self._settle(record)
 
     def _settle(self, record: RoutedRecord) -> None:
+        start = time.perf_counter()
         table, slots = self._table(), self.slots
         assert slots is not None
+        counters = table.counters
+        hits_before, misses_before = counters.hits, counters.misses
         fills: dict[ExpertKey, tuple[int, int, int]] = {}
         evicted: list[ExpertKey] = []
         routed: set[ExpertKey] = set()
@@ -166,6 +170,12 @@ class ExpertOffload:
         # (at most a 16th of the cache, which a small cache could not spare).
         evicted += table.reserve(min(len(fills), table.num_slots // RESERVE_DIVISOR), routed | fills.keys())
         slots.fill_deferred(list(fills.values()), evicted, self._parts)
+        counters.decode_forwards += 1
+        counters.decode_hits += counters.hits - hits_before
+        counters.decode_misses += counters.misses - misses_before
+        counters.decode_fills += len(fills)
+        counters.zero_copy_bytes += record.missed_pairs() * table.expert_bytes
+        counters.settle_seconds += time.perf_counter() - start
 
     def between_steps(self) -> None:
         """Before a step is launched: settle what arrived, map the copies that are done."""
@@ -173,7 +183,9 @@ class ExpertOffload:
             return
         self.settle()
         assert self.slots is not None
-        self.slots.commit()
+        counters = self._table().counters
+        counters.fills_waited_on += self.slots.commit()
+        counters.copy_wait_seconds += self.slots.waited_seconds()
 
     def begin(self, layer: int, experts: list[int]) -> list[list[int]]:
         """A layer's routed experts: their passes (``SlotTable.passes``), the first one's copies
