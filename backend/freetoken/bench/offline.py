@@ -12,7 +12,11 @@ every engine step is timed (``bench.timing``):
 - the HBM floor at the steady steps' mean context (``bench.floor``) and the ratio to it;
 - the GPU idle share over a few steady steps (CUDA only);
 - with ``--moe-offload``: the expert cache over the timed run (hits, misses, hit rate, bytes
-  copied, and their PCIe floor: bytes / ``--pcie-bandwidth`` per decode step).
+  copied, and their PCIe floor: bytes / ``--pcie-bandwidth`` per decode step), and split into the
+  prefill steps and the steady decode steps, with every step's counters (``bench.offload_stats``);
+  with ``--resident-ms-per-step`` (the all-resident run's figure) also the share of its tokens/s
+  and the time added per step against the missed experts' PCIe floor. A steady state needs a few
+  hundred decode steps (``--output-len 256``): the first ones after the prefill still fill the cache.
 
 ``--compare-transformers`` times transformers' ``generate()`` on a copy of the same weights.
 ``--workload shared-prefix`` times prefix-cache hits instead (``bench.shared_prefix``).
@@ -62,6 +66,11 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--pcie-bandwidth", type=float, default=PCIE_BANDWIDTH,
         help="host->device bytes/s of the expert copies' floor with --moe-offload (55e9, pinned, H200)",
+    )
+    group.add_argument(
+        "--resident-ms-per-step", type=float, default=None, metavar="MS",
+        help="with --moe-offload: the all-resident engine's decode ms/step (a run without --moe-offload, same "
+             "flags): report the share of its tok/s and the time added per step against the missed experts' floor",
     )
     group.add_argument(
         "--profile-steps", type=int, default=5, help="steady steps profiled for the GPU idle share (5; 0: off)"
@@ -118,6 +127,8 @@ def _check(args: argparse.Namespace) -> None:
             )
         if args.compare_transformers:
             raise SystemExit("freetoken bench: --compare-transformers runs dense weights: not with --quantization")
+    if args.resident_ms_per_step is not None and (not args.moe_offload or args.resident_ms_per_step <= 0):
+        raise SystemExit("freetoken bench: --resident-ms-per-step needs --moe-offload and a value > 0")
     if args.input_len < 1 or args.output_len < 2:
         raise SystemExit("freetoken bench: --input-len must be >= 1 and --output-len >= 2")
     if shared:
@@ -174,7 +185,10 @@ def bench_batch(llm, batch_size: int, args: argparse.Namespace, traffic, progres
     on_cuda = llm.runtime.engine.device.type == "cuda"
     memory = _MemoryWatch(on_cuda)
     cache_before = llm.runtime.stats().expert_cache
-    with StepRecorder(llm.runtime, batch_size, args.output_len, args.profile_steps if on_cuda else 0, progress) as rec:
+    offload = llm.runtime.engine.offload
+    counters = None if offload is None else (lambda: dataclasses.asdict(offload.counters))
+    with StepRecorder(llm.runtime, batch_size, args.output_len, args.profile_steps if on_cuda else 0, progress,
+                      counters=counters) as rec:
         outputs = llm.generate(requests, params)
     cache_after = llm.runtime.stats().expert_cache
     ttft = [o.metrics["time_to_first_token"] for o in outputs]
@@ -200,7 +214,15 @@ def bench_batch(llm, batch_size: int, args: argparse.Namespace, traffic, progres
         "ratio_to_floor": None,
         "expert_cache": _expert_cache_delta(cache_before, cache_after, len(rec.records), args.pcie_bandwidth,
                                             _expert_bytes(llm)),
+        "expert_cache_phases": None,
     }
+    if offload is not None:
+        from freetoken.bench.offload_stats import expert_cache_phases
+
+        result["expert_cache_phases"] = expert_cache_phases(
+            rec.records, rec.steady_records(profiled=True), steady, offload.expert_bytes, args.pcie_bandwidth,
+            args.resident_ms_per_step,
+        )
     if steady:
         step_s = statistics.median(r.seconds for r in steady)
         context = args.input_len + statistics.fmean(r.mean_output_len for r in steady) - 1

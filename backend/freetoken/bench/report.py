@@ -109,6 +109,10 @@ def print_report(report: dict[str, Any]) -> None:
         print("  ".join(cell.rjust(width) for cell, width in zip(row, widths)))
     for result in results:
         print_expert_cache(result)
+        if result.get("expert_cache_phases"):
+            from freetoken.bench.offload_stats import print_phases
+
+            print_phases(result["batch_size"], result["expert_cache_phases"])
     for result in results:
         print_kernel_table(result)
 
