@@ -214,7 +214,44 @@ class ARCPolicy:
         raise MemoryError(_ALL_PROTECTED)
 
 
-POLICIES: dict[str, type] = {"lru": LRUPolicy, "lrfu": LRFUPolicy, "arc": ARCPolicy}
+class AdmittingLRFUPolicy(LRFUPolicy):
+    """LRFU eviction, and frequency admission for the zero-copy decode path (TinyLFU, Einziger et
+    al., ACM ToS 2017): there a missed expert is read from host memory whether or not it is copied
+    in, so a copy pays only if the expert comes back before it is evicted. ``admits`` copies a
+    missed expert in only when its long-run score (half-life ``admission_half_life`` forward passes)
+    beats that of the victim LRFU would evict for it; otherwise the cache keeps the victim and the
+    expert keeps being read from host memory. One access outweighs a 12-pass LRFU history, so the
+    eviction score alone admits nearly every miss: where routing has little token-to-token
+    persistence (a random router, biased or not) every copy then evicts an expert about as hot as the
+    one copied, doubling the PCIe traffic for no hits (``benchmarks/expert_offload_sim.py``). The
+    eager path (prefill) needs its experts in slots and admits them all."""
+
+    def __init__(self, half_life: float = 12.0, admission_half_life: float = 64.0) -> None:
+        super().__init__(half_life)
+        if not admission_half_life > 0:
+            raise ValueError(f"admission_half_life must be > 0 forward passes, got {admission_half_life}")
+        self._long_half_life = admission_half_life
+        self._long: dict[ExpertKey, float] = {}
+        self._long_base = 0
+
+    def access(self, keys: Sequence[ExpertKey]) -> None:
+        super().access(keys)
+        weight = 2.0 ** ((self._step - self._long_base) / self._long_half_life)
+        if weight > _REBASE_WEIGHT:
+            self._long = {key: value / weight for key, value in self._long.items()}
+            self._long_base, weight = self._step, 1.0
+        long = self._long
+        for key in keys:
+            long[key] = long.get(key, 0.0) + weight
+
+    def admits(self, key: ExpertKey, protected: Container[ExpertKey]) -> bool:
+        """Whether ``key``, missing, should take the slot of the expert ``evict`` would give up."""
+        victim = self.evict(protected)
+        self.insert(victim)  # back as it was: its score is kept
+        return self._long.get(key, 0.0) > self._long.get(victim, 0.0)
+
+
+POLICIES: dict[str, type] = {"lru": LRUPolicy, "lrfu": LRFUPolicy, "arc": ARCPolicy, "lrfu-admit": AdmittingLRFUPolicy}
 DEFAULT_POLICY = "lrfu"
 
 
