@@ -113,7 +113,8 @@ def test_recorder_times_steady_steps_and_profiles_a_window_of_them():
     assert len(recorder.steady_records()) == 11 - 4
     assert recorder.profiled_wall > 0
     # Only CPU activity recorded: no GPU interval, so the "GPU" was idle throughout.
-    assert recorder.gpu_idle_share == pytest.approx(1.0)
+    assert recorder.busy_per_step == 0.0
+    assert recorder.profiled_idle_share == pytest.approx(1.0)
     assert recorder.kernel_table == []
 
 

@@ -203,7 +203,9 @@ def bench_batch(llm, batch_size: int, args: argparse.Namespace, traffic, progres
         "ttft_ms_max": max(ttft) * 1e3,
         "prefill_tok_s": batch_size * args.input_len / max(ttft),
         "output_tok_s": batch_size * args.output_len / sum(r.seconds for r in rec.records),
-        "gpu_idle_share": rec.gpu_idle_share,
+        "gpu_idle_share": None,
+        "profiled_idle_share": rec.profiled_idle_share,
+        "gpu_busy_ms_per_step": rec.busy_per_step * 1e3 if rec.busy_per_step is not None else None,
         "kernels": rec.kernel_table,
         **memory.result(),
         "profiled_ms_per_step": rec.profiled_wall / args.profile_steps * 1e3 if rec.profiled_wall else None,
@@ -234,6 +236,8 @@ def bench_batch(llm, batch_size: int, args: argparse.Namespace, traffic, progres
             floor=floor.as_dict(),
             ratio_to_floor=step_s / floor.seconds,
         )
+        if rec.busy_per_step is not None:  # against the unprofiled step (bench.timing)
+            result["gpu_idle_share"] = max(0.0, 1.0 - rec.busy_per_step / step_s)
     else:
         logger.warning("batch %d: no steady decode step (raise --output-len)", batch_size)
     return result

@@ -66,7 +66,9 @@ def print_kernel_table(result: dict[str, Any]) -> None:
         return
     launches = sum(k["launches_per_step"] for k in table)
     total_us = sum(k["us_per_step"] for k in table)
-    print(f"batch {result['batch_size']}: {launches:.0f} GPU activities, {total_us / 1e3:.2f} ms busy per step")
+    busy = result.get("gpu_busy_ms_per_step")
+    union = "" if busy is None else f" ({busy:.2f} ms with the GPU busy: overlapping activities count once)"
+    print(f"batch {result['batch_size']}: {launches:.0f} GPU activities, {total_us / 1e3:.2f} ms of activity per step{union}")
     print(f"  {'launches':>8}  {'us/step':>9}  {'share':>6}  kernel")
     for k in table[:KERNELS_SHOWN]:
         print(f"  {k['launches_per_step']:8.1f}  {k['us_per_step']:9.1f}  {100 * k['share']:5.1f}%  {k['name'][:100]}")
