@@ -8,10 +8,9 @@ passes for the chunk, the zero-copy decode's settle one step late). Routing: the
 ``freetoken.bench.routing_trace`` (fitted to Qwen3 MoE statistics; a request's prompt and decode
 share its request skew, the prompt's tokens come first), and the bench's ``--routing fitted`` (the
 corpus skew alone on a random router: no request skew, no token persistence). Printed per routing,
-residency and prefill weighting (``share``: a chunk adds each expert's share of its tokens to the
-policy's score, one step's worth; ``uses``: one use per routed expert, as before): the decode hit
-rate of the first 32 steps after each prefill and of the rest (requests after the first), misses and
-fills per step, and the missed experts' PCIe ms per step (bf16, 6.3 MB at 55 GB/s).
+residency and policy: the decode hit rate of the first 32 steps after each prefill and of the rest
+(requests after the first), misses (reads from host memory, the step in flight's repeats included)
+and fills (copies) per step, and the missed experts' PCIe ms per step (bf16, 6.3 MB at 55 GB/s).
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import json
 import time
 from dataclasses import replace
 
-from freetoken.bench.offload_sim import PREFILL_WEIGHTS, OffloadReplay
+from freetoken.bench.offload_sim import OffloadReplay
 from freetoken.bench.routing_trace import QWEN3_ROUTING, generate_trace
 from freetoken.experts.eviction import DEFAULT_POLICY, make_policy
 
@@ -34,11 +33,10 @@ BENCH_ROUTING = replace(QWEN3_ROUTING, global_skew=QWEN3_ROUTING.global_skew / (
 ROUTINGS = {"trace": QWEN3_ROUTING, "bench-fitted": BENCH_ROUTING}
 
 
-def run(routing: str, residency: float, weights: str, policy: str, requests: int, prompt: int, decode: int,
-        seed: int) -> dict:
+def run(routing: str, residency: float, policy: str, requests: int, prompt: int, decode: int, seed: int) -> dict:
     model = replace(ROUTINGS[routing], request_tokens=prompt + decode)
     trace = generate_trace(LAYERS, EXPERTS, TOP_K, requests * (prompt + decode), seed=seed, model=model)[:, 0]
-    replay = OffloadReplay(round(residency * LAYERS * EXPERTS), make_policy(policy), weights)
+    replay = OffloadReplay(round(residency * LAYERS * EXPERTS), make_policy(policy))
     early, late = [], []
     for r in range(requests):
         start = r * (prompt + decode)
@@ -50,7 +48,7 @@ def run(routing: str, residency: float, weights: str, policy: str, requests: int
                          steps.per_step(steps.fills, AFTER_PREFILL)))
     n = len(late)
     misses = sum(m for _, m, _ in late) / n
-    return dict(routing=routing, residency=residency, prefill_weights=weights, policy=policy,
+    return dict(routing=routing, residency=residency, policy=policy,
                 hit_rate_after_prefill=sum(early) / n, hit_rate_steady=sum(h for h, _, _ in late) / n,
                 misses_per_step=misses, fills_per_step=sum(f for _, _, f in late) / n,
                 miss_floor_ms_per_step=misses * EXPERT_MS)
@@ -64,23 +62,22 @@ def main() -> None:
     parser.add_argument("--residencies", type=float, nargs="+", default=[0.5])
     parser.add_argument("--routings", nargs="+", choices=sorted(ROUTINGS), default=sorted(ROUTINGS))
     parser.add_argument("--policies", nargs="+", default=[DEFAULT_POLICY, "lrfu-admit"])
-    parser.add_argument("--weights", nargs="+", choices=PREFILL_WEIGHTS, default=["uses"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", dest="json_path", default=None)
     args = parser.parse_args()
     if args.requests < 2:
         parser.error("--requests must be >= 2 (the first one starts from an empty cache)")
     rows = []
-    print(f"| routing | resident | policy | prefill weights | hit rate, {AFTER_PREFILL} steps after prefill | hit rate after | "
-          "misses / step | fills / step | missed experts' PCIe ms / step |\n|---|---:|---|---|---:|---:|---:|---:|---:|")
+    print(f"| routing | resident | policy | hit rate, {AFTER_PREFILL} steps after prefill | hit rate after | "
+          "misses / step | fills / step | missed experts' PCIe ms / step |\n|---|---:|---|---:|---:|---:|---:|---:|")
     for routing in args.routings:
         for residency in args.residencies:
-            for policy, weights in [(p, w) for p in args.policies for w in args.weights]:
+            for policy in args.policies:
                 start = time.perf_counter()
-                row = run(routing, residency, weights, policy, args.requests, args.prompt, args.decode, args.seed)
+                row = run(routing, residency, policy, args.requests, args.prompt, args.decode, args.seed)
                 row["seconds"] = time.perf_counter() - start
                 rows.append(row)
-                print(f"| {routing} | {100 * residency:.0f}% | {policy} | {weights} | {100 * row['hit_rate_after_prefill']:.1f}% | "
+                print(f"| {routing} | {100 * residency:.0f}% | {policy} | {100 * row['hit_rate_after_prefill']:.1f}% | "
                       f"{100 * row['hit_rate_steady']:.1f}% | {row['misses_per_step']:.1f} | {row['fills_per_step']:.1f} | "
                       f"{row['miss_floor_ms_per_step']:.2f} |", flush=True)
     if args.json_path:

@@ -84,11 +84,13 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--routing",
-        choices=["uniform", "fitted"],
+        choices=["uniform", "fitted", "trace"],
         default="uniform",
         help="with random weights: fitted biases the routers to the expert skew fitted to published Qwen3 "
         "routing (bench/routing_trace.py; what an expert cache sees; the floor still counts the experts uniform "
-        "routing touches, exact at batch 1); uniform leaves them near uniform (uniform)",
+        "routing touches, exact at batch 1); trace (batch 1) drives them step by step along the fitted trace "
+        "(bench/routing_trace.py's TraceRouting: corpus skew, a request skew per prompt and token persistence, "
+        "realistic routing for an expert cache); uniform leaves them near uniform (uniform)",
     )
     group.add_argument("--compare-transformers", action="store_true", help="also time transformers' generate()")
     group.add_argument("--shared-prefix-len", type=int, default=DEFAULT_SHARED_PREFIX_LEN,
@@ -117,6 +119,8 @@ def _check(args: argparse.Namespace) -> None:
     shared = args.workload == "shared-prefix"
     if args.input_len is None:
         args.input_len = DEFAULT_PROMPT_LEN if shared else DECODE_INPUT_LEN
+    if args.routing == "trace" and max(args.batch_sizes) > 1:
+        raise SystemExit("freetoken bench: --routing trace drives one request's routing: --batch-sizes 1 only")
     if args.routing != "uniform" and args.preset is None and args.load_format != "dummy":
         raise SystemExit("freetoken bench: --routing biases random routers: it needs --preset or --load-format dummy")
     if args.quantization != "none":
@@ -408,6 +412,19 @@ def _run(args: argparse.Namespace, config, json_path: Path | None) -> dict[str, 
         bias_routers(model, args.seed)
         if engine.graph_runner is not None:
             engine.graph_runner.capture()  # the graphs of the start ran the routers unbiased
+    elif args.routing == "trace":
+        from freetoken.bench.routing_trace import TraceRouting
+
+        driver = TraceRouting(model, args.seed)
+        launch = engine.launch
+
+        def driven(plan):
+            driver.before(plan)
+            return launch(plan)
+
+        engine.launch = driven  # every step's routing set before it is queued
+        if engine.graph_runner is not None:
+            engine.graph_runner.capture()  # the graphs read the routers' new bias buffer
     traffic = decode_traffic_of(model)
     hf_model = None
     if args.compare_transformers:

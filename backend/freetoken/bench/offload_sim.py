@@ -4,8 +4,8 @@ the engine's zero-copy path would see, the copies it would queue, and what a pre
 experts the decode keeps hot.
 
 The replay calls what the engine calls. A prompt chunk runs the eager path
-(``OffloadedExperts.prepare``): per layer ``SlotTable.passes`` (with the chunk's use weights) then
-``admit`` of each pass; its copies are mapped at once. A decode step runs the zero-copy path: its
+(``OffloadedExperts.prepare``): per layer ``SlotTable.passes`` then ``admit`` of each pass; its
+copies are mapped at once. A decode step runs the zero-copy path: its
 kernel reads an expert from a slot if the slot map had it at launch, else from host memory (a miss);
 its routed ids are settled (``SlotTable.settle``) one step late, while the next step runs, so the
 map a step sees is the table after the settle two steps before it. Evictions are unmapped at once;
@@ -16,16 +16,13 @@ slots evicted in the same settle one step later (their copies wait for the step 
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from freetoken.experts.cache import SlotTable
 from freetoken.experts.eviction import EvictionPolicy, ExpertKey
-
-PREFILL_WEIGHTS = ("share", "uses")
-
 
 @dataclass
 class DecodeSteps:
@@ -47,22 +44,16 @@ class DecodeSteps:
 class OffloadReplay:
     """One cache of ``slots`` slots replaying requests in turn (batch 1)."""
 
-    def __init__(self, slots: int, policy: EvictionPolicy, prefill_weights: str = "share") -> None:
-        if prefill_weights not in PREFILL_WEIGHTS:
-            raise ValueError(f"prefill_weights must be one of {PREFILL_WEIGHTS}, got {prefill_weights!r}")
+    def __init__(self, slots: int, policy: EvictionPolicy) -> None:
         self.table = SlotTable(slots, policy, expert_bytes=1)
-        self.prefill_weights = prefill_weights
         self.visible: set[ExpertKey] = set()  # what the slot map holds for the step being launched
 
     def prefill(self, prompt: np.ndarray) -> None:
         """A prompt chunk, ``[tokens, layers, top_k]`` routed ids, on the eager path (as
-        ``OffloadedExperts.prepare``: weights by the share of tokens, or one use each)."""
-        tokens, layers, _ = prompt.shape
-        for layer in range(layers):
-            counts = Counter(prompt[:, layer].ravel().tolist())  # distinct, in routing order
-            experts = list(counts)
-            weights = [counts[e] / tokens for e in experts] if self.prefill_weights == "share" else None
-            for group in self.table.passes(layer, experts, weights):
+        ``OffloadedExperts.prepare``)."""
+        for layer in range(prompt.shape[1]):
+            experts = list(dict.fromkeys(prompt[:, layer].ravel().tolist()))  # distinct, in routing order
+            for group in self.table.passes(layer, experts):
                 self.table.admit(layer, group)
         self.visible = set(self.table._slot_of)  # the eager path maps its copies at once
 

@@ -14,6 +14,16 @@ docs/benchmarks.md, "Expert cache policies (issue 11)"):
   batch) approach the cache size and LRU evicts exactly what the next step needs, it keeps the
   experts routed step after step and gives up those routed once: 0% -> 52% hits at batch 16 with a
   quarter of Qwen3.6's experts resident, 23% fewer misses with half. The default (``DEFAULT_POLICY``).
+* ``lrfu-admit``: ``lrfu``'s eviction, and the zero-copy decode path copies a missed expert in only
+  if a longer-memory score (half-life 64 passes) ranks it above the victim it would displace
+  (frequency admission, TinyLFU). There a miss is read from host memory anyway, so a copy that is
+  evicted before its expert comes back only adds PCIe traffic. Replayed through the engine's own
+  bookkeeping, prefills included (``benchmarks/expert_offload_sim.py``, Qwen3.6 shape): where routing
+  has no token persistence (the bench's ``--routing fitted``) it gains hits and saves most copies
+  (half the experts resident: 79.3% hits instead of 75.2%, 25 copies a step instead of 77); on the
+  fitted trace it saves copies at half residency (8.5 a step instead of 10.9, 96.0% hits instead of
+  96.2%) but adapts slowly to a new request's experts in a small cache (a quarter resident: 82.3%
+  instead of 86.6%), so it is not the default.
 * ``arc``: adaptive replacement cache (Megiddo & Modha, FAST 2003), as Fate uses
   (https://arxiv.org/abs/2502.12224): recency and frequency lists balanced by ghost hits.
 """
