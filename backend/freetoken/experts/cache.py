@@ -151,7 +151,9 @@ class SlotTable:
         ``protected``; returns the evicted keys. The zero-copy decode path evicts ahead so that the
         next step's misses find slots no step in flight can still read (``experts.slots``)."""
         evicted: list[ExpertKey] = []
-        while len(self._free) < min(count, self.num_slots) and len(self._slot_of) > len(protected & self._slot_of.keys()):
+        held = sum(1 for key in protected if key in self._slot_of)  # never evicted: constant in the loop
+        target = min(count, self.num_slots)
+        while len(self._free) < target and len(self._slot_of) > held:
             victim = self.policy.evict(protected)
             self._evicted = True
             self._free.append(self._slot_of.pop(victim))
