@@ -51,7 +51,8 @@ class EngineConfig:
         "free after the weights and the KV pool; on the CPU one layer's experts)"
     )
     expert_cache_policy: str = option(
-        "lrfu", "with moe_offload: which cached expert gives up its slot (experts/eviction.py: lru, lrfu, arc)"
+        "lrfu", "with moe_offload: which cached expert gives up its slot, and whether a decode miss is copied "
+        "in (experts/eviction.py: lru, lrfu, lrfu-admit, arc)"
     )
     expert_prefetch: bool = option(
         False, "with moe_offload: while a layer computes, copy in the experts the next layer's router picks for "

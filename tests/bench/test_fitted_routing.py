@@ -42,3 +42,42 @@ def test_bench_runs_with_fitted_routing(demo_checkpoint, tmp_path):
                  "--device", "cpu", "--profile-steps", "0", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["routing"] == "fitted" and report["results"][0]["decode_tok_s"] > 0
+
+
+def _plan(*rows: tuple[int, int]):
+    """A StepPlan-like object of ``(num_computed, num_new)`` rows (all ``TraceRouting`` reads)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(rows=[SimpleNamespace(num_computed=c, num_new=n) for c, n in rows])
+
+
+def test_trace_routing_drives_the_routers_step_by_step():
+    from freetoken.bench.routing_trace import QWEN3_ROUTING, TRACE_LOGIT_SCALE, TraceRouting
+
+    torch.manual_seed(0)
+    model = torch.nn.ModuleList([SparseMoE(16, 64, 4, 8, 8) for _ in range(3)])
+    driver = TraceRouting(model, seed=1)
+    assert all(block.router_bias.data_ptr() == row.data_ptr() for block, row in zip(model, driver.buffer))
+    driver.before(_plan((0, 32)))  # a new prompt: G + S, no token noise
+    prompt = driver.buffer.clone()
+    request = prompt / TRACE_LOGIT_SCALE - torch.from_numpy(driver.bias)
+    assert abs(request.std().item() - QWEN3_ROUTING.request_skew) < 0.1
+    steps = []
+    for _ in range(200):
+        driver.before(_plan((33, 1)))
+        steps.append(driver.buffer.clone() - prompt)  # the token noise X, scaled
+    noise = torch.stack(steps) / TRACE_LOGIT_SCALE
+    assert abs(noise.std().item() - 1.0) < 0.1 and driver.steps == 200
+    lag1 = torch.corrcoef(torch.stack([noise[:-1].flatten(), noise[1:].flatten()]))[0, 1].item()
+    assert lag1 > 0.4  # persistent from token to token (0.2 fast + 0.95 drift, 45% of the variance)
+    driver.before(_plan((0, 8)))  # the next prompt: a new request skew
+    assert not torch.allclose(driver.buffer, prompt)
+
+
+def test_bench_runs_with_trace_routing(demo_checkpoint, tmp_path):
+    out = tmp_path / "trace.json"
+    assert main(["bench", "--model", str(demo_checkpoint), "--load-format", "dummy", "--routing", "trace",
+                 "--batch-sizes", "1", "--input-len", "8", "--output-len", "3", "--dtype", "float32",
+                 "--device", "cpu", "--profile-steps", "0", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["routing"] == "trace" and report["results"][0]["decode_tok_s"] > 0

@@ -237,10 +237,21 @@ def test_bench_reports_the_expert_cache(tmp_path, capsys):
     out = tmp_path / "bench.json"
     argv = ["bench", "--model", str(checkpoint(DEMO["qwen3_5_moe"])), "--load-format", "dummy", "--moe-offload",
             "--expert-cache-slots", "4", "--batch-sizes", "2", "--input-len", "8", "--output-len", "3",
-            "--dtype", "float32", "--device", "cpu", "--json", str(out)]
+            "--dtype", "float32", "--device", "cpu", "--resident-ms-per-step", "1.0", "--json", str(out)]
     assert main(argv) == 0
     (result,) = json.loads(out.read_text())["results"]
     cache = result["expert_cache"]
+    # Split by path: the prefill (eager), then the zero-copy decode forwards, one per steady step.
+    phases = result["expert_cache_phases"]
+    rows = phases["per_step"]
+    assert len(rows) == result["steps"] and sum(r["steady"] for r in rows) == result["steady_steps"] == 2
+    assert sum(r["hits"] for r in rows) == cache["hits"] and sum(r["misses"] for r in rows) == cache["misses"]
+    prefill, decode = phases["prefill"], phases["decode"]
+    assert prefill["steps"] == 1 and prefill["misses"] > 0
+    assert decode["forwards"] == 2
+    assert prefill["hits"] + decode["hits"] == cache["hits"] and prefill["misses"] + decode["misses"] == cache["misses"]
+    assert decode["zero_copy_bytes"] == pytest.approx(decode["zero_copy_ms_per_step"] * 55e9 * 2 / 1e3)
+    assert phases["vs_resident"]["resident_ms_per_step"] == 1.0
     assert cache["slots"] == 4 and cache["misses"] > 0
     assert cache["hit_rate"] == pytest.approx(cache["hits"] / (cache["hits"] + cache["misses"]))
     assert cache["copy_floor_ms_per_step"] == pytest.approx(cache["bytes_copied"] / 55e9 / result["steps"] * 1e3)
@@ -248,4 +259,6 @@ def test_bench_reports_the_expert_cache(tmp_path, capsys):
     text = config.get("text_config", config)
     expert_bytes = 3 * text["moe_intermediate_size"] * text["hidden_size"] * 4  # gate, up, down rows; float32
     assert cache["miss_floor_ms_per_step"] == pytest.approx(cache["misses"] * expert_bytes / 55e9 / result["steps"] * 1e3)
-    assert "batch 2: expert cache of 4 slots: hit rate" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "batch 2: expert cache of 4 slots: hit rate" in printed
+    assert "batch 2: zero-copy decode, 2 forwards: expert cache hit rate" in printed and "batch 2: vs resident" in printed

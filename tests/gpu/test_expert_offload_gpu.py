@@ -272,3 +272,44 @@ def test_zero_copy_nvfp4_decode_kernel_at_qwen36_sizes():
         assert torch.equal(outs["all"], outs["none"]) and torch.equal(outs["all"], outs["half"])
         want = sparse_moe_decode_nvfp4_reference(x.float(), logits.float(), *device, *shared_parts, top_k, True)
         assert_close(outs["half"].float(), want, dtype=torch.bfloat16)
+
+
+def test_trace_routing_and_decode_counters_under_graphs(tmp_path):
+    """Qwen3.6-35B-A3B's layer shape (2 layers, dummy weights, bf16), batch 1, half the experts
+    cached, the routers driven along the fitted trace (``bench --routing trace``): graph replays
+    read the bias buffer updated between steps (the same greedy tokens as eager), and the decode
+    counters the bench reads add up (one zero-copy read per missed use at batch 1, copies at most
+    the misses, copy waits timed only when a commit mapped a running copy)."""
+    from dataclasses import asdict
+
+    from freetoken.bench.presets import write_preset_dir
+    from freetoken.bench.routing_trace import TraceRouting
+
+    model_dir = write_preset_dir("qwen3.6-35b-a3b", tmp_path / "preset", num_layers=2)
+    common = dict(model=str(model_dir), load_format="dummy", dtype="bfloat16", device="cuda", num_pages=64,
+                  max_running_requests=1, max_model_len=512, seed=0, moe_offload=True, expert_cache_slots=256)
+    prompt = {"prompt_token_ids": list(range(1, 65))}
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    tokens, counters = {}, {}
+    for name in ("eager", "graphs"):
+        llm = LLM(**common, enforce_eager=name == "eager")
+        engine = llm.runtime.engine
+        driver = TraceRouting(engine.model, seed=0)
+        launch = engine.launch
+        engine.launch = lambda plan, launch=launch, driver=driver: (driver.before(plan), launch(plan))[1]
+        if engine.graph_runner is not None:
+            engine.graph_runner.capture()
+        tokens[name] = llm.generate(prompt, params)[0].token_ids
+        assert driver.steps >= params.max_tokens - 2
+        counters[name] = asdict(engine.offload.counters)
+        expert_bytes = engine.offload.expert_bytes
+        del llm, engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert tokens["graphs"] == tokens["eager"]
+    for c in counters.values():
+        assert c["decode_forwards"] >= params.max_tokens - 2 and c["decode_hits"] > 0
+        assert c["zero_copy_bytes"] == c["decode_misses"] * expert_bytes
+        assert c["decode_fills"] <= c["decode_misses"] and c["decode_fills"] * expert_bytes <= c["bytes_copied"]
+        assert c["settle_seconds"] > 0 and c["copy_wait_seconds"] >= 0
+        assert c["fills_waited_on"] > 0 or c["copy_wait_seconds"] == 0

@@ -12,7 +12,11 @@ every engine step is timed (``bench.timing``):
 - the HBM floor at the steady steps' mean context (``bench.floor``) and the ratio to it;
 - the GPU idle share over a few steady steps (CUDA only);
 - with ``--moe-offload``: the expert cache over the timed run (hits, misses, hit rate, bytes
-  copied, and their PCIe floor: bytes / ``--pcie-bandwidth`` per decode step).
+  copied, and their PCIe floor: bytes / ``--pcie-bandwidth`` per decode step), and split into the
+  prefill steps and the steady decode steps, with every step's counters (``bench.offload_stats``);
+  with ``--resident-ms-per-step`` (the all-resident run's figure) also the share of its tokens/s
+  and the time added per step against the missed experts' PCIe floor. A steady state needs a few
+  hundred decode steps (``--output-len 256``): the first ones after the prefill still fill the cache.
 
 ``--compare-transformers`` times transformers' ``generate()`` on a copy of the same weights.
 ``--workload shared-prefix`` times prefix-cache hits instead (``bench.shared_prefix``).
@@ -64,6 +68,11 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
         help="host->device bytes/s of the expert copies' floor with --moe-offload (55e9, pinned, H200)",
     )
     group.add_argument(
+        "--resident-ms-per-step", type=float, default=None, metavar="MS",
+        help="with --moe-offload: the all-resident engine's decode ms/step (a run without --moe-offload, same "
+             "flags): report the share of its tok/s and the time added per step against the missed experts' floor",
+    )
+    group.add_argument(
         "--profile-steps", type=int, default=5, help="steady steps profiled for the GPU idle share (5; 0: off)"
     )
     group.add_argument(
@@ -75,11 +84,13 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--routing",
-        choices=["uniform", "fitted"],
+        choices=["uniform", "fitted", "trace"],
         default="uniform",
         help="with random weights: fitted biases the routers to the expert skew fitted to published Qwen3 "
         "routing (bench/routing_trace.py; what an expert cache sees; the floor still counts the experts uniform "
-        "routing touches, exact at batch 1); uniform leaves them near uniform (uniform)",
+        "routing touches, exact at batch 1); trace (batch 1) drives them step by step along the fitted trace "
+        "(bench/routing_trace.py's TraceRouting: corpus skew, a request skew per prompt and token persistence, "
+        "realistic routing for an expert cache); uniform leaves them near uniform (uniform)",
     )
     group.add_argument("--compare-transformers", action="store_true", help="also time transformers' generate()")
     group.add_argument("--shared-prefix-len", type=int, default=DEFAULT_SHARED_PREFIX_LEN,
@@ -108,6 +119,8 @@ def _check(args: argparse.Namespace) -> None:
     shared = args.workload == "shared-prefix"
     if args.input_len is None:
         args.input_len = DEFAULT_PROMPT_LEN if shared else DECODE_INPUT_LEN
+    if args.routing == "trace" and max(args.batch_sizes) > 1:
+        raise SystemExit("freetoken bench: --routing trace drives one request's routing: --batch-sizes 1 only")
     if args.routing != "uniform" and args.preset is None and args.load_format != "dummy":
         raise SystemExit("freetoken bench: --routing biases random routers: it needs --preset or --load-format dummy")
     if args.quantization != "none":
@@ -118,6 +131,8 @@ def _check(args: argparse.Namespace) -> None:
             )
         if args.compare_transformers:
             raise SystemExit("freetoken bench: --compare-transformers runs dense weights: not with --quantization")
+    if args.resident_ms_per_step is not None and (not args.moe_offload or args.resident_ms_per_step <= 0):
+        raise SystemExit("freetoken bench: --resident-ms-per-step needs --moe-offload and a value > 0")
     if args.input_len < 1 or args.output_len < 2:
         raise SystemExit("freetoken bench: --input-len must be >= 1 and --output-len >= 2")
     if shared:
@@ -174,7 +189,10 @@ def bench_batch(llm, batch_size: int, args: argparse.Namespace, traffic, progres
     on_cuda = llm.runtime.engine.device.type == "cuda"
     memory = _MemoryWatch(on_cuda)
     cache_before = llm.runtime.stats().expert_cache
-    with StepRecorder(llm.runtime, batch_size, args.output_len, args.profile_steps if on_cuda else 0, progress) as rec:
+    offload = llm.runtime.engine.offload
+    counters = None if offload is None else (lambda: dataclasses.asdict(offload.counters))
+    with StepRecorder(llm.runtime, batch_size, args.output_len, args.profile_steps if on_cuda else 0, progress,
+                      counters=counters) as rec:
         outputs = llm.generate(requests, params)
     cache_after = llm.runtime.stats().expert_cache
     ttft = [o.metrics["time_to_first_token"] for o in outputs]
@@ -202,7 +220,15 @@ def bench_batch(llm, batch_size: int, args: argparse.Namespace, traffic, progres
         "ratio_to_floor": None,
         "expert_cache": _expert_cache_delta(cache_before, cache_after, len(rec.records), args.pcie_bandwidth,
                                             _expert_bytes(llm)),
+        "expert_cache_phases": None,
     }
+    if offload is not None:
+        from freetoken.bench.offload_stats import expert_cache_phases
+
+        result["expert_cache_phases"] = expert_cache_phases(
+            rec.records, rec.steady_records(profiled=True), steady, offload.expert_bytes, args.pcie_bandwidth,
+            args.resident_ms_per_step,
+        )
     if steady:
         step_s = statistics.median(r.seconds for r in steady)
         context = args.input_len + statistics.fmean(r.mean_output_len for r in steady) - 1
@@ -386,6 +412,19 @@ def _run(args: argparse.Namespace, config, json_path: Path | None) -> dict[str, 
         bias_routers(model, args.seed)
         if engine.graph_runner is not None:
             engine.graph_runner.capture()  # the graphs of the start ran the routers unbiased
+    elif args.routing == "trace":
+        from freetoken.bench.routing_trace import TraceRouting
+
+        driver = TraceRouting(model, args.seed)
+        launch = engine.launch
+
+        def driven(plan):
+            driver.before(plan)
+            return launch(plan)
+
+        engine.launch = driven  # every step's routing set before it is queued
+        if engine.graph_runner is not None:
+            engine.graph_runner.capture()  # the graphs read the routers' new bias buffer
     traffic = decode_traffic_of(model)
     hf_model = None
     if args.compare_transformers:

@@ -88,7 +88,8 @@ def print_expert_cache(result: dict[str, Any]) -> None:
     print(
         f"batch {result['batch_size']}: expert cache of {cache['slots']} slots: hit rate "
         f"{_num(None if cache['hit_rate'] is None else 100 * cache['hit_rate'], '.1f')}% "
-        f"({cache['hits']:,} hits, {cache['misses']:,} misses), {cache['bytes_copied'] / GB:.2f} GB copied "
+        f"({cache['hits']:,} hits, {cache['misses']:,} misses; the whole timed run, prefill included), "
+        f"{cache['bytes_copied'] / GB:.2f} GB copied "
         f"(PCIe floor {_num(cache['copy_floor_ms_per_step'], '.2f')} ms/step; of the missed experts' bytes "
         f"{_num(cache.get('miss_floor_ms_per_step'), '.2f')} ms/step), prefetched {cache['prefetched']:,} "
         f"({cache['prefetch_hits']:,} used)"
@@ -111,6 +112,10 @@ def print_report(report: dict[str, Any]) -> None:
         print("  ".join(cell.rjust(width) for cell, width in zip(row, widths)))
     for result in results:
         print_expert_cache(result)
+        if result.get("expert_cache_phases"):
+            from freetoken.bench.offload_stats import print_phases
+
+            print_phases(result["batch_size"], result["expert_cache_phases"])
     for result in results:
         print_kernel_table(result)
 

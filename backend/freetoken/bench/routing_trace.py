@@ -199,6 +199,68 @@ def bias_routers(model: nn.Module, seed: int = 0) -> torch.Tensor:
     return bias
 
 
+TRACE_LOGIT_SCALE = 3.0  # trace logits over the random router's unit spread (``TraceRouting``)
+
+
+class TraceRouting:
+    """Drive a random-weight ``model``'s routers (batch 1) along the routing model, step by step,
+    so that a ``--load-format dummy`` benchmark routes its decode as ``generate_trace`` does: with
+    the corpus skew ``G``, a request skew ``S`` drawn afresh for each new request, and the
+    persistent per-token noise ``X``, not only ``G`` (``bias_routers``).
+
+    Every ``SparseMoE``'s ``router_bias`` becomes a row of one persistent device buffer ``[layers,
+    experts]``; ``before(plan)`` (called before each engine step is launched) writes the next logits
+    into it with one asynchronous copy on the compute stream, so CUDA graph replays read them too
+    (graphs captured before must be captured again). A decode step gets ``G + S + X_t`` (``X``
+    advanced by one token); a step with prompt chunks ``G + S`` (the chunk's tokens differ by the
+    random routers' own noise, as the prompt's tokens would; a chunk that starts a prompt starts a
+    new request: new ``S``, ``X`` restarted). The logits are scaled by ``TRACE_LOGIT_SCALE`` over the
+    random router's unit spread, which then adds a little token noise: persistence a little below the
+    trace's (a tenth of ``X``'s variance at 3)."""
+
+    def __init__(self, model: nn.Module, seed: int = 0, routing: RoutingModel = QWEN3_ROUTING,
+                 scale: float = TRACE_LOGIT_SCALE) -> None:
+        from freetoken.layers.moe import SparseMoE
+
+        blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
+        if not blocks:
+            raise ValueError("TraceRouting: the model has no sparse MoE block")
+        layers, experts = len(blocks), blocks[0].num_experts
+        weight = blocks[0].gate_weight
+        self.buffer = torch.zeros(layers, experts, dtype=weight.dtype, device=weight.device)
+        for block, row in zip(blocks, self.buffer):
+            block.router_bias = row
+        self.routing, self.scale = routing, np.float32(scale)
+        self.rng = np.random.default_rng(seed)
+        self.bias = _layer_bias(self.rng, layers, experts, routing)
+        self.shape = (1, layers, experts)
+        self.request = np.zeros(self.shape[1:], np.float32)
+        self.fast = _AR1(routing.persistence, self.shape)
+        self.drift = _AR1(routing.drift_persistence, self.shape)
+        self._fresh = True  # the next decode step restarts X
+        self.steps = 0  # decode steps driven
+
+    def before(self, plan) -> None:
+        """Set the routers' bias for ``plan`` (an ``engine`` ``StepPlan``), before it is launched."""
+        if any(row.num_new > 1 or row.num_computed == 0 for row in plan.rows):  # prompt chunks
+            if any(row.num_computed == 0 for row in plan.rows):
+                self.request = self.routing.request_skew * self.rng.standard_normal(self.shape[1:], dtype=np.float32)
+                self._fresh = True
+            logits = self.bias + self.request
+        else:
+            fresh = np.array([self._fresh])
+            self._fresh = False
+            share = self.routing.drift_share
+            noise = (np.float32(np.sqrt(1.0 - share)) * self.fast.step(self.rng, fresh)
+                     + np.float32(np.sqrt(share)) * self.drift.step(self.rng, fresh))[0]
+            logits = self.bias + self.request + noise
+            self.steps += 1
+        host = torch.from_numpy(self.scale * logits).to(self.buffer.dtype)
+        if self.buffer.device.type == "cuda":
+            host = host.pin_memory()
+        self.buffer.copy_(host, non_blocking=host.is_pinned())
+
+
 def _request_segments(trace: np.ndarray, request_tokens: int):
     """(batch slot, start, stop) of each whole or partial request in ``trace``."""
     steps, batch = trace.shape[:2]

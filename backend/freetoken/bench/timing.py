@@ -7,24 +7,33 @@ token, i.e. every request is decoding and none is still in prefill.
 
 GPU busy time per step: the union of the intervals of every GPU activity (kernels, copies, memsets)
 that CUPTI recorded over ``profile_steps`` consecutive steady steps (``torch.profiler`` with only the
-CUDA activity), divided by their number. GPU idle share: ``1 - busy / step`` against the median
+CUDA activity), divided by their number. The overlapped loop launches step N + 1 in the call that
+resolves step N, so the calls' wall time is not their own steps' GPU time: the window starts after
+a device sync (the step in flight finishes outside it) and ends after one (the last step launched
+in it finishes inside it), so it holds the GPU work of exactly the ``profile_steps`` steps its calls
+launched, and none of another step's; only durations and overlaps of GPU intervals are used, so
+the GPU and host clocks need not be aligned. GPU idle share: ``1 - busy / step`` against the median
 *unprofiled* steady step (``bench.offline``). Not ``1 - busy / wall`` of the profiled window
 (kept as ``profiled_idle_share``): CUPTI slows the launches of a CUDA graph's kernels, so the
 profiled steps last longer than the others (batch 1 on the H200: 4.15 ms against 3.03 ms) while
 the kernels' own durations do not change; the window's idle share then counts the profiler's own
-cost (31% there, against 1.3% of the real step). Each step ends in a device->host copy of its tokens, so all GPU work of the profiled steps
-lies inside that wall window and none of another step's does; only durations and overlaps of GPU
-intervals are used, so the GPU and host clocks need not be aligned. The profiled steps are left out
-of the step-time statistics (CUPTI adds a little launch overhead to them).
+cost (31% there, against 1.3% of the real step), and the drain before the window's first launch.
+The profiled steps are left out of the step-time statistics.
 
 Kernel table: the same window's GPU activities grouped by name (launches and µs per step, share of
-the busy time), the profile that decides which kernels to fuse next.
+the summed time: activities of two streams that overlap are both counted, so the sum can exceed
+the wall), the profile that decides which kernels to fuse next.
+
+Per-step counters: given ``counters`` (a callable returning cumulative counters, such as the
+expert cache's), each record keeps their change over its calls (``StepRecord.counters``), so a
+benchmark can split them between prefill and steady decode steps.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +51,7 @@ class StepRecord:
     mean_output_len: float  # output tokens of the step's requests after it, averaged
     max_output_len: int
     profiled: bool = False
+    counters: dict[str, float] | None = None  # the recorder's ``counters`` changed by this much over it
 
 
 def busy_time(intervals: list[tuple[float, float]]) -> float:
@@ -90,6 +100,7 @@ class StepRecorder:
     after ``PROFILE_AFTER_STEADY_STEPS`` of them, while every request still has tokens to go.
     ``progress`` (a tqdm bar) advances by the tokens each step yields. ``profiler_activities``: what
     the profiler records (CUDA; the CPU tests record CPU ops, none of which counts as busy).
+    ``counters``: cumulative numbers read after each record (``StepRecord.counters``).
     """
 
     def __init__(
@@ -100,6 +111,7 @@ class StepRecorder:
         profile_steps: int = 0,
         progress: Any = None,
         profiler_activities: tuple[torch.profiler.ProfilerActivity, ...] = (torch.profiler.ProfilerActivity.CUDA,),
+        counters: Callable[[], dict[str, float]] | None = None,
     ):
         self.runtime = runtime
         self.batch_size = batch_size
@@ -116,6 +128,8 @@ class StepRecorder:
         self._profiler: torch.profiler.profile | None = None
         self._profile_tried = False
         self._window: list[float] = []
+        self._counters = counters
+        self._last_counters = counters() if counters is not None else None
 
     def __enter__(self) -> StepRecorder:
         self._step = self.runtime.step
@@ -143,6 +157,7 @@ class StepRecorder:
     def _timed_step(self):
         if self._should_profile():
             self._profile_tried = True
+            _sync()  # the step in flight finishes outside the window
             self._profiler = torch.profiler.profile(activities=self.profiler_activities)
             self._profiler.start()
         profiling = self._profiler is not None
@@ -165,6 +180,7 @@ class StepRecorder:
                 mean_output_len=statistics.fmean(tokens) if tokens else 0.0,
                 max_output_len=max(tokens, default=0),
                 profiled=profiling,
+                counters=self._counter_delta(),
             )
         )
         if profiling:
@@ -175,13 +191,21 @@ class StepRecorder:
             self.progress.update(len(tokens))
         return outputs
 
+    def _counter_delta(self) -> dict[str, float] | None:
+        if self._counters is None:
+            return None
+        now = self._counters()
+        delta = {name: value - self._last_counters.get(name, 0) for name, value in now.items()}
+        self._last_counters = now
+        return delta
+
     def _finish_profile(self) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        _sync()  # the last step launched in the window finishes inside it
+        end = time.perf_counter()
         self._profiler.stop()
         activities = gpu_activities(self._profiler)
         self._profiler = None
-        wall = self._window[-1] - self._window[0]
+        wall = end - self._window[0]
         if all(self._steady(r) for r in self.records if r.profiled) and wall > 0:
             self.profiled_wall = wall
             busy = busy_time([(s, e) for _, s, e in activities]) * 1e-9
@@ -189,5 +213,12 @@ class StepRecorder:
             self.profiled_idle_share = max(0.0, 1.0 - busy / wall)
             self.kernel_table = kernel_table(activities, self.profile_steps)
 
-    def steady_records(self) -> list[StepRecord]:
-        return [r for r in self.records if self._steady(r) and not r.profiled]
+    def steady_records(self, profiled: bool = False) -> list[StepRecord]:
+        """The steady steps, without the profiled ones unless ``profiled`` (their times are off;
+        their counters are not)."""
+        return [r for r in self.records if self._steady(r) and (profiled or not r.profiled)]
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()

@@ -7,9 +7,12 @@ Pure host state: the device tensors and copies are ``experts.slots``. One table 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from freetoken.experts.eviction import EvictionPolicy, ExpertKey
+
+RESERVE_DIVISOR = 16  # the zero-copy path keeps at most num_slots / this free ahead of its misses
 
 
 @dataclass
@@ -25,6 +28,17 @@ class CacheCounters:
     bytes_copied: int = 0
     prefetched: int = 0
     prefetch_hits: int = 0
+    # The zero-copy decode forwards alone (``ExpertOffload.settle``), a part of the above: what a
+    # benchmark of the steady decode judges (the eager path's prefill copies are the rest).
+    decode_forwards: int = 0  # zero-copy decode forwards settled
+    decode_hits: int = 0
+    decode_misses: int = 0
+    decode_fills: int = 0  # experts whose copies the settles queued (their bytes are in bytes_copied)
+    not_admitted: int = 0  # decode misses left in host memory: the policy kept its victim (``admits``)
+    zero_copy_bytes: int = 0  # expert bytes the kernels read from host memory: missed (token, choice) pairs
+    fills_waited_on: int = 0  # fills mapped while still copying: the next step waits for them on the device
+    copy_wait_seconds: float = 0.0  # device time the compute stream spent waiting for those (CUDA)
+    settle_seconds: float = 0.0  # host time the settles took (policy, eviction, queuing the copies)
 
 
 class SlotTable:
@@ -41,6 +55,9 @@ class SlotTable:
         # Oldest first: a slot evicted ahead (``reserve``) is handed out after those freed before it.
         self._free = deque(range(num_slots))
         self._prefetched: set[ExpertKey] = set()  # copied ahead of their layer, not used since
+        # Once the cache was full, even a free slot was some expert's (``reserve``): a policy that
+        # can refuse a miss (``admits``) is asked from then on.
+        self._evicted = False
 
     def slot_of(self, key: ExpertKey) -> int | None:
         return self._slot_of.get(key)
@@ -99,17 +116,46 @@ class SlotTable:
         missed = [e for e, hit in zip(experts, hits) if not hit and (layer, e) not in self._slot_of]
         placed: list[tuple[int, int]] = []
         evicted: list[ExpertKey] = []
+        admits = getattr(self.policy, "admits", None) if self._evicted else None
         for expert in missed[: max(0, room)]:
+            if admits is not None and not admits((layer, expert), protected):
+                self.counters.not_admitted += 1  # still read from host memory; the victim stays
+                continue
             placed.append((expert, self._place((layer, expert), protected, evicted)))
         return placed, evicted
+
+    def settle(self, layers: Iterable[tuple[int, list[int], list[bool]]]) -> tuple[list[tuple[int, int, int]], list[ExpertKey]]:
+        """One zero-copy decode forward's routed experts, ``(layer, experts, hits)`` per layer as
+        ``observe`` takes them: counted, and the misses given slots for the next steps. Returns the
+        fills ``(layer, expert, slot)`` to copy and the keys evicted (``DeviceSlots.fill_deferred``
+        takes both). Evicts ahead for the next forward's misses (``reserve``): as many slots as this
+        one filled, at most a ``RESERVE_DIVISOR``-th of the cache (a small cache could not spare more)."""
+        fills: dict[ExpertKey, tuple[int, int, int]] = {}
+        evicted: list[ExpertKey] = []
+        routed: set[ExpertKey] = set()
+        for layer, experts, hits in layers:
+            if not experts:
+                continue
+            routed.update((layer, e) for e in experts)
+            placed, gone = self.observe(layer, experts, hits)
+            for key in gone:  # a slot given earlier in this forward is handed on: that copy is not made
+                if fills.pop(key, None) is not None:
+                    self.counters.bytes_copied -= self.expert_bytes
+            evicted += gone
+            fills.update(((layer, e), (layer, e, slot)) for e, slot in placed)
+        evicted += self.reserve(min(len(fills), self.num_slots // RESERVE_DIVISOR), routed | fills.keys())
+        return list(fills.values()), evicted
 
     def reserve(self, count: int, protected: set[ExpertKey]) -> list[ExpertKey]:
         """Evict (outside ``protected``) until ``count`` slots are free, at most down to
         ``protected``; returns the evicted keys. The zero-copy decode path evicts ahead so that the
         next step's misses find slots no step in flight can still read (``experts.slots``)."""
         evicted: list[ExpertKey] = []
-        while len(self._free) < min(count, self.num_slots) and len(self._slot_of) > len(protected & self._slot_of.keys()):
+        held = sum(1 for key in protected if key in self._slot_of)  # never evicted: constant in the loop
+        target = min(count, self.num_slots)
+        while len(self._free) < target and len(self._slot_of) > held:
             victim = self.policy.evict(protected)
+            self._evicted = True
             self._free.append(self._slot_of.pop(victim))
             self._prefetched.discard(victim)
             evicted.append(victim)
@@ -140,6 +186,7 @@ class SlotTable:
             slot = self._free.popleft()
         else:
             victim = self.policy.evict(protected)
+            self._evicted = True
             slot = self._slot_of.pop(victim)
             self._prefetched.discard(victim)
             evicted.append(victim)

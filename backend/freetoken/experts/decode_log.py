@@ -35,6 +35,11 @@ class RoutedRecord:
             hits.setdefault(code if code >= 0 else -1 - code, code >= 0)
         return list(hits), list(hits.values())
 
+    def missed_pairs(self) -> int:
+        """(layer, token, choice) entries read from host memory: each streamed its expert's rows
+        over PCIe (the kernels read an expert once per (token, choice))."""
+        return int((self.ids[:, : self.num_tokens] < 0).sum())
+
 
 class RoutedLog:
     def __init__(self, num_layers: int, max_tokens: int, top_k: int, device: torch.device) -> None:

@@ -17,6 +17,7 @@ host in each layer and copy the misses in before the layer runs (``begin``).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -26,12 +27,10 @@ import torch
 
 from freetoken.experts.cache import CacheCounters, SlotTable
 from freetoken.experts.decode_log import RoutedLog, RoutedRecord
-from freetoken.experts.eviction import ExpertKey, make_policy
+from freetoken.experts.eviction import make_policy
 from freetoken.experts.slots import DeviceSlots
 
 logger = logging.getLogger(__name__)
-
-RESERVE_DIVISOR = 16  # the zero-copy path keeps at most num_slots / this free ahead of its misses
 
 
 class HostExperts(Protocol):
@@ -146,26 +145,19 @@ class ExpertOffload:
             self._settle(record)
 
     def _settle(self, record: RoutedRecord) -> None:
+        start = time.perf_counter()
         table, slots = self._table(), self.slots
         assert slots is not None
-        fills: dict[ExpertKey, tuple[int, int, int]] = {}
-        evicted: list[ExpertKey] = []
-        routed: set[ExpertKey] = set()
-        for layer in range(len(self.layers)):
-            experts, hits = record.layer(layer)
-            if not experts:
-                continue
-            routed.update((layer, e) for e in experts)
-            placed, gone = table.observe(layer, experts, hits)
-            for key in gone:  # a slot given earlier in this record is handed on: that copy is not made
-                if fills.pop(key, None) is not None:
-                    table.counters.bytes_copied -= table.expert_bytes
-            evicted += gone
-            fills.update(((layer, e), (layer, e, slot)) for e, slot in placed)
-        # Evict ahead for the next settle's misses: slots whose release is behind the step in flight
-        # (at most a 16th of the cache, which a small cache could not spare).
-        evicted += table.reserve(min(len(fills), table.num_slots // RESERVE_DIVISOR), routed | fills.keys())
-        slots.fill_deferred(list(fills.values()), evicted, self._parts)
+        counters = table.counters
+        hits_before, misses_before = counters.hits, counters.misses
+        fills, evicted = table.settle((layer, *record.layer(layer)) for layer in range(len(self.layers)))
+        slots.fill_deferred(fills, evicted, self._parts)
+        counters.decode_forwards += 1
+        counters.decode_hits += counters.hits - hits_before
+        counters.decode_misses += counters.misses - misses_before
+        counters.decode_fills += len(fills)
+        counters.zero_copy_bytes += record.missed_pairs() * table.expert_bytes
+        counters.settle_seconds += time.perf_counter() - start
 
     def between_steps(self) -> None:
         """Before a step is launched: settle what arrived, map the copies that are done."""
@@ -173,7 +165,9 @@ class ExpertOffload:
             return
         self.settle()
         assert self.slots is not None
-        self.slots.commit()
+        counters = self._table().counters
+        counters.fills_waited_on += self.slots.commit()
+        counters.copy_wait_seconds += self.slots.waited_seconds()
 
     def begin(self, layer: int, experts: list[int]) -> list[list[int]]:
         """A layer's routed experts: their passes (``SlotTable.passes``), the first one's copies

@@ -54,6 +54,8 @@ copies are plain copies and the same updates run in the same order.
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 
 from freetoken.experts.eviction import ExpertKey
@@ -79,6 +81,7 @@ class DeviceSlots:
         self._mapped: dict[ExpertKey, int] = {}  # the host's copy of the map's entries >= 0
         # Slots unmapped by the deferred path: the event after which no step in flight reads them.
         self._released: dict[int, torch.cuda.Event | None] = {}
+        self._waits: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()  # ``commit``'s timed waits
 
     @property
     def nbytes(self) -> int:
@@ -165,20 +168,51 @@ class DeviceSlots:
                 for layer, expert, slot in group:
                     self._pending[(layer, expert)] = (slot, copied, is_clean)
 
-    def commit(self, wait: bool = False) -> None:
+    def commit(self, wait: bool = False) -> int:
         """Map the deferred fills: on the compute stream, a wait for each copy's event, then the map
         writes. Taken: fills into clean slots (their copies started when queued and run during the
         step in flight: the next step would seldom wait for them) and the others once their copies
-        are done (``Event.query``); all of them with ``wait``."""
+        are done (``Event.query``); all of them with ``wait``. Returns how many of those taken were
+        still copying: the next step waits for them on the device (a stall unless they finish
+        before the step in flight does)."""
+        finished: dict[int, bool] = {}  # one query per event
+
+        def copied(event: torch.cuda.Event | None) -> bool:
+            if event is None:
+                return True
+            if id(event) not in finished:
+                finished[id(event)] = event.query()
+            return finished[id(event)]
+
         done = [(key, slot, event) for key, (slot, event, clean) in self._pending.items()
-                if wait or clean or event is None or event.query()]
+                if wait or clean or copied(event)]
         if not done:
-            return
+            return 0
+        running = sum(1 for _, _, event in done if not copied(event))
+        stream = torch.cuda.current_stream(self.device) if self._stream is not None else None
+        timed = stream is not None and running > 0
+        if timed:  # how long the compute stream waits: timing events on either side of the waits
+            before = torch.cuda.Event(enable_timing=True)
+            before.record(stream)
         for event in {id(e): e for _, _, e in done if e is not None}.values():
-            torch.cuda.current_stream(self.device).wait_event(event)
+            stream.wait_event(event)
+        if timed:
+            after = torch.cuda.Event(enable_timing=True)
+            after.record(stream)
+            self._waits.append((before, after))
         for key, _, _ in done:
             del self._pending[key]
         self._write_map([key for key, _, _ in done], [slot for _, slot, _ in done])
+        return running
+
+    def waited_seconds(self) -> float:
+        """Device time the compute stream spent waiting for copies at the commits whose waits have
+        completed since the last call (the copies on the critical path)."""
+        seconds = 0.0
+        while self._waits and self._waits[0][1].query():
+            before, after = self._waits.popleft()
+            seconds += before.elapsed_time(after) * 1e-3
+        return seconds
 
     def _slot_held(self, key: ExpertKey) -> int | None:
         """The slot ``key`` is mapped to or being copied into (None: neither)."""
