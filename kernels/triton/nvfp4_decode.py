@@ -60,16 +60,18 @@ class NVFP4DecodeTiles(DecodeTiles):
     launch. ``gate_up_regs`` / ``down_regs``: a register cap per thread (Triton's ``maxnreg``; 0: the
     compiler's choice), for more resident programs an SM."""
 
-    gate_up_block_n: int = 8
+    # The defaults: the H200 sweep's best at one token (tune_nvfp4_decode.py: 13.8 us a layer against
+    # 17.6 for the tile passes; at eight tokens 57.8 against 107.3), both passes as streams.
+    gate_up_block_n: int = 4
     gate_up_block_k: int = 2048
     gate_up_pairs: int = 1
-    gate_up_warps: int = 8
-    down_block_n: int = 8
+    gate_up_warps: int = 4
+    down_block_n: int = 4
     down_block_k: int = 512
-    down_warps: int = 4  # the H200 sweep's best at one and eight tokens (tune_nvfp4_decode.py)
+    down_warps: int = 8
     pdl: bool = True
-    gate_up_per_sm: int = 0
-    down_per_sm: int = 0
+    gate_up_per_sm: int = 4
+    down_per_sm: int = 2
     prefetch: bool = True
     fuse_route: bool = False
     gate_up_regs: int = 0

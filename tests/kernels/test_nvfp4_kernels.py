@@ -201,7 +201,7 @@ def test_nvfp4_decode_tiles_reject_bad_stream_fields():
     from freetoken.kernels.triton.nvfp4_decode import NVFP4DecodeTiles
 
     with pytest.raises(ValueError, match="fuse_route"):
-        NVFP4DecodeTiles(gate_up_per_sm=2, fuse_route=True)
+        NVFP4DecodeTiles(gate_up_per_sm=2, down_per_sm=0, fuse_route=True)
     with pytest.raises(ValueError, match="down_regs"):
         NVFP4DecodeTiles(down_regs=300)
     with pytest.raises(ValueError, match="gate_up_per_sm"):
