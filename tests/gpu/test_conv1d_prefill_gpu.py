@@ -29,7 +29,7 @@ TILES = [
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_conv1d_prefill_real_size(rng, check, monkeypatch, dtype, case, tiles):
     if tiles is not None:
-        monkeypatch.setattr(conv1d, "prefill_tiles", lambda _: tiles)
+        monkeypatch.setattr(conv1d, "prefill_tiles", lambda *_: tiles)
     lens = LENS[case]
     x = torch.randn(sum(lens), PACKED, generator=rng, device=CUDA).to(dtype)[:, :CHANNELS]
     weight = (torch.randn(CHANNELS, WIDTH, generator=rng, device=CUDA) * 0.5).to(dtype)

@@ -23,7 +23,7 @@ def test_causal_conv1d_prefill(rng, monkeypatch, dtype, width, tiles):
 
     if tiles is not None:  # short runs: runs start inside requests, 1..3 rows after their starts
         fixed = conv1d.PrefillTiles(rows=tiles[0], channels=tiles[1], warps=1, unroll=tiles[2])
-        monkeypatch.setattr(conv1d, "prefill_tiles", lambda _: fixed)
+        monkeypatch.setattr(conv1d, "prefill_tiles", lambda *_: fixed)
     # Empty first and last, shorter than the window, several runs, one token.
     lens = [0, 2, 0, 19, 1, 7, 0]
     channels, slots = 37, 8
