@@ -50,7 +50,10 @@ class ForwardBatch:
         return self.num_decodes < self.num_requests
 
     def prefill_part(self) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """``(first token, cu_seqlens, state_slots)`` of the prefill requests, offsets rebased to 0."""
+        """``(first token, cu_seqlens, state_slots)`` of the prefill requests, offsets rebased to 0
+        (with no decodes, the batch's own: no launch for each layer that asks)."""
         first = self.num_decodes
+        if not first:
+            return 0, self.cu_seqlens, self.state_slots
         cu = self.cu_seqlens[first:] - self.cu_seqlens[first]
         return first, cu, self.state_slots[first:]

@@ -26,7 +26,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -261,6 +260,42 @@ def _output_kernel(
                  cast(out, out_ptr.dtype.element_ty), mask=row_ok[:, None] & v_ok[None, :])
 
 
+@device_function
+def _chunk_ends(cu_ptr, idx, num_requests, before, CHUNK_SIZE: tl.constexpr):
+    """The chunk offsets where requests ``idx`` end (``before`` chunks ahead of the first), and
+    their chunks in all."""
+    ok = idx < num_requests
+    lens = (tl.load(cu_ptr + idx + 1, mask=ok, other=0) - tl.load(cu_ptr + idx, mask=ok, other=0)).to(tl.int32)
+    chunks = (lens + CHUNK_SIZE - 1) // CHUNK_SIZE
+    return before + tl.cumsum(chunks, 0), tl.sum(chunks, 0)
+
+
+@triton.jit
+def _chunk_layout_kernel(cu_ptr, cu_chunks_ptr, chunk_request_ptr, num_requests, max_chunks,
+                         CHUNK_SIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The chunk offsets of the requests (``cu_chunks [R + 1]``) and the request of every chunk of
+    the grid's upper bound (``chunk_request [max_chunks]``, R past the last chunk), in one launch
+    (they were eight small torch ops in every layer). One program: R and the chunks are few."""
+    r = tl.arange(0, BLOCK_R)
+    tl.store(cu_chunks_ptr, num_requests * 0)
+    before = num_requests * 0
+    for r0 in range(0, num_requests, BLOCK_R):
+        ends, total = _chunk_ends(cu_ptr, r0 + r, num_requests, before, CHUNK_SIZE)
+        tl.store(cu_chunks_ptr + r0 + r + 1, ends, mask=r0 + r < num_requests)
+        before += total
+    for c0 in range(0, max_chunks, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        count = tl.zeros([BLOCK_C], tl.int32)
+        before = num_requests * 0
+        for r0 in range(0, num_requests, BLOCK_R):
+            ends, total = _chunk_ends(cu_ptr, r0 + r, num_requests, before, CHUNK_SIZE)
+            # Requests whose chunks end at or before chunk c (searchsorted, right).
+            done = (ends[None, :] <= c[:, None]) & (r0 + r < num_requests)[None, :]
+            count += tl.sum(done.to(tl.int32), 1)
+            before += total
+        tl.store(chunk_request_ptr + c, count, mask=c < max_chunks)
+
+
 def _unit_stride(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
 
@@ -325,13 +360,11 @@ def gated_delta_rule_prefill(
     if snapshots is None:
         num_segments = num_requests
         segment_cu = cu_seqlens
-        lens = cu_seqlens[1:] - cu_seqlens[:-1]
-        cu_chunks = F.pad(torch.cumsum((lens + CHUNK - 1) // CHUNK, 0), (1, 0)).to(torch.int32)
         max_chunks = triton.cdiv(num_tokens, CHUNK) + num_requests
-        # The request of every chunk (num_requests past the last one), found on the device.
-        chunk_request = torch.searchsorted(
-            cu_chunks[1:].contiguous(), torch.arange(max_chunks, dtype=torch.int32, device=device), right=True,
-            out_int32=True,
+        cu_chunks = new_empty((num_requests + 1,), torch.int32, device)
+        chunk_request = new_empty((max_chunks,), torch.int32, device)
+        _chunk_layout_kernel[(1,)](
+            cu_seqlens, cu_chunks, chunk_request, num_requests, max_chunks, CHUNK_SIZE=CHUNK, BLOCK_R=64, BLOCK_C=128
         )
         request_chunks = chunk_rows = chunk_ends = chunk_snapshot = cu_chunks  # unread
     else:

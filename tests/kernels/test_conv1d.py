@@ -16,15 +16,21 @@ def _inputs(rng, dtype, tokens: int, channels: int, width: int, slots: int):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("width", [4, 3])
-def test_causal_conv1d_prefill(rng, dtype, width):
-    from freetoken.kernels.triton.conv1d import causal_conv1d_prefill
+@pytest.mark.parametrize("width", [4, 3, 2])
+@pytest.mark.parametrize("tiles", [None, (4, 16, 4), (8, 32, 2)], ids=["default", "4x16", "8x32"])
+def test_causal_conv1d_prefill(rng, monkeypatch, dtype, width, tiles):
+    from freetoken.kernels.triton import conv1d
 
-    lens = [2, 0, 19, 1, 7]  # shorter than the window, empty, several tiles, one token
+    if tiles is not None:  # short runs: runs start inside requests, 1..3 rows after their starts
+        fixed = conv1d.PrefillTiles(rows=tiles[0], channels=tiles[1], warps=1, unroll=tiles[2])
+        monkeypatch.setattr(conv1d, "prefill_tiles", lambda *_: fixed)
+    # Empty first and last, shorter than the window, several runs, one token.
+    lens = [0, 2, 0, 19, 1, 7, 0]
     channels, slots = 37, 8
     x, weight, state = _inputs(rng, dtype, sum(lens), channels, width, slots)
     cu = torch.tensor([0] + lens).cumsum(0).int().to(DEVICE)
-    state_slots = torch.tensor([3, 1, 6, 2, 5], dtype=torch.int32, device=DEVICE)
+    state_slots = torch.tensor([0, 3, 7, 1, 6, 2, 5], dtype=torch.int32, device=DEVICE)
+    causal_conv1d_prefill = conv1d.causal_conv1d_prefill
     want_state = state.clone()
     want = ref.causal_conv1d_prefill_reference(x, weight, want_state, state_slots, cu)
     got = causal_conv1d_prefill(x, weight, state, state_slots, cu)

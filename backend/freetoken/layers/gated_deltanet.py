@@ -102,14 +102,16 @@ class GatedDeltaNet(nn.Module):
             [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1
         )
         nd = batch.num_decodes
-        if batch.has_prefill:
+        if not batch.has_prefill:  # decode only: the step's output is the core
+            core = self._decode(mixed_qkv, a, b, batch.state_slots[:nd])
+        elif not nd:  # prefill only: no copy into a shared buffer (67 MB a layer at 8k tokens)
+            _, cu_seqlens, slots = batch.prefill_part()
+            core = self._prefill(mixed_qkv, a, b, slots, cu_seqlens, batch.snapshots)
+        else:
             core = torch.empty(num_tokens, self.num_v_heads, self.head_v_dim, dtype=x.dtype, device=x.device)
-            if nd:
-                core[:nd] = self._decode(mixed_qkv[:nd], a[:nd], b[:nd], batch.state_slots[:nd])
+            core[:nd] = self._decode(mixed_qkv[:nd], a[:nd], b[:nd], batch.state_slots[:nd])
             first, cu_seqlens, slots = batch.prefill_part()
             core[first:] = self._prefill(mixed_qkv[first:], a[first:], b[first:], slots, cu_seqlens, batch.snapshots)
-        else:  # decode only: the step's output is the core
-            core = self._decode(mixed_qkv, a, b, batch.state_slots[:nd])
         z = z.reshape(num_tokens, self.num_v_heads, self.head_v_dim)
         out = self.output_norm(core, z)
         return linear(out.reshape(num_tokens, self.value_dim), self.out_proj)

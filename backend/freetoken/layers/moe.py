@@ -7,7 +7,7 @@ from torch import nn
 
 from freetoken import kernels
 from freetoken.experts.store import OffloadedExperts, ResidentExperts, make_store
-from freetoken.layers.linear import Weight, linear, sparse_moe_decode
+from freetoken.layers.linear import Weight, linear, linear_padded_rows, sparse_moe_decode
 from freetoken.layers.weights import WeightTarget, new_param, packed_targets
 
 # Up to this many tokens the block after the router GEMM runs as one fused op (``kernels.sparse_moe_decode``):
@@ -89,8 +89,9 @@ class SparseMoE(nn.Module):
         return torch.topk(self._gate_logits(x)[:, : self.num_experts], self.top_k, dim=-1).indices
 
     def _gate_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """The router logits [T, E], then the shared expert's gate logit: one GEMM."""
-        gate_logits = linear(x, self.gate_weight)
+        """The router logits [T, E], then the shared expert's gate logit: one GEMM (E + 1 columns,
+        in rows padded to 16 bytes: ``linear_padded_rows``)."""
+        gate_logits = linear_padded_rows(x, self.gate_weight)
         if self.router_bias is not None:
             gate_logits[:, : self.num_experts] += self.router_bias
         return gate_logits
