@@ -54,3 +54,25 @@ def test_attention_prologue_rejects_mismatched_shapes():
         norm_rotary_store_kv(q, k, v, w, torch.zeros(8), 1e-6, positions, cache, 8, k_cache, v_cache, locs)
     with pytest.raises(ValueError, match="rotary_dim"):
         norm_rotary_store_kv(q, k, v, w, w, 1e-6, positions, cache, 6, k_cache, v_cache, locs)
+
+
+def test_attention_prologue_padding_rows_touch_only_the_scratch_page(rng):
+    """Padded graph rows store at location 0 (the scratch page) at position 0: the real rows'
+    queries and cache entries are those of a batch without them, every other location untouched."""
+    from freetoken.kernels.triton.attention_prologue import norm_rotary_store_kv
+
+    real, padded, page_size = 3, 4, 4
+    q, k, v, q_w, k_w, positions, cache, k_cache, v_cache, locs = _inputs(
+        rng, torch.float32, real + padded, 4, 2, 16, 8, pages=6, page_size=page_size
+    )
+    locs = torch.cat([torch.randperm(5 * page_size, generator=rng)[:real].to(DEVICE) + page_size,
+                      torch.zeros(padded, dtype=torch.int64, device=DEVICE)])
+    positions[real:] = 0
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want = ref.norm_rotary_store_kv_reference(
+        q[:real], k[:real], v[:real], q_w, k_w, 1e-6, positions[:real], cache, 8, want_k, want_v, locs[:real]
+    )
+    got = norm_rotary_store_kv(q, k, v, q_w, k_w, 1e-6, positions, cache, 8, k_cache, v_cache, locs)
+    assert_close(got[:real], want)
+    assert_close(k_cache[1:], want_k[1:])
+    assert torch.equal(v_cache[1:], want_v[1:])

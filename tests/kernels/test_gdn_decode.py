@@ -126,3 +126,23 @@ def test_gated_deltanet_decode_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="gate activation"):
         gated_deltanet_decode(mixed_qkv, z, ab, ab, torch.zeros(channels, width), heads, heads, torch.zeros(dv),
                               1e-6, conv_state, rec, slots, "relu")
+
+
+def test_gated_deltanet_decode_padding_rows_touch_only_the_scratch_slot(rng):
+    """Padded graph rows all name the scratch slot 0: the real rows' outputs and states are those
+    of a batch without them, and every other slot is left as it was."""
+    from freetoken.kernels.triton.gdn_decode import gated_deltanet_decode
+
+    real, padded = 2, 3
+    inputs = _deltanet_inputs(rng, torch.float32, real + padded, 2, 4, 16, 24, 4, 6)
+    mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, conv_state, recurrent_state = inputs
+    slots = torch.tensor([3, 5] + [0] * padded, dtype=torch.int32, device=DEVICE)
+    want_conv, want_rec = conv_state.clone(), recurrent_state.clone()
+    weights = (conv_weight, A_log, dt_bias, norm_weight, 1e-6)
+    want = ref.gated_deltanet_decode_reference(
+        mixed_qkv[:real], z[:real], a[:real], b[:real], *weights, want_conv, want_rec, slots[:real]
+    )
+    got = gated_deltanet_decode(mixed_qkv, z, a, b, *weights, conv_state, recurrent_state, slots)
+    assert_close(got[:real], want)
+    assert torch.equal(conv_state[1:], want_conv[1:])
+    assert_close(recurrent_state[1:], want_rec[1:])
