@@ -9,7 +9,7 @@ L2), and one graph holds every layer's chain back to back, as a decode step's gr
 time per layer includes the launch gaps inside the graph. Per batch size it prints, per layer:
 
 - GDN: the old chain (causal_conv1d_decode, gated_delta_rule_decode_gated, gated_rms_norm: three
-  launches) and ``gated_deltanet_decode`` (one) at each candidate (state tile, warps);
+  launches) and ``gated_deltanet_decode`` (one) at each candidate number of warps;
 - attention: the old prologue (two rms_norm, apply_rotary's two launches, store_kv: five) and
   ``norm_rotary_store_kv`` (one);
 
@@ -33,10 +33,8 @@ HK, HV, DK, DV, CONV_K = 16, 32, 128, 128, 4
 HQ, HKV, HEAD_DIM, ROTARY_DIM, PAGE = 16, 2, 256, 64, 16
 GDN_LAYERS, ATTENTION_LAYERS = 30, 10
 EPS = 1e-6
-# (STATE_TILE, NUM_WARPS) of gated_deltanet_decode to time; the first is the module's default.
-# 16384: one [128, 128] state per loop step (8 warps: 221 registers, no spills at sm_90); 32768: two
-# (16 warps: capped at 128 registers, it spills).
-FUSED_VARIANTS = [(gdn_decode.STATE_TILE, gdn_decode.NUM_WARPS), (16384, 16), (32768, 16)]
+# Warps of gated_deltanet_decode to time (None: the module's default, 16 for 128 x 128 states).
+FUSED_WARPS = [None, 8]
 
 
 def randn(*shape, dtype=BF16, scale=1.0) -> torch.Tensor:
@@ -153,14 +151,14 @@ def gdn_rows(batch: int) -> list[dict]:
     state_mb = layers[0].state_bytes() / 1e6
     old_us = graph_us_per_layer(lambda: [layer.old() for layer in layers], GDN_LAYERS)
     rows = [dict(op="gdn", batch=batch, variant="old chain (3 launches)", us_per_layer=old_us, state_mb=state_mb)]
-    default = (gdn_decode.STATE_TILE, gdn_decode.NUM_WARPS)
-    for tile, warps in FUSED_VARIANTS:
-        gdn_decode.STATE_TILE, gdn_decode.NUM_WARPS = tile, warps
+    default = gdn_decode.NUM_WARPS
+    for warps in FUSED_WARPS:
+        gdn_decode.NUM_WARPS = warps
         error = max_error(layers, snapshot, restore)
         us = graph_us_per_layer(lambda: [layer.fused() for layer in layers], GDN_LAYERS)
-        name = f"fused, tile {tile}, {warps or 'default'} warps" + (" (default)" if (tile, warps) == default else "")
+        name = f"fused (1 launch), {warps or 'default'} warps"
         rows.append(dict(op="gdn", batch=batch, variant=name, us_per_layer=us, state_mb=state_mb, max_rel_error=error))
-    gdn_decode.STATE_TILE, gdn_decode.NUM_WARPS = default
+    gdn_decode.NUM_WARPS = default
     return rows
 
 

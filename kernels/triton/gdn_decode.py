@@ -11,7 +11,9 @@ its heads read: the key head's q and k conv channels and the v channels of the v
 share that key head, so each conv window is read and moved on by exactly one program (a program
 per value head would have two programs of a key head read q/k windows another may already have
 moved on). The gated norm needs a value head's whole output row, so a program holds whole
-``[Dk, Dv]`` states: ``BLOCK_H`` value heads at a time, as many as fit ``STATE_TILE`` elements.
+``[Dk, Dv]`` states, one value head after the other, the next one's load issued before the current
+one computes. Every other read (conv windows, gates, ``z``, the first state) is issued up front,
+so the program waits for memory about twice, not once per dependent step.
 """
 
 from __future__ import annotations
@@ -24,10 +26,10 @@ from freetoken.kernels.norm import check_gate_activation
 from freetoken.kernels.triton._common import cast, device_function, new_empty, pow2, round_as
 
 BLOCK_V = 32
-# float32 state elements one program of gated_deltanet_decode holds at once (registers: 64 per
-# thread at 8 warps); a module constant so benchmarks/fuse_decode_chain.py can try others.
-STATE_TILE = 16384
-NUM_WARPS: int | None = None  # None: one warp per 2048 state elements, 4 to 16
+# Warps of gated_deltanet_decode; None: one per 1024 elements of a state, 1 to 16 (16 for 128 x 128:
+# 128 registers, no spills at sm_90; 8 fit too at 255; 4 spill).
+# A module constant so benchmarks/fuse_decode_chain.py can try others.
+NUM_WARPS: int | None = None
 
 
 @triton.jit
@@ -113,10 +115,10 @@ def gated_delta_rule_decode_gated(
 
 
 @device_function
-def _conv_step(x_row, w_ptr, state_base, cs_sc, cs_sk, channels, ok,
-               WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, dtype: tl.constexpr):
-    """``silu(conv)`` of the channels ``channels [R, C]`` (rounded to ``dtype``, held in float32),
-    as ``causal_conv1d_decode``; their windows (``state ++ x``) move on by one token in place."""
+def _conv_window(x_row, w_ptr, state_base, cs_sc, cs_sk, channels, ok,
+                 WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, dtype: tl.constexpr):
+    """The windows (``state ++ x``, as read) of the channels ``channels [R, C]`` and their
+    ``silu(conv)`` as ``causal_conv1d_decode`` computes it (rounded to ``dtype``, held in float32)."""
     j = tl.arange(0, BLOCK_W)[None, None, :]
     ch = channels[:, :, None]
     m = ok[:, :, None]
@@ -126,11 +128,21 @@ def _conv_step(x_row, w_ptr, state_base, cs_sc, cs_sk, channels, ok,
     w = tl.load(w_ptr + ch * WIDTH + j, mask=m & (j < WIDTH), other=0.0)
     wdtype = w_ptr.dtype.element_ty
     acc = round_as(tl.sum(round_as(window.to(tl.float32) * w.to(tl.float32), wdtype), 2), wdtype)
-    # Every thread has read its part of the windows before any part is overwritten (a small tile's
-    # elements may be held by several threads); the stored values are the ones read, unconverted.
-    tl.debug_barrier()
-    tl.store(state_base + ch * cs_sc + (j - 1) * cs_sk, window, mask=m & (j >= 1) & (j < WIDTH))
-    return round_as(acc * tl.sigmoid(acc), dtype)
+    return window, round_as(acc * tl.sigmoid(acc), dtype)
+
+
+@device_function
+def _move_window_on(window, state_base, cs_sc, cs_sk, channels, ok, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Store ``window [R, C, BLOCK_W]`` one token on: ``state[j] = window[j + 1]``."""
+    j = tl.arange(0, BLOCK_W)[None, None, :]
+    mask = ok[:, :, None] & (j >= 1) & (j < WIDTH)
+    tl.store(state_base + channels[:, :, None] * cs_sc + (j - 1) * cs_sk, window, mask=mask)
+
+
+@device_function
+def _row(tile, rows, r):
+    """Row ``r`` of ``tile [R, C]`` (``rows = arange(R)``), exactly."""
+    return tl.sum(tl.where(rows[:, None] == r, tile, 0.0), 0)
 
 
 @triton.jit
@@ -140,7 +152,8 @@ def _deltanet_decode_kernel(
     cs_ptr, cs_ss, cs_sc, cs_sk, st_ptr, st_ss, st_sh, st_sk, slot_ptr, out_ptr,
     num_k_heads, num_v_heads, key_dim, value_dim, q_scale, eps,
     HEAD_RATIO: tl.constexpr, WIDTH: tl.constexpr, GATE_SIGMOID: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr,
+    TINY_STATE: tl.constexpr,
 ):
     bi = tl.program_id(0)
     kh = tl.program_id(1)
@@ -148,53 +161,69 @@ def _deltanet_decode_kernel(
     slot = tl.load(slot_ptr + bi).to(tl.int64)
     x_row = x_ptr + bi * x_sb
     conv_base = cs_ptr + slot * cs_ss
-    # q (row 0) and k (row 1) of key head kh: channels kh·Dk + c and Hk·Dk + kh·Dk + c.
-    part = tl.arange(0, 2)[:, None]
+    # Everything the program reads, first, so the loads overlap: the conv windows of key head kh's
+    # q (row 0) and k (row 1) channels, kh·Dk + c and Hk·Dk + kh·Dk + c, and of its value heads'
+    # v channels; their gates, z, and the first value head's state.
+    part = tl.arange(0, 2)
     kcols = tl.arange(0, BLOCK_K)
     k_ok = kcols < key_dim
-    qk_channels = part * (num_k_heads * key_dim) + kh * key_dim + kcols[None, :]
-    qk = _conv_step(x_row, cw_ptr, conv_base, cs_sc, cs_sk, qk_channels, (part < 2) & k_ok[None, :],
-                    WIDTH, BLOCK_W, dtype)
-    q = tl.sum(tl.where(part == 0, qk, 0.0), 0)
-    k = tl.sum(tl.where(part == 1, qk, 0.0), 0)
-    q = q * (tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * q_scale)
-    k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
+    qk_channels = part[:, None] * (num_k_heads * key_dim) + kh * key_dim + kcols[None, :]
+    qk_ok = (part[:, None] < 2) & k_ok[None, :]
+    qk_window, qk = _conv_window(x_row, cw_ptr, conv_base, cs_sc, cs_sk, qk_channels, qk_ok, WIDTH, BLOCK_W, dtype)
+    rows = tl.arange(0, BLOCK_R)
+    heads = kh * HEAD_RATIO + rows
+    h_ok = rows < HEAD_RATIO
     vcols = tl.arange(0, BLOCK_V)
     v_ok = vcols < value_dim
-    norm_w = tl.load(nw_ptr + vcols, mask=v_ok, other=0.0).to(tl.float32)
-    for h0 in tl.static_range(0, HEAD_RATIO, BLOCK_H):
-        hh = h0 + tl.arange(0, BLOCK_H)
-        h_ok = hh < HEAD_RATIO
-        h = kh * HEAD_RATIO + hh  # this block's value heads
-        hv_ok = h_ok[:, None] & v_ok[None, :]
-        v_channels = 2 * num_k_heads * key_dim + h[:, None] * value_dim + vcols[None, :]
-        v = _conv_step(x_row, cw_ptr, conv_base, cs_sc, cs_sk, v_channels, hv_ok, WIDTH, BLOCK_W, dtype)
-        # The gating, as gated_delta_rule_decode_gated computes it.
-        beta = round_as(tl.sigmoid(tl.load(b_ptr + bi * b_sb + h, mask=h_ok, other=0.0).to(tl.float32)),
+    hv_ok = h_ok[:, None] & v_ok[None, :]
+    v_channels = 2 * num_k_heads * key_dim + heads[:, None] * value_dim + vcols[None, :]
+    v_window, v_all = _conv_window(x_row, cw_ptr, conv_base, cs_sc, cs_sk, v_channels, hv_ok, WIDTH, BLOCK_W, dtype)
+    z_all = tl.load(z_ptr + bi * z_sb + heads[:, None] * z_sh + vcols[None, :], mask=hv_ok, other=0.0).to(tl.float32)
+    # The gating of every value head, as gated_delta_rule_decode_gated computes it.
+    beta_all = round_as(tl.sigmoid(tl.load(b_ptr + bi * b_sb + heads, mask=h_ok, other=0.0).to(tl.float32)),
                         b_ptr.dtype.element_ty)
-        xa = (tl.load(a_ptr + bi * a_sb + h, mask=h_ok, other=0.0).to(tl.float32)
-              + tl.load(dt_bias_ptr + h, mask=h_ok, other=0.0).to(tl.float32))
-        softplus = tl.where(xa > 20.0, xa, tl.log(1.0 + tl.exp(tl.minimum(xa, 20.0))))
-        g = -tl.exp(tl.load(a_log_ptr + h, mask=h_ok, other=0.0).to(tl.float32)) * softplus
-        # The delta-rule step on the [BLOCK_H, Dk, Dv] states.
-        s_ptrs = (st_ptr + slot * st_ss + h[:, None, None] * st_sh + kcols[None, :, None] * st_sk
-                  + vcols[None, None, :])
-        s_mask = h_ok[:, None, None] & k_ok[None, :, None] & v_ok[None, None, :]
-        s = tl.load(s_ptrs, mask=s_mask, other=0.0) * tl.exp(g)[:, None, None]
-        predicted = tl.sum(s * k[None, :, None], 1)
-        s = s + k[None, :, None] * ((v - predicted) * beta[:, None])[:, None, :]
-        tl.debug_barrier()  # every thread has read its part of the states (see _conv_step)
+    xa = (tl.load(a_ptr + bi * a_sb + heads, mask=h_ok, other=0.0).to(tl.float32)
+          + tl.load(dt_bias_ptr + heads, mask=h_ok, other=0.0).to(tl.float32))
+    softplus = tl.where(xa > 20.0, xa, tl.log(1.0 + tl.exp(tl.minimum(xa, 20.0))))
+    decay_all = tl.exp(-tl.exp(tl.load(a_log_ptr + heads, mask=h_ok, other=0.0).to(tl.float32)) * softplus)
+    norm_w = tl.load(nw_ptr + vcols, mask=v_ok, other=0.0).to(tl.float32)
+    s_mask = k_ok[:, None] & v_ok[None, :]
+    s_offs = kcols[:, None] * st_sk + vcols[None, :]
+    state_base = st_ptr + slot * st_ss + kh * HEAD_RATIO * st_sh
+    s_next = tl.load(state_base + s_offs, mask=s_mask, other=0.0)
+    # Every thread has read its part of the windows before any is moved on (a small tile's elements
+    # may be held by several threads; the values stored are the ones read, so nothing else orders it).
+    tl.debug_barrier()
+    _move_window_on(qk_window, conv_base, cs_sc, cs_sk, qk_channels, qk_ok, WIDTH, BLOCK_W)
+    _move_window_on(v_window, conv_base, cs_sc, cs_sk, v_channels, hv_ok, WIDTH, BLOCK_W)
+    q = _row(qk, part, 0)
+    k = _row(qk, part, 1)
+    q = q * (tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * q_scale)
+    k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
+    for r in tl.static_range(HEAD_RATIO):
+        s_ptrs = state_base + r * st_sh + s_offs
+        s = s_next * tl.sum(tl.where(rows == r, decay_all, 0.0), 0)
+        if r + 1 < HEAD_RATIO:  # the next head's state in flight while this one computes
+            s_next = tl.load(s_ptrs + st_sh, mask=s_mask, other=0.0)
+        # The delta-rule step. Each stored element depends on its column's elements read (through
+        # the reduction), so the update in place needs no barrier, unless a state is smaller than
+        # the program's threads and so held by several (TINY_STATE).
+        predicted = tl.sum(s * k[:, None], 0)
+        beta = tl.sum(tl.where(rows == r, beta_all, 0.0), 0)
+        s = s + k[:, None] * ((_row(v_all, rows, r) - predicted) * beta)[None, :]
+        if TINY_STATE:
+            tl.debug_barrier()
         tl.store(s_ptrs, s, mask=s_mask)
-        core = round_as(tl.sum(s * q[None, :, None], 1), dtype)
+        core = round_as(tl.sum(s * q[:, None], 0), dtype)
         # The gated output norm, as gated_rms_norm: (w · x̂) rounded, then the gate in float32.
-        inv_rms = tl.rsqrt(tl.sum(core * core, 1) / value_dim + eps)
-        y = round_as(norm_w[None, :] * round_as(core * inv_rms[:, None], dtype), dtype)
-        zg = tl.load(z_ptr + bi * z_sb + h[:, None] * z_sh + vcols[None, :], mask=hv_ok, other=0.0).to(tl.float32)
+        inv_rms = tl.rsqrt(tl.sum(core * core, 0) / value_dim + eps)
+        y = round_as(norm_w * round_as(core * inv_rms, dtype), dtype)
+        zg = _row(z_all, rows, r)
         if GATE_SIGMOID:
             y = y * tl.sigmoid(zg)
         else:
             y = y * (zg * tl.sigmoid(zg))
-        tl.store(out_ptr + (bi * num_v_heads + h[:, None]) * value_dim + vcols[None, :], cast(y, dtype), mask=hv_ok)
+        tl.store(out_ptr + (bi * num_v_heads + kh * HEAD_RATIO + r) * value_dim + vcols, cast(y, dtype), mask=v_ok)
 
 
 def gated_deltanet_decode(
@@ -248,14 +277,14 @@ def gated_deltanet_decode(
         return out
     head_ratio = num_v_heads // num_k_heads
     block_k, block_v = pow2(key_dim), pow2(value_dim)
-    block_h = min(pow2(head_ratio), max(1, STATE_TILE // (block_k * block_v)))
+    num_warps = NUM_WARPS or min(16, max(1, block_k * block_v // 1024))
     _deltanet_decode_kernel[(batch, num_k_heads)](
         mixed_qkv, mixed_qkv.stride(0), z, z.stride(0), z.stride(1), a, a.stride(0), b, b.stride(0),
         conv_weight, A_log, dt_bias, norm_weight,
         conv_state, *conv_state.stride(), recurrent_state, *recurrent_state.stride()[:3], state_slots, out,
         num_k_heads, num_v_heads, key_dim, value_dim, key_dim**-0.5, eps,
         HEAD_RATIO=head_ratio, WIDTH=width, GATE_SIGMOID=gate_activation == "sigmoid",
-        BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_V=block_v, BLOCK_W=pow2(width),
-        num_warps=NUM_WARPS or min(16, max(4, block_h * block_k * block_v // 2048)),
+        BLOCK_R=pow2(head_ratio), BLOCK_K=block_k, BLOCK_V=block_v, BLOCK_W=pow2(width),
+        TINY_STATE=block_k * block_v < 32 * num_warps, num_warps=num_warps,
     )
     return out

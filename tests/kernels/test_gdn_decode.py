@@ -72,7 +72,7 @@ def _deltanet_inputs(rng, dtype, batch, hk, hv, dk, dv, width, slots_total):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("batch", "hk", "hv", "dk", "dv", "width"),
-    [(3, 2, 4, 24, 40, 4), (2, 1, 3, 12, 20, 3), (1, 3, 3, 16, 8, 4)],  # ratio 2, odd ratio 3, ratio 1
+    [(3, 2, 4, 24, 40, 4), (2, 1, 3, 12, 20, 3), (1, 3, 3, 16, 8, 4), (2, 1, 4, 8, 16, 4)],  # ratios 2, 3, 1, 4
 )
 def test_gated_deltanet_decode(rng, dtype, activation, batch, hk, hv, dk, dv, width):
     from freetoken.kernels.triton.gdn_decode import gated_deltanet_decode
@@ -93,13 +93,12 @@ def test_gated_deltanet_decode(rng, dtype, activation, batch, hk, hv, dk, dv, wi
     assert_close(recurrent_state, want_rec, dtype=dtype)
 
 
-def test_gated_deltanet_decode_holds_several_value_heads_per_tile(rng, monkeypatch):
-    """A tile budget of two value heads: the loop over a key head's value heads takes blocks of 2
-    (the last one partly masked, ratio 3)."""
+def test_gated_deltanet_decode_states_smaller_than_the_threads(rng, monkeypatch):
+    """8 warps on 4 x 8 states: every element held by several threads (the barrier path)."""
     from freetoken.kernels.triton import gdn_decode
 
-    monkeypatch.setattr(gdn_decode, "STATE_TILE", 2 * 16 * 32)
-    inputs = _deltanet_inputs(rng, torch.float32, 2, 1, 3, 16, 20, 4, 5)
+    monkeypatch.setattr(gdn_decode, "NUM_WARPS", 8)
+    inputs = _deltanet_inputs(rng, torch.float32, 2, 1, 2, 4, 8, 4, 5)
     mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, conv_state, recurrent_state = inputs
     slots = torch.tensor([4, 1], dtype=torch.int32, device=DEVICE)
     want_conv, want_rec = conv_state.clone(), recurrent_state.clone()
