@@ -17,7 +17,7 @@ from freetoken.kernels.moe import fused_experts, moe_sort_tokens, moe_topk_softm
 from freetoken.kernels.nvfp4 import fused_experts_nvfp4, nvfp4_linear, sparse_moe_decode_nvfp4
 from freetoken.kernels.moe_decode import sparse_moe_decode
 from freetoken.kernels.moe_decode_offload import sparse_moe_decode_offload, sparse_moe_decode_offload_nvfp4
-from freetoken.kernels.gdn_decode import gated_delta_rule_decode_gated, gated_deltanet_decode
+from freetoken.kernels.gdn_decode import gated_delta_rule_decode_gated
 from freetoken.kernels.sampling import sample_tokens
 from freetoken.kernels.hyper_connection import hc_combine, hc_mix, hc_norm
 from freetoken.kernels.ngram import ngram_embed, ngram_update_context
@@ -41,7 +41,6 @@ __all__ = [
     "gated_delta_rule_prefill",
     "gated_delta_rule_decode",
     "gated_delta_rule_decode_gated",
-    "gated_deltanet_decode",
     "moe_topk_softmax",
     "moe_sort_tokens",
     "fused_experts",

@@ -102,27 +102,25 @@ class GatedDeltaNet(nn.Module):
         mixed_qkv, z, b, a = linear(x, self.in_proj).split(
             [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1
         )
-        z = z.reshape(num_tokens, self.num_v_heads, self.head_v_dim)
         nd = batch.num_decodes
         if batch.has_prefill:
-            out = torch.empty(num_tokens, self.num_v_heads, self.head_v_dim, dtype=x.dtype, device=x.device)
+            core = torch.empty(num_tokens, self.num_v_heads, self.head_v_dim, dtype=x.dtype, device=x.device)
             if nd:
-                out[:nd] = self._decode(mixed_qkv[:nd], z[:nd], a[:nd], b[:nd], batch.state_slots[:nd])
+                core[:nd] = self._decode(mixed_qkv[:nd], a[:nd], b[:nd], batch.state_slots[:nd])
             first, cu_seqlens, slots = batch.prefill_part()
-            core = self._prefill(mixed_qkv[first:], a[first:], b[first:], slots, cu_seqlens, batch.snapshots)
-            out[first:] = self.output_norm(core, z[first:])
-        else:  # decode only: the fused chain's output is the step's
-            out = self._decode(mixed_qkv, z, a, b, batch.state_slots[:nd])
+            core[first:] = self._prefill(mixed_qkv[first:], a[first:], b[first:], slots, cu_seqlens, batch.snapshots)
+        else:  # decode only: the step's output is the core
+            core = self._decode(mixed_qkv, a, b, batch.state_slots[:nd])
+        z = z.reshape(num_tokens, self.num_v_heads, self.head_v_dim)
+        out = self.output_norm(core, z)
         return linear(out.reshape(num_tokens, self.value_dim), self.out_proj)
 
-    def _decode(
-        self, mixed_qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor
-    ) -> torch.Tensor:
-        """One token per request, one launch: the conv step, the delta-rule step with its gating,
-        and the gated output norm (``kernels.gated_deltanet_decode``)."""
-        return kernels.gated_deltanet_decode(
-            mixed_qkv, z, a, b, self.conv_weight, self.A_log, self.dt_bias, self.norm_weight, self.eps,
-            self.conv_state, self.recurrent_state, slots, self.gate_activation,
+    def _decode(self, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """One token per request: the conv step, then the delta-rule step with its gating fused in."""
+        conv = kernels.causal_conv1d_decode(mixed_qkv, self.conv_weight, self.conv_state, slots)
+        q, k, v = self._split_heads(conv)
+        return kernels.gated_delta_rule_decode_gated(
+            q, k, v, a, b, self.A_log, self.dt_bias, self.recurrent_state, slots
         )
 
     def _prefill(
@@ -159,7 +157,7 @@ class GatedDeltaNet(nn.Module):
         self.conv_state.index_copy_(0, snapshots.slots, windows.to(self.conv_state.dtype))
 
     def output_norm(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """The gated output norm ``(w · x̂) · act(z)`` of the prefill rows (decode rows get it fused)."""
+        """The gated output norm ``(w · x̂) · act(z)``, ``act`` the family's ``gate_activation``."""
         return kernels.gated_rms_norm(core, z, self.norm_weight, self.eps, self.gate_activation)
 
     def _split_heads(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
