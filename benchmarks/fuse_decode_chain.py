@@ -1,19 +1,16 @@
-"""The fused decode kernels against the chains they replace, on one GPU, replayed from CUDA graphs.
+"""The fused attention prologue against the chain it replaces, on one GPU, replayed from CUDA graphs.
 
     python benchmarks/fuse_decode_chain.py [--batch-sizes 1 8] [--json FILE]
 
-Qwen3.6-35B-A3B's sizes in bf16: 30 Gated DeltaNet layers (16 key / 32 value heads of 128, conv
-kernel 4) and 10 full-attention layers (16 query / 2 KV heads of 256, rotary 64, pages of 16).
-Each layer has its own weights and states (a batch-1 step's GDN states alone are 120 MB, above the
-L2), and one graph holds every layer's chain back to back, as a decode step's graph does, so the
-time per layer includes the launch gaps inside the graph. Per batch size it prints, per layer:
+Qwen3.6-35B-A3B's sizes in bf16: 10 full-attention layers (16 query / 2 KV heads of 256, rotary
+64, pages of 16), each with its own weights and paged cache, and one graph holding every layer's
+prologue back to back, as a decode step's graph does, so the time per layer includes the launch
+gaps inside the graph. Per batch size it prints, per layer, the old prologue (two rms_norm,
+apply_rotary's two launches, store_kv: five launches) and ``norm_rotary_store_kv`` (one), with the
+largest relative error of the fused queries to the old chain's (bf16: below 1e-2).
 
-- GDN: the old chain (causal_conv1d_decode, gated_delta_rule_decode_gated, gated_rms_norm: three
-  launches) and ``gated_deltanet_decode`` (one) at each candidate number of warps;
-- attention: the old prologue (two rms_norm, apply_rotary's two launches, store_kv: five) and
-  ``norm_rotary_store_kv`` (one);
-
-with the largest relative error of the fused outputs to the old chain's (bf16: below 1e-2).
+(A fused Gated DeltaNet decode chain was measured here too and dropped: at batch 1 its 16
+programs, one per key head, took 13.7-18.6 us per layer against the three-launch chain's 9.3.)
 """
 
 from __future__ import annotations
@@ -25,64 +22,23 @@ from typing import Callable
 import torch
 
 from freetoken.kernels.rotary import build_rotary_cache
-from freetoken.kernels.triton import attention, attention_prologue, conv1d, gdn_decode, norm, rotary
+from freetoken.kernels.triton import attention, attention_prologue, norm, rotary
 
 CUDA = torch.device("cuda")
 BF16 = torch.bfloat16
-HK, HV, DK, DV, CONV_K = 16, 32, 128, 128, 4
 HQ, HKV, HEAD_DIM, ROTARY_DIM, PAGE = 16, 2, 256, 64, 16
-GDN_LAYERS, ATTENTION_LAYERS = 30, 10
+ATTENTION_LAYERS = 10
 EPS = 1e-6
-# Warps of gated_deltanet_decode to time (None: the module's default, 16 for 128 x 128 states).
-FUSED_WARPS = [None, 8]
 
 
 def randn(*shape, dtype=BF16, scale=1.0) -> torch.Tensor:
     return (torch.randn(*shape, device=CUDA) * scale).to(dtype)
 
 
-class DeltaNetLayer:
-    """One GDN layer's decode inputs (strided slices of its in_proj output, as the layer passes
-    them), weights and states; request ``i`` in slot ``i + 1`` (slot 0 is the scratch slot)."""
-
-    def __init__(self, batch: int) -> None:
-        channels = 2 * HK * DK + HV * DV
-        packed = randn(batch, channels + HV * DV + 2 * HV)
-        self.mixed_qkv = packed[:, :channels]
-        self.z = packed[:, channels : channels + HV * DV].reshape(batch, HV, DV)
-        self.b, self.a = packed[:, channels + HV * DV :].split([HV, HV], dim=-1)
-        self.conv_weight = randn(channels, CONV_K, scale=0.5)
-        self.A_log, self.dt_bias = randn(HV, scale=0.5), randn(HV)
-        self.norm_weight = 1 + randn(DV, scale=0.2)
-        self.conv_state = randn(batch + 1, channels, CONV_K - 1)
-        self.recurrent_state = randn(batch + 1, HV, DK, DV, dtype=torch.float32, scale=0.1)
-        self.slots = torch.arange(1, batch + 1, dtype=torch.int32, device=CUDA)
-
-    def old(self) -> torch.Tensor:
-        conv = conv1d.causal_conv1d_decode(self.mixed_qkv, self.conv_weight, self.conv_state, self.slots)
-        q, k, v = conv.split([HK * DK, HK * DK, HV * DV], dim=-1)
-        n = conv.shape[0]
-        core = gdn_decode.gated_delta_rule_decode_gated(
-            q.view(n, HK, DK), k.view(n, HK, DK), v.view(n, HV, DV), self.a, self.b, self.A_log, self.dt_bias,
-            self.recurrent_state, self.slots,
-        )
-        return norm.gated_rms_norm(core, self.z, self.norm_weight, EPS)
-
-    def fused(self) -> torch.Tensor:
-        return gdn_decode.gated_deltanet_decode(
-            self.mixed_qkv, self.z, self.a, self.b, self.conv_weight, self.A_log, self.dt_bias, self.norm_weight, EPS,
-            self.conv_state, self.recurrent_state, self.slots,
-        )
-
-    def state_bytes(self) -> int:
-        """What one step must read and write of this layer's states (the floor's main part)."""
-        n = self.slots.numel()
-        return 2 * n * (self.recurrent_state[0].nbytes + self.conv_state[0].nbytes)
-
-
 class AttentionLayer:
     """One attention layer's prologue inputs (views of its qkv_proj output), norm weights and
-    paged cache; token ``i`` at a random position, stored in a random cache location."""
+    paged cache; token ``i`` at a random position, stored in a random location past the scratch
+    page 0 (so inside pages ``1 .. num_pages - 1``)."""
 
     def __init__(self, batch: int, rotary_cache: torch.Tensor) -> None:
         packed = randn(batch, HQ * 2 * HEAD_DIM + 2 * HKV * HEAD_DIM)
@@ -94,7 +50,7 @@ class AttentionLayer:
         num_pages = 64
         self.k_cache = randn(num_pages, PAGE, HKV, HEAD_DIM)
         self.v_cache = randn(num_pages, PAGE, HKV, HEAD_DIM)
-        self.locations = torch.randperm(num_pages * PAGE, device=CUDA)[:batch] + PAGE
+        self.locations = torch.randperm((num_pages - 1) * PAGE, device=CUDA)[:batch] + PAGE
 
     def old(self) -> torch.Tensor:
         q = norm.rms_norm(self.q, self.q_w, EPS, True)
@@ -144,24 +100,6 @@ def max_error(layers, snapshot: Callable, restore: Callable) -> float:
     return worst
 
 
-def gdn_rows(batch: int) -> list[dict]:
-    layers = [DeltaNetLayer(batch) for _ in range(GDN_LAYERS)]
-    snapshot = lambda l: (l.conv_state.clone(), l.recurrent_state.clone())  # noqa: E731
-    restore = lambda l, s: (l.conv_state.copy_(s[0]), l.recurrent_state.copy_(s[1]))  # noqa: E731
-    state_mb = layers[0].state_bytes() / 1e6
-    old_us = graph_us_per_layer(lambda: [layer.old() for layer in layers], GDN_LAYERS)
-    rows = [dict(op="gdn", batch=batch, variant="old chain (3 launches)", us_per_layer=old_us, state_mb=state_mb)]
-    default = gdn_decode.NUM_WARPS
-    for warps in FUSED_WARPS:
-        gdn_decode.NUM_WARPS = warps
-        error = max_error(layers, snapshot, restore)
-        us = graph_us_per_layer(lambda: [layer.fused() for layer in layers], GDN_LAYERS)
-        name = f"fused (1 launch), {warps or 'default'} warps"
-        rows.append(dict(op="gdn", batch=batch, variant=name, us_per_layer=us, state_mb=state_mb, max_rel_error=error))
-    gdn_decode.NUM_WARPS = default
-    return rows
-
-
 def attention_rows(batch: int, rotary_cache: torch.Tensor) -> list[dict]:
     layers = [AttentionLayer(batch, rotary_cache) for _ in range(ATTENTION_LAYERS)]
     snapshot = lambda l: (l.k_cache.clone(), l.v_cache.clone())  # noqa: E731
@@ -184,11 +122,9 @@ def main() -> None:
     rotary_cache = build_rotary_cache(ROTARY_DIM, 32768, 1e7, CUDA)
     rows: list[dict] = []
     for batch in args.batch_sizes:
-        for row in gdn_rows(batch) + attention_rows(batch, rotary_cache):
+        for row in attention_rows(batch, rotary_cache):
             rows.append(row)
             extra = f"  max rel error {row['max_rel_error']:.2e}" if "max_rel_error" in row else ""
-            if "state_mb" in row:
-                extra += f"  ({row['state_mb'] / row['us_per_layer']:.2f} TB/s of state)"
             print(f"batch {batch:3d}  {row['op']:18s} {row['variant']:42s} {row['us_per_layer']:7.2f} us/layer{extra}")
     if args.json:
         with open(args.json, "w") as f:

@@ -76,3 +76,28 @@ def test_attention_prologue_padding_rows_touch_only_the_scratch_page(rng):
     assert_close(got[:real], want)
     assert_close(k_cache[1:], want_k[1:])
     assert torch.equal(v_cache[1:], want_v[1:])
+
+
+def test_attention_prologue_decode_batch_stays_inside_the_cache(rng):
+    """A batch-8 decode step at Qwen3.6's head sizes (16 query / 2 KV heads of 256, rotary 64,
+    pages of 16) with the last cache location among its stores: every store lands inside the
+    cache, the page past its end (a canary in the same allocation) untouched."""
+    from freetoken.kernels.triton.attention_prologue import norm_rotary_store_kv
+
+    tokens, pages, page_size = 8, 3, 16
+    q, k, v, q_w, k_w, positions, cache, _, _, _ = _inputs(
+        rng, torch.bfloat16, tokens, 16, 2, 256, 64, pages=1, page_size=page_size
+    )
+    k_buffer = torch.randn(pages + 1, page_size, 2, 256, generator=rng).to(torch.bfloat16).to(DEVICE)
+    v_buffer = torch.randn(pages + 1, page_size, 2, 256, generator=rng).to(torch.bfloat16).to(DEVICE)
+    k_cache, v_cache = k_buffer[:pages], v_buffer[:pages]
+    locs = torch.randperm(pages * page_size - 1, generator=rng)[: tokens - 1].to(DEVICE)
+    locs = torch.cat([locs, torch.tensor([pages * page_size - 1], device=DEVICE)])
+    want_k, want_v = k_buffer.clone(), v_buffer.clone()
+    want = ref.norm_rotary_store_kv_reference(
+        q, k, v, q_w, k_w, 1e-6, positions, cache, 64, want_k[:pages], want_v[:pages], locs
+    )
+    got = norm_rotary_store_kv(q, k, v, q_w, k_w, 1e-6, positions, cache, 64, k_cache, v_cache, locs)
+    assert_close(got, want)
+    assert_close(k_buffer, want_k)
+    assert torch.equal(v_buffer, want_v)
