@@ -1,9 +1,9 @@
-"""Registers, spills and shared memory of the prefill kernels at the real model sizes, compiled for
+"""Registers, spills and shared memory of the prefill kernels (and the fused attention prologue) at the real model sizes, compiled for
 sm_90 on a machine without a GPU (the stand-in driver of tests/kernels/compile_only.py: every
 launch compiles, none runs). Spills cost local-memory traffic on the GPU; this shows them per
 cubin without a GPU run.
 
-    PYTHONPATH=.venv/triton-3.6.0 .venv/bin/python benchmarks/kernel_resources.py [--only gdn attention moe]
+    PYTHONPATH=.venv/triton-3.6.0 .venv/bin/python benchmarks/kernel_resources.py [--only gdn attention moe prologue]
 
 Prints one line per compiled variant: ``cuobjdump --dump-resource-usage`` (REG, STACK: the spill
 and local frame, SHARED), the dynamic shared memory (the pipeline buffers; at most 232,448 bytes
@@ -29,7 +29,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from freetoken.kernels.triton import attention, gated_delta_rule, moe  # noqa: E402
+from freetoken.kernels.triton import attention, attention_prologue, gated_delta_rule, moe  # noqa: E402
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 BF16 = torch.bfloat16
@@ -79,6 +79,17 @@ def moe_prefill(tokens: int = 8192) -> None:
     moe.fused_experts(x, w13, w2, weights, ids)
 
 
+def prologue(batch: int = 8) -> None:
+    """The fused attention prologue (16 query / 2 KV heads of 256, rotary 64)."""
+    for dtype in (BF16, torch.float32):
+        q, kv = torch.zeros(batch, 16, 256, dtype=dtype), torch.zeros(batch, 2, 256, dtype=dtype)
+        cache = torch.zeros(4, 16, 2, 256, dtype=dtype)
+        positions = torch.zeros(batch, dtype=torch.int64)
+        attention_prologue.norm_rotary_store_kv(
+            q, kv, kv, q[0, 0], q[0, 0], 1e-6, positions, torch.zeros(16, 64), 64, cache, cache, positions
+        )
+
+
 def report() -> None:
     for name, config, kernel in compiled:
         with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
@@ -92,7 +103,7 @@ def report() -> None:
     compiled.clear()
 
 
-CASES = {"gdn": gdn, "attention": attention_prefill, "moe": moe_prefill}
+CASES = {"gdn": gdn, "attention": attention_prefill, "moe": moe_prefill, "prologue": prologue}
 
 
 def main() -> None:

@@ -10,6 +10,7 @@ from freetoken.kernels.dispatch import KernelBackend, get_kernel_backend, set_ke
 from freetoken.kernels.norm import add_rms_norm, gated_rms_norm, rms_norm
 from freetoken.kernels.rotary import apply_rotary, build_rotary_cache
 from freetoken.kernels.attention import paged_attention, store_kv
+from freetoken.kernels.attention_prologue import norm_rotary_store_kv
 from freetoken.kernels.conv1d import causal_conv1d_decode, causal_conv1d_prefill
 from freetoken.kernels.gated_delta_rule import gated_delta_rule_decode, gated_delta_rule_prefill
 from freetoken.kernels.moe import fused_experts, moe_sort_tokens, moe_topk_softmax, shared_expert_combine, silu_and_mul
@@ -35,6 +36,7 @@ __all__ = [
     "build_rotary_cache",
     "store_kv",
     "paged_attention",
+    "norm_rotary_store_kv",
     "causal_conv1d_prefill",
     "causal_conv1d_decode",
     "gated_delta_rule_prefill",

@@ -30,11 +30,27 @@ def add_rms_norm_reference(
     return rms_norm_reference(summed, weight, eps, zero_centered), summed
 
 
-def gated_rms_norm_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The Gated DeltaNet output norm: ``(w · x̂) · silu(gate)``, norm before gate, over the last dim."""
+GATE_ACTIVATIONS = ("silu", "sigmoid")
+
+
+def gated_rms_norm_reference(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, activation: str = "silu"
+) -> torch.Tensor:
+    """The Gated DeltaNet output norm: ``(w · x̂) · act(gate)``, norm before gate, over the last dim.
+
+    ``activation`` is ``"silu"`` (Qwen3.5) or ``"sigmoid"`` (a Qwen4-Exp option); ``w · x̂`` is
+    rounded to the activations' dtype, the gate applied in float32.
+    """
+    check_gate_activation(activation)
     xf = x.float()
     normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return ((weight * normed) * F.silu(gate.float())).to(x.dtype)
+    act = F.silu if activation == "silu" else torch.sigmoid
+    return ((weight * normed) * act(gate.float())).to(x.dtype)
+
+
+def check_gate_activation(activation: str) -> None:
+    if activation not in GATE_ACTIVATIONS:
+        raise ValueError(f"gate activation must be one of {GATE_ACTIVATIONS}, got {activation!r}")
 
 
 rms_norm = op("norm")(rms_norm_reference)

@@ -1,4 +1,4 @@
-"""Triton RMSNorm kernels: plain / zero-centred, with a fused residual add, and the gated (SiLU) norm.
+"""Triton RMSNorm kernels: plain / zero-centred, with a fused residual add, and the gated (SiLU or sigmoid) norm.
 
 One program normalises a block of rows (one row of the hidden size, several head rows). Inputs may be strided views of up to three dims (``q`` and the
 Gated DeltaNet gate ``z`` are slices of a packed projection): rows are addressed as ``(i, j)`` with
@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from freetoken.kernels.norm import check_gate_activation
 from freetoken.kernels.triton._common import cast, new_empty, pow2, round_as, rows_per_program
 
 
@@ -26,6 +27,7 @@ def _rms_norm_kernel(
     num_rows, inner, dim, eps,
     HAS_RESIDUAL: tl.constexpr,
     HAS_GATE: tl.constexpr,
+    GATE_SIGMOID: tl.constexpr,
     ZERO_CENTERED: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -53,7 +55,10 @@ def _rms_norm_kernel(
         y = round_as(w * round_as(normed, x.dtype), out_ptr.dtype.element_ty)
     if HAS_GATE:
         g = tl.load(gate_ptr + i * gate_s0 + j * gate_s1 + cols, mask=mask, other=0.0).to(tl.float32)
-        y = y * (g * tl.sigmoid(g))
+        if GATE_SIGMOID:
+            y = y * tl.sigmoid(g)
+        else:
+            y = y * (g * tl.sigmoid(g))
     tl.store(out_ptr + out_offs, cast(y, out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -78,6 +83,7 @@ def _launch(
     out_dtype: torch.dtype,
     residual: torch.Tensor | None = None,
     gate: torch.Tensor | None = None,
+    gate_sigmoid: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     dim = x.shape[-1]
     if weight.shape != (dim,):
@@ -100,6 +106,7 @@ def _launch(
             num_rows, inner, dim, eps,
             HAS_RESIDUAL=residual is not None,
             HAS_GATE=gate is not None,
+            GATE_SIGMOID=gate_sigmoid,
             ZERO_CENTERED=zero_centered,
             BLOCK_R=block_r,
             BLOCK_D=block_d,
@@ -123,7 +130,10 @@ def add_rms_norm(
     return out, summed
 
 
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def gated_rms_norm(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, activation: str = "silu"
+) -> torch.Tensor:
+    check_gate_activation(activation)
     if gate.shape != x.shape:
         raise ValueError(f"gate shape {tuple(gate.shape)} != x shape {tuple(x.shape)}")
-    return _launch(x, weight, eps, False, x.dtype, gate=gate)[0]
+    return _launch(x, weight, eps, False, x.dtype, gate=gate, gate_sigmoid=activation == "sigmoid")[0]

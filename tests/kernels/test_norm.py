@@ -37,13 +37,14 @@ def test_add_rms_norm(rng, dtype):
     assert_close(got, want)
 
 
+@pytest.mark.parametrize("activation", ["silu", "sigmoid"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gated_rms_norm_strided_gate(rng, dtype):
+def test_gated_rms_norm_strided_gate(rng, dtype, activation):
     # z as the Gated DeltaNet passes it: a slice of the packed in_proj output, viewed as heads.
     t, h, d = 6, 3, 20
     packed = torch.randn(t, h * d + 11, generator=rng).to(dtype).to(DEVICE)
     gate = packed[:, 5 : 5 + h * d].reshape(t, h, d)
     x = torch.randn(t, h, d, generator=rng).to(dtype).to(DEVICE)
     w = (1 + 0.2 * torch.randn(d, generator=rng)).to(dtype).to(DEVICE)
-    got = _triton().gated_rms_norm(x, gate, w, 1e-6)
-    assert_close(got, ref.gated_rms_norm_reference(x, gate, w, 1e-6))
+    got = _triton().gated_rms_norm(x, gate, w, 1e-6, activation)
+    assert_close(got, ref.gated_rms_norm_reference(x, gate, w, 1e-6, activation))

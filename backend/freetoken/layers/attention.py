@@ -76,7 +76,8 @@ class GatedAttention(nn.Module):
     def project(
         self, x: torch.Tensor, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-        """The prologue: one GEMM, q/k norms, rotary, this step's k/v stored at ``batch.kv_locations``.
+        """The prologue: one GEMM, then one launch for the q/k norms, rotary and this step's k/v
+        stored at ``batch.kv_locations`` (``kernels.norm_rotary_store_kv``).
 
         Returns the rotated queries ``[T, Hq, D]``, the output gate ``[T, Hq, D]`` and the extra
         projections' outputs in ``extra_projections`` order.
@@ -84,11 +85,20 @@ class GatedAttention(nn.Module):
         num_tokens = x.shape[0]
         q_gate, k, v, *extra = linear(x, self.qkv_proj).split([rows for _, rows in self.packed_parts], dim=-1)
         q, gate = q_gate.view(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = self.q_norm(q)
-        k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = kernels.apply_rotary(q, k, batch.positions, self.rotary_cache, self.rotary_dim)
-        kernels.store_kv(k, v, self.k_cache, self.v_cache, batch.kv_locations)
+        q = kernels.norm_rotary_store_kv(
+            q,
+            k.view(num_tokens, self.num_kv_heads, self.head_dim),
+            v.view(num_tokens, self.num_kv_heads, self.head_dim),
+            self.q_norm.weight,
+            self.k_norm.weight,
+            self.q_norm.eps,
+            batch.positions,
+            self.rotary_cache,
+            self.rotary_dim,
+            self.k_cache,
+            self.v_cache,
+            batch.kv_locations,
+        )
         return q, gate, extra
 
     def output(self, attended: torch.Tensor) -> torch.Tensor:

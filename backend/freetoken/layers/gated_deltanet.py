@@ -46,6 +46,7 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.conv_kernel = conv_kernel
         self.eps = sizes.eps
+        self.gate_activation = "silu"  # of the output gate; families with another one set it
         self.in_proj = new_param(self.conv_dim + self.value_dim + 2 * num_v_heads, hidden_size)
         self.conv_weight = new_param(self.conv_dim, conv_kernel)
         self.dt_bias = new_param(num_v_heads)
@@ -158,8 +159,8 @@ class GatedDeltaNet(nn.Module):
         self.conv_state.index_copy_(0, snapshots.slots, windows.to(self.conv_state.dtype))
 
     def output_norm(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """The gated output norm ``(w · x̂) · silu(z)``; families with another gate activation override it."""
-        return kernels.gated_rms_norm(core, z, self.norm_weight, self.eps)
+        """The gated output norm ``(w · x̂) · act(z)``, ``act`` the family's ``gate_activation``."""
+        return kernels.gated_rms_norm(core, z, self.norm_weight, self.eps, self.gate_activation)
 
     def _split_heads(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)

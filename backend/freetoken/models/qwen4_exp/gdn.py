@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
-from freetoken import kernels
 from freetoken.layers.gated_deltanet import DeltaNetSizes, GatedDeltaNet
 
 
@@ -16,10 +13,3 @@ class Qwen4GatedDeltaNet(GatedDeltaNet):
         self.gate_activation = gate_activation
         if self.gate_activation not in ("silu", "sigmoid"):
             raise ValueError(f"output_gate_type must be silu or sigmoid, got {self.gate_activation!r}")
-
-    def output_norm(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        if self.gate_activation == "silu":
-            return super().output_norm(core, z)
-        # (w · x̂) rounded to the activations' dtype, then the gate in float32: the reference's order.
-        normed = kernels.rms_norm(core, self.norm_weight, self.eps, False)
-        return (normed * torch.sigmoid(z.float())).to(core.dtype)
