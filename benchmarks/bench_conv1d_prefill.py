@@ -86,7 +86,7 @@ def sweep(bandwidth: float, tokens: int = 8192) -> list[dict]:
     out = torch.empty(tokens, CHANNELS, dtype=BF16, device=CUDA)
     floor_us = 2 * x.numel() * x.element_size() / bandwidth * 1e6
     want = torch.empty_like(out)
-    conv1d.launch_prefill(x, weight, state, slots, cu, want, conv1d.prefill_tiles(CHANNELS, BF16))
+    conv1d.launch_prefill(x, weight, state, slots, cu, want, conv1d.prefill_tiles(CHANNELS))
     rows = []
     # (channels, warps): 4 or 8 channels a thread; the register cap only where 8 channels and 8
     # rows in flight need more than 128 registers.
@@ -113,7 +113,7 @@ def main() -> None:
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write); default tiles "
-          f"{conv1d.prefill_tiles(CHANNELS, BF16)}")
+          f"{conv1d.prefill_tiles(CHANNELS)}")
     results = dict(copy_TB_s=bandwidth / 1e12, cases=[
         compare("8k, one request", [8192], bandwidth),
         compare("32k, one request", [32768], bandwidth),

@@ -199,7 +199,7 @@ def causal_conv1d_prefill(
     out = new_empty((num_tokens, channels), x.dtype, x.device)
     if num_tokens == 0 or num_requests == 0:
         return out
-    launch_prefill(x, weight, conv_state, state_slots, cu_seqlens, out, prefill_tiles(channels, x.dtype))
+    launch_prefill(x, weight, conv_state, state_slots, cu_seqlens, out, prefill_tiles(channels))
     block_c = min(pow2(channels), 256)
     _conv_state_update_kernel[(num_requests, triton.cdiv(channels, block_c))](
         x, x.stride(0), conv_state, *conv_state.stride(), state_slots, cu_seqlens, channels,
@@ -219,12 +219,12 @@ class PrefillTiles:
     maxnreg: int | None = None  # register cap per thread (None: the compiler's choice)
 
 
-def prefill_tiles(channels: int, dtype: torch.dtype) -> PrefillTiles:
-    """16 bytes of channels a thread (8 bf16: one vector load per row), runs of 32 rows (the
-    3-row halo a run re-reads is ~10% of its reads, from L2), 8 rows in flight; 128 registers
-    (168 uncapped, no spills at 128) let 16 warps share an SM."""
-    per_thread = max(1, 16 // dtype.itemsize)
-    return PrefillTiles(rows=32, channels=min(pow2(channels), 32 * per_thread), warps=1, unroll=8, maxnreg=128)
+def prefill_tiles(channels: int) -> PrefillTiles:
+    """128 channels a one-warp program (4 bf16 or float32 a thread), runs of 32 rows (the 3-row
+    halo a run re-reads is ~10% of its reads, from L2), 8 rows in flight: the H200 sweep's best
+    (`benchmarks/bench_conv1d_prefill.py --sweep`: 84.7 us at 8k x 8192 channels against 93.2 for
+    256 channels capped at 128 registers, floor 62.8)."""
+    return PrefillTiles(rows=32, channels=min(pow2(channels), 128), warps=1, unroll=8, maxnreg=None)
 
 
 def launch_prefill(
