@@ -68,16 +68,20 @@ def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
         return kernels.nvfp4_linear(x, weight.packed, weight.scales, weight.row_scales)
     if isinstance(weight, SplitWeight):
         return weight.forward_rows(x)
-    if (
+    if _takes_gemv(x, weight):
+        return kernels.gemv(x, weight)
+    return F.linear(x, weight)
+
+
+def _takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (
         weight.is_cuda
         and weight.dim() == 2
         and x.dtype == weight.dtype
         and x.dtype in GEMV_DTYPES
         and x.shape[-1] == weight.shape[1] > 0
         and prefers_gemv(x.numel() // weight.shape[1], weight.shape[0], weight.shape[1])
-    ):
-        return kernels.gemv(x, weight)
-    return F.linear(x, weight)
+    )
 
 
 def linear_padded_rows(x: torch.Tensor, weight: Weight) -> torch.Tensor:
@@ -85,8 +89,9 @@ def linear_padded_rows(x: torch.Tensor, weight: Weight) -> torch.Tensor:
     (the result is a view of the first columns). cuBLAS runs a GEMM whose output rows are not
     16-byte aligned in slow unaligned kernels: the 257-wide router + shared-gate GEMM of the MoE
     block took an sm75 ``align1`` kernel, ~55 TFLOP/s and 6.4 ms of an 8k-token prefill on the
-    H200. The consumers read the view through its row stride."""
-    if not isinstance(weight, torch.Tensor) or x.dim() != 2:
+    H200. The consumers read the view through its row stride. Decode's few rows take the GEMV
+    where ``linear`` would (its output rows need no alignment)."""
+    if not isinstance(weight, torch.Tensor) or x.dim() != 2 or _takes_gemv(x, weight):
         return linear(x, weight)
     rows = weight.shape[0]
     step = max(1, 16 // x.element_size())
