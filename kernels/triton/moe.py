@@ -17,11 +17,14 @@ Rounding follows the reference (the projections, SiLU and products rounded to th
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from freetoken.kernels.triton._common import (
+    INTERPRETED,
     cast,
     device_function,
     dot,
@@ -34,6 +37,35 @@ from freetoken.kernels.triton._common import (
 from freetoken.kernels.triton.moe_configs import GemmConfig, moe_gemm_config
 
 
+@device_function
+def _softmax_topk(logits, e, num_experts, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """Rows of float32 ``logits [R, BLOCK_E]`` (``e``: the column index ``[1, BLOCK_E]``): softmax,
+    the ``TOP_K`` largest probabilities in decreasing order, the lowest expert id first among ties,
+    optionally renormalised; ``(weights [R, BLOCK_K] float32, ids [R, BLOCK_K] int32)``.
+
+    Each choice is one max over an int64 key: the probability's float32 bits (order-preserving for
+    the non-negative probabilities) above ``BLOCK_E - 1 - e`` (so among equal probabilities the
+    lowest id is largest), instead of a max over the values and a min over the ids that tie."""
+    logits = tl.where(e < num_experts, logits, float("-inf"))
+    p = tl.exp(logits - tl.max(logits, 1)[:, None])
+    p = p / tl.sum(p, 1)[:, None]
+    p = tl.where(e < num_experts, p, -1.0)  # padding: below every probability
+    rank = (BLOCK_E - 1) - e  # int32
+    key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | rank.to(tl.int64)
+    j = tl.arange(0, BLOCK_K)[None, :]
+    top_w = tl.zeros([logits.shape[0], BLOCK_K], tl.float32)
+    top_i = tl.zeros([logits.shape[0], BLOCK_K], tl.int32)
+    for choice in tl.static_range(TOP_K):
+        best = tl.max(key, 1)[:, None]
+        top_w = tl.where(j == choice, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True), top_w)
+        top_i = tl.where(j == choice, (BLOCK_E - 1) - (best & 0xFFFFFFFF).to(tl.int32), top_i)
+        key = tl.where(key == best, -(1 << 62), key)
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(tl.where(j < TOP_K, top_w, 0.0), 1)[:, None]
+    return top_w, top_i
+
+
 @triton.jit
 def _topk_softmax_kernel(
     logits_ptr, l_st, weights_ptr, ids_ptr, num_tokens, num_experts,
@@ -44,21 +76,8 @@ def _topk_softmax_kernel(
     t_ok = t < num_tokens
     e = tl.arange(0, BLOCK_E)[None, :]
     logits = tl.load(logits_ptr + t * l_st + e, mask=t_ok & (e < num_experts), other=0.0).to(tl.float32)
-    logits = tl.where(e < num_experts, logits, float("-inf"))
-    p = tl.exp(logits - tl.max(logits, 1)[:, None])
-    p = p / tl.sum(p, 1)[:, None]
-    p = tl.where(e < num_experts, p, -1.0)
+    top_w, top_i = _softmax_topk(logits, e, num_experts, TOP_K, RENORMALIZE, BLOCK_E, BLOCK_K)
     j = tl.arange(0, BLOCK_K)[None, :]
-    top_w = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
-    top_i = tl.zeros([BLOCK_T, BLOCK_K], tl.int32)
-    for choice in tl.static_range(TOP_K):
-        best = tl.max(p, 1)[:, None]
-        best_i = tl.min(tl.where(p == best, e, BLOCK_E), 1)[:, None]  # the lowest index among ties
-        top_w = tl.where(j == choice, best, top_w)
-        top_i = tl.where(j == choice, best_i, top_i)
-        p = tl.where(e == best_i, -2.0, p)
-    if RENORMALIZE:
-        top_w = top_w / tl.sum(tl.where(j < TOP_K, top_w, 0.0), 1)[:, None]
     mask = t_ok & (j < TOP_K)
     tl.store(weights_ptr + t * TOP_K + j, cast(top_w, weights_ptr.dtype.element_ty), mask=mask)
     tl.store(ids_ptr + t * TOP_K + j, top_i, mask=mask)
@@ -160,6 +179,89 @@ def moe_sort_tokens(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Ten
     return order, offsets
 
 
+# Up to this many (token, choice) pairs ``moe_route`` runs as one launch of one program (decode
+# batches: 512 tokens of top-8); past it, the top-k softmax and the three-launch sort, parallel
+# over blocks of tokens and pairs (``benchmarks/moe_route_sweep.py`` times both).
+ROUTE_ONE_LAUNCH_PAIRS = 4096
+
+
+@dataclass(frozen=True)
+class RouteTiles:
+    """The one-program route's launch: tokens per top-k step and warps."""
+
+    block_t: int
+    num_warps: int
+
+
+def route_tiles(num_tokens: int, num_experts: int) -> RouteTiles:
+    """Top-k steps over tiles of about 8K logits (16 a thread over 16 warps, the int64 keys
+    included in registers); the interpreter, whose cost is per operation, takes all the tokens at once."""
+    budget = 1 << 20 if INTERPRETED else 8192
+    return RouteTiles(block_t=max(1, min(pow2(num_tokens), budget // pow2(num_experts))), num_warps=16)
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr, l_st, weights_ptr, ids_ptr, order_ptr, offsets_ptr, num_tokens, num_experts,
+    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    """The whole routing prologue in one program: top-k softmax of ``BLOCK_T`` tokens at a time,
+    then, over all ``num_tokens · TOP_K`` pairs, the per-expert counts (a histogram), their prefix
+    (``offsets``) and the stable sort by expert (a bitonic sort of ``id · BLOCK_P + pair``: unique
+    keys, so the pairs of an expert keep their order)."""
+    e = tl.arange(0, BLOCK_E)[None, :]
+    j = tl.arange(0, BLOCK_K)[None, :]
+    for t0 in range(0, num_tokens, BLOCK_T):
+        t = (t0 + tl.arange(0, BLOCK_T))[:, None]
+        t_ok = t < num_tokens
+        logits = tl.load(logits_ptr + t * l_st + e, mask=t_ok & (e < num_experts), other=0.0).to(tl.float32)
+        top_w, top_i = _softmax_topk(logits, e, num_experts, TOP_K, RENORMALIZE, BLOCK_E, BLOCK_K)
+        mask = t_ok & (j < TOP_K)
+        tl.store(weights_ptr + t * TOP_K + j, cast(top_w, weights_ptr.dtype.element_ty), mask=mask)
+        tl.store(ids_ptr + t * TOP_K + j, top_i, mask=mask)
+    tl.debug_barrier()  # the ids written by every thread of the program, read back by others
+    num_pairs = num_tokens * TOP_K
+    pair = tl.arange(0, BLOCK_P)
+    pair_ok = pair < num_pairs
+    ids = tl.load(ids_ptr + pair, mask=pair_ok, other=0)
+    # Padding pairs count as expert 0 (the histogram takes no mask in every Triton): taken back.
+    counts = tl.histogram(ids, BLOCK_E)
+    counts -= tl.where(tl.arange(0, BLOCK_E) == 0, BLOCK_P - num_pairs, 0)
+    expert = tl.arange(0, BLOCK_E)
+    tl.store(offsets_ptr + expert, tl.cumsum(counts, 0) - counts, mask=expert < num_experts)
+    tl.store(offsets_ptr + num_experts, num_pairs)
+    keys = tl.where(pair_ok, ids, BLOCK_E) * BLOCK_P + pair  # padding sorts last
+    order = tl.sort(keys) & (BLOCK_P - 1)
+    tl.store(order_ptr + pair, order, mask=pair_ok)
+
+
+def moe_route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    num_tokens, num_experts = router_logits.shape
+    num_pairs = num_tokens * top_k
+    if num_tokens == 0 or num_pairs > ROUTE_ONE_LAUNCH_PAIRS:
+        weights, ids = moe_topk_softmax(router_logits, top_k, renormalize)
+        return (weights, ids, *moe_sort_tokens(ids, num_experts))
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
+    if router_logits.stride(-1) != 1:
+        router_logits = router_logits.contiguous()
+    device = router_logits.device
+    weights = new_empty((num_tokens, top_k), router_logits.dtype, device)
+    ids = new_empty((num_tokens, top_k), torch.int32, device)
+    order = new_empty((num_pairs,), torch.int32, device)
+    offsets = new_empty((num_experts + 1,), torch.int32, device)
+    tiles = route_tiles(num_tokens, num_experts)
+    _route_kernel[(1,)](
+        router_logits, router_logits.stride(0), weights, ids, order, offsets, num_tokens, num_experts,
+        TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_T=tiles.block_t, BLOCK_E=pow2(num_experts),
+        BLOCK_K=pow2(top_k), BLOCK_P=pow2(num_pairs, 16), num_warps=tiles.num_warps,
+    )
+    return weights, ids, order, offsets
+
+
 @device_function
 def _tile_of(pid, offsets_ptr, num_experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
     """(expert, first sorted pair, end of the expert's pairs) of grouped-GEMM tile ``pid``; the
@@ -251,15 +353,41 @@ def _down_kernel(
 
 
 @triton.jit
-def _sum_choices_kernel(y_ptr, out_ptr, num_tokens, hidden, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                        BLOCK: tl.constexpr):
+def _sum_choices_kernel(y_ptr, shared_ptr, gate_ptr, g_st, out_ptr, num_tokens, hidden, TOP_K: tl.constexpr,
+                        HAS_SHARED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK: tl.constexpr):
+    """Each token's ``TOP_K`` pair rows summed in float32 (deterministic, no atomics); with
+    ``HAS_SHARED``, the sum rounded as the routed output is and ``sigmoid(gate) · shared`` added
+    as ``_shared_combine_kernel`` adds it (one pass instead of two)."""
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T))[:, None]
     cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
-    ok = (t < num_tokens) & (cols < hidden)
+    t_ok = t < num_tokens
+    ok = t_ok & (cols < hidden)
     acc = tl.zeros([BLOCK_T, BLOCK], tl.float32)
     for j in tl.static_range(TOP_K):
         acc += tl.load(y_ptr + (t * TOP_K + j).to(tl.int64) * hidden + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * hidden + cols, cast(acc, out_ptr.dtype.element_ty), mask=ok)
+    dtype = out_ptr.dtype.element_ty
+    if HAS_SHARED:
+        gate = round_as(tl.sigmoid(tl.load(gate_ptr + t * g_st, mask=t_ok, other=0.0).to(tl.float32)), dtype)
+        shared = tl.load(shared_ptr + t * hidden + cols, mask=ok, other=0.0).to(tl.float32)
+        acc = round_as(acc, dtype) + round_as(gate * shared, dtype)
+    tl.store(out_ptr + t * hidden + cols, cast(acc, dtype), mask=ok)
+
+
+def sum_choices(
+    y: torch.Tensor, out: torch.Tensor, top_k: int, shared: torch.Tensor | None = None,
+    shared_gate_logit: torch.Tensor | None = None,
+) -> None:
+    """``out[t] = Σ_j y[t·top_k + j]`` (``y [T·k, H]`` the pairs' weighted outputs in pair order),
+    plus ``sigmoid(shared_gate_logit[t]) · shared[t]`` when the shared expert's output is given."""
+    num_tokens, hidden = out.shape
+    block = min(pow2(hidden), 1024)
+    block_t = rows_per_program(num_tokens, block)
+    has_shared = shared is not None
+    gate = shared_gate_logit if shared_gate_logit is not None else y
+    _sum_choices_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(hidden, block))](
+        y, shared if has_shared else y, gate, gate.stride(0) if has_shared else 0, out, num_tokens, hidden,
+        TOP_K=top_k, HAS_SHARED=has_shared, BLOCK_T=block_t, BLOCK=block,
+    )
 
 
 def _row_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -300,35 +428,78 @@ def down(
     )
 
 
-def fused_experts(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+def _check_experts(name: str, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, num_pairs: int) -> None:
+    num_experts, two_inter, hidden = w13.shape
+    if x.shape[1] != hidden or w2.shape != (num_experts, hidden, two_inter // 2) or num_pairs % max(x.shape[0], 1):
+        raise ValueError(
+            f"{name}: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}, {num_pairs} pairs disagree"
+        )
+
+
+def _pair_outputs(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, order: torch.Tensor,
+    offsets: torch.Tensor,
 ) -> torch.Tensor:
+    """``y [T·k, H]``: each pair's weighted expert output, in pair order (gate/up, then down)."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
-    top_k = topk_ids.shape[1]
-    if w13.shape[2] != hidden or w2.shape != (num_experts, hidden, inter) or topk_weights.shape != topk_ids.shape:
-        raise ValueError(
-            f"fused_experts: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}, "
-            f"weights {tuple(topk_weights.shape)}, ids {tuple(topk_ids.shape)} disagree"
-        )
-    out = new_empty((num_tokens, hidden), x.dtype, x.device)
-    if num_tokens == 0:
-        return out
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    w13, w2 = w13.contiguous(), w2.contiguous()
-    topk_weights = topk_weights.contiguous()
+    top_k = topk_weights.shape[1]
     num_pairs = num_tokens * top_k
-    order, offsets = moe_sort_tokens(topk_ids, num_experts)
     h = new_empty((num_pairs, inter), x.dtype, x.device)
     gate_up(x, w13, order, offsets, h, top_k, moe_gemm_config("gate_up", x.dtype, num_pairs, num_experts, hidden, inter))
     y = new_empty((num_pairs, hidden), x.dtype, x.device)
     down(h, w2, order, offsets, topk_weights, y, moe_gemm_config("down", x.dtype, num_pairs, num_experts, hidden, inter))
-    block = min(pow2(hidden), 1024)
-    block_t = rows_per_program(num_tokens, block)
-    _sum_choices_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(hidden, block))](
-        y, out, num_tokens, hidden, TOP_K=top_k, BLOCK_T=block_t, BLOCK=block
-    )
+    return y
+
+
+def fused_experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    _check_experts("fused_experts", x, w13, w2, topk_ids.numel())
+    if topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"fused_experts: weights {tuple(topk_weights.shape)}, ids {tuple(topk_ids.shape)} disagree")
+    out = new_empty(x.shape, x.dtype, x.device)
+    if x.shape[0] == 0:
+        return out
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    order, offsets = moe_sort_tokens(topk_ids, w13.shape[0])
+    y = _pair_outputs(x, w13.contiguous(), w2.contiguous(), topk_weights.contiguous(), order, offsets)
+    sum_choices(y, out, topk_ids.shape[1])
+    return out
+
+
+def grouped_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    order: torch.Tensor,
+    offsets: torch.Tensor,
+    shared: torch.Tensor,
+    shared_gate_logit: torch.Tensor,
+) -> torch.Tensor:
+    """``fused_experts`` from ``moe_route``'s sorted pairs, its per-token sum also adding the gated
+    shared expert (no ``shared_expert_combine`` launch)."""
+    num_tokens = x.shape[0]
+    _check_experts("grouped_experts", x, w13, w2, topk_weights.numel())
+    if (
+        order.shape != (topk_weights.numel(),)
+        or offsets.shape != (w13.shape[0] + 1,)
+        or shared.shape != x.shape
+        or shared_gate_logit.shape != (num_tokens, 1)
+    ):
+        raise ValueError(
+            f"grouped_experts: weights {tuple(topk_weights.shape)}, order {tuple(order.shape)}, offsets "
+            f"{tuple(offsets.shape)}, shared {tuple(shared.shape)}, gate {tuple(shared_gate_logit.shape)} "
+            f"disagree with x {tuple(x.shape)}, w13 {tuple(w13.shape)}"
+        )
+    out = new_empty(x.shape, x.dtype, x.device)
+    if num_tokens == 0:
+        return out
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    y = _pair_outputs(x, w13.contiguous(), w2.contiguous(), topk_weights.contiguous(), order, offsets)
+    sum_choices(y, out, topk_weights.shape[1], shared.contiguous(), shared_gate_logit)
     return out
 
 
