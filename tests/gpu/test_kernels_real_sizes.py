@@ -223,6 +223,50 @@ def test_moe_routing_and_sort(rng, check, dtype):
     assert torch.equal(offsets, want_offsets) and torch.equal(order, want_order)
 
 
+@pytest.mark.parametrize("tokens", [1, 64, 256, 512, 1000])  # 1000: past the one launch (4096 pairs)
+def test_moe_route(rng, tokens):
+    """The one-launch route equals the top-k kernel and the sort it replaces (ties included: random
+    bf16 logits tie), and the reference on distinct logits; replayed from a CUDA graph alike."""
+    moe = _triton("moe")
+    logits = randn(rng, tokens, EXPERTS + 1, dtype=torch.bfloat16)[:, :EXPERTS]
+    got = moe.moe_route(logits, TOP_K, True)
+    weights, ids = moe.moe_topk_softmax(logits, TOP_K, True)
+    want = (weights, ids, *ref_moe.moe_sort_tokens_reference(ids, EXPERTS))
+    for name, g, w in zip(("weights", "ids", "order", "offsets"), got, want):
+        assert torch.equal(g, w), name
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = moe.moe_route(logits, TOP_K, True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(g, w) for g, w in zip(replayed, want))
+    distinct = torch.stack([torch.randperm(EXPERTS, generator=rng, device=CUDA) for _ in range(tokens)])
+    logits = ((distinct - 128) / 32.0).to(torch.bfloat16)
+    weights, ids, order, offsets = moe.moe_route(logits, TOP_K, True)
+    want_w, want_ids, want_order, want_offsets = ref_moe.moe_route_reference(logits, TOP_K, True)
+    assert torch.equal(ids, want_ids) and torch.equal(order, want_order) and torch.equal(offsets, want_offsets)
+    torch.testing.assert_close(weights, want_w)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [64, 2048])
+def test_grouped_experts(rng, check, dtype, tokens):
+    """From the route's sorted pairs with the gated shared expert: the reference, and bit for bit
+    the separate kernels (fused_experts, then shared_expert_combine) it fuses."""
+    moe = _triton("moe")
+    x = randn(rng, tokens, HIDDEN, dtype=dtype)
+    w13 = randn(rng, EXPERTS, 2 * INTER, HIDDEN, dtype=dtype, scale=HIDDEN**-0.5)
+    w2 = randn(rng, EXPERTS, HIDDEN, INTER, dtype=dtype, scale=INTER**-0.5)
+    gate_logits = randn(rng, tokens, EXPERTS + 1, dtype=dtype)
+    weights, ids, order, offsets = moe.moe_route(gate_logits[:, :EXPERTS], TOP_K, True)
+    shared, gate = randn(rng, tokens, HIDDEN, dtype=dtype), gate_logits[:, EXPERTS:]
+    got = moe.grouped_experts(x, w13, w2, weights, order, offsets, shared, gate)
+    want = ref_moe.grouped_experts_reference(x, w13, w2, weights, order, offsets, shared, gate)
+    check(f"grouped_experts_{tokens}", got, want, dtype)
+    separate = moe.shared_expert_combine(moe.fused_experts(x, w13, w2, weights, ids), shared, gate)
+    assert torch.equal(got, separate)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [64, 2048])
 def test_fused_experts(rng, check, dtype, tokens):

@@ -1,0 +1,171 @@
+"""The grouped MoE path's routing prologue, one launch (``moe_route``) against the four it replaces
+(``moe_topk_softmax`` + ``moe_sort_tokens``), at decode batch sizes, replayed from CUDA graphs.
+
+    python benchmarks/moe_route_sweep.py [--tokens 16 64 128 256 512] [--json FILE]
+
+Qwen3.6-35B-A3B's MoE shape: 256 experts, top-8, hidden 2048, moe intermediate 512 (shared 512).
+
+1. ``prologue``: per layer, the router logits (bf16, the router columns of the router + shared-gate
+   GEMM's ``[T, 257]`` output) to the ids, weights, sorted pairs and expert offsets the grouped
+   GEMMs read. Each variant is checked equal to the old path (ids, order and offsets exactly,
+   weights bit for bit), then timed as ``LAYERS_PROLOGUE`` calls captured in one CUDA graph: the
+   graph's replay time per call, median of ``REPLAYS`` replays. The new path runs at every tile
+   shape in ``TILES`` (tokens per top-k step, warps); the best is printed beside the default
+   (``moe.route_tiles``), with the old/new speed-up.
+2. ``block``: the whole MoE block after the router GEMM, old (top-k, sort, grouped GEMMs, sum over
+   the choices, shared expert, combine) against new (``moe_route``, the shared expert,
+   ``grouped_experts``), over ``LAYERS_BLOCK`` layers of distinct expert weights (6.4 GB, far more
+   than the 60 MB L2) in one graph, as the engine's decode step runs it.
+
+Under 120 s on an H200 (most of it compiling the tile shapes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from freetoken.kernels.triton import moe
+
+CUDA = torch.device("cuda")
+BF16 = torch.bfloat16
+HIDDEN, EXPERTS, TOP_K, INTER, SHARED_INTER = 2048, 256, 8, 512, 512
+LAYERS_PROLOGUE, LAYERS_BLOCK, REPLAYS = 40, 4, 20
+TILES = [(8, 4), (16, 4), (16, 8), (32, 8), (32, 16), (64, 16), (64, 32)]  # (block_t, num_warps)
+
+
+def graph_us(run: Callable[[], object], calls: int) -> float:
+    """Median replay time, in us per call, of ``run`` (``calls`` calls) captured in one CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()  # compile and warm up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def old_prologue(logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    weights, ids = moe.moe_topk_softmax(logits, TOP_K, True)
+    return (weights, ids, *moe.moe_sort_tokens(ids, EXPERTS))
+
+
+def with_tiles(block_t: int, num_warps: int) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]]:
+    def run(logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        default = moe.route_tiles
+        moe.route_tiles = lambda *_: moe.RouteTiles(block_t=block_t, num_warps=num_warps)
+        try:
+            return moe.moe_route(logits, TOP_K, True)
+        finally:
+            moe.route_tiles = default
+
+    return run
+
+
+def prologue_rows(tokens: int, gen: torch.Generator) -> list[dict]:
+    packed = torch.randn(tokens, EXPERTS + 1, dtype=BF16, device=CUDA, generator=gen)
+    logits = packed[:, :EXPERTS]
+    want = old_prologue(logits)
+    default = moe.route_tiles(tokens, EXPERTS)
+    variants: list[tuple[str, Callable]] = [("old: topk + 3-launch sort", old_prologue)]
+    variants += [(f"new: block_t {bt}, {w} warps", with_tiles(bt, w)) for bt, w in TILES]
+    if (default.block_t, default.num_warps) not in TILES:
+        variants.append((f"new: block_t {default.block_t}, {default.num_warps} warps", with_tiles(default.block_t, default.num_warps)))
+    rows = []
+    for name, fn in variants:
+        got = fn(logits)
+        torch.cuda.synchronize()
+        same = all(torch.equal(g, w) for g, w in zip(got, want))
+        us = graph_us(lambda fn=fn: [fn(logits) for _ in range(LAYERS_PROLOGUE)], LAYERS_PROLOGUE)
+        rows.append({"part": "prologue", "tokens": tokens, "variant": name, "us": us, "equal_to_old": same})
+    old = rows[0]["us"]
+    best = min(rows[1:], key=lambda r: r["us"])
+    mark = f"new: block_t {default.block_t}, {default.num_warps} warps"
+    print(f"T={tokens} prologue, us per layer (graph replay):", flush=True)
+    for r in rows:
+        flag = "" if r["equal_to_old"] else "  MISMATCH vs old"
+        print(f"  {r['us']:7.2f}  {r['variant']}{'  (default)' if r['variant'] == mark else ''}{flag}", flush=True)
+    print(f"  best new {best['us']:.2f} us ({best['variant']}), old {old:.2f} us: {old / best['us']:.1f}x", flush=True)
+    return rows
+
+
+def layer(gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, dtype=BF16, device=CUDA, generator=gen) * HIDDEN**-0.5
+    w2 = torch.randn(EXPERTS, HIDDEN, INTER, dtype=BF16, device=CUDA, generator=gen) * INTER**-0.5
+    sgu = torch.randn(2 * SHARED_INTER, HIDDEN, dtype=BF16, device=CUDA, generator=gen) * HIDDEN**-0.5
+    sd = torch.randn(HIDDEN, SHARED_INTER, dtype=BF16, device=CUDA, generator=gen) * SHARED_INTER**-0.5
+    return w13, w2, sgu, sd
+
+
+def old_block(x: torch.Tensor, gate_logits: torch.Tensor, w: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    w13, w2, sgu, sd = w
+    weights, ids = moe.moe_topk_softmax(gate_logits[:, :EXPERTS], TOP_K, True)
+    shared = F.linear(moe.silu_and_mul(F.linear(x, sgu)), sd)
+    routed = moe.fused_experts(x, w13, w2, weights, ids)
+    return moe.shared_expert_combine(routed, shared, gate_logits[:, EXPERTS:])
+
+
+def new_block(x: torch.Tensor, gate_logits: torch.Tensor, w: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    w13, w2, sgu, sd = w
+    weights, _, order, offsets = moe.moe_route(gate_logits[:, :EXPERTS], TOP_K, True)
+    shared = F.linear(moe.silu_and_mul(F.linear(x, sgu)), sd)
+    return moe.grouped_experts(x, w13, w2, weights, order, offsets, shared, gate_logits[:, EXPERTS:])
+
+
+def block_rows(tokens: int, layers: list[tuple[torch.Tensor, ...]], gen: torch.Generator) -> list[dict]:
+    x = torch.randn(tokens, HIDDEN, dtype=BF16, device=CUDA, generator=gen)
+    gates = [torch.randn(tokens, EXPERTS + 1, dtype=BF16, device=CUDA, generator=gen) for _ in layers]
+    rows = []
+    outs = {}
+    for name, block in (("old", old_block), ("new", new_block)):
+        outs[name] = [block(x, g, w) for g, w in zip(gates, layers)]
+        us = graph_us(lambda block=block: [block(x, g, w) for g, w in zip(gates, layers)], len(layers))
+        rows.append({"part": "block", "tokens": tokens, "variant": name, "us": us})
+    torch.cuda.synchronize()
+    same = all(torch.equal(a, b) for a, b in zip(outs["old"], outs["new"]))
+    for r in rows:
+        r["equal_to_old"] = same
+    print(f"T={tokens} MoE block after the router GEMM, us per layer (graph replay): old {rows[0]['us']:.1f}, "
+          f"new {rows[1]['us']:.1f} (saved {rows[0]['us'] - rows[1]['us']:.1f}); outputs "
+          f"{'bit-equal' if same else 'DIFFER'}", flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 128, 256, 512])
+    parser.add_argument("--no-block", action="store_true", help="time the prologue only")
+    parser.add_argument("--json", help="write the timings here")
+    args = parser.parse_args()
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+    rows = []
+    for tokens in args.tokens:
+        rows += prologue_rows(tokens, gen)
+    if not args.no_block:
+        layers = [layer(gen) for _ in range(LAYERS_BLOCK)]
+        for tokens in args.tokens:
+            rows += block_rows(tokens, layers, gen)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
