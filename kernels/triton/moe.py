@@ -179,48 +179,57 @@ def moe_sort_tokens(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Ten
     return order, offsets
 
 
-# Up to this many (token, choice) pairs ``moe_route`` runs as one launch of one program (decode
-# batches: 512 tokens of top-8); past it, the top-k softmax and the three-launch sort, parallel
-# over blocks of tokens and pairs (``benchmarks/moe_route_sweep.py`` times both).
-ROUTE_ONE_LAUNCH_PAIRS = 4096
+# Up to this many (token, choice) pairs ``moe_route`` sorts them in one program (512 tokens of
+# top-8: the keys stay in registers); past it, the three-launch sort, parallel over blocks of pairs.
+ROUTE_SORT_PAIRS = 4096
+# Up to this many tokens the same program also runs the top-k softmax (one launch); past it the
+# top-k kernel, parallel over tokens, runs first (two launches). ``benchmarks/moe_route_sweep.py``
+# times the three paths at decode sizes.
+ROUTE_ONE_LAUNCH_TOKENS = 256
 
 
 @dataclass(frozen=True)
 class RouteTiles:
-    """The one-program route's launch: tokens per top-k step and warps."""
+    """The route program's launch: whether it runs the top-k softmax itself, tokens per top-k
+    step, warps."""
 
+    topk: bool
     block_t: int
     num_warps: int
 
 
 def route_tiles(num_tokens: int, num_experts: int) -> RouteTiles:
-    """Top-k steps over tiles of about 8K logits (16 a thread over 16 warps, the int64 keys
-    included in registers); the interpreter, whose cost is per operation, takes all the tokens at once."""
-    budget = 1 << 20 if INTERPRETED else 8192
-    return RouteTiles(block_t=max(1, min(pow2(num_tokens), budget // pow2(num_experts))), num_warps=16)
+    """Top-k steps over tiles of about 4K logits, 16 a thread over 8 warps (sm_90, Triton 3.6:
+    190 registers, no spills; 8K-logit tiles spill); the interpreter, whose cost is per
+    operation, takes all the tokens at once."""
+    budget = 1 << 20 if INTERPRETED else 4096
+    block_t = max(1, min(pow2(num_tokens), budget // pow2(num_experts)))
+    return RouteTiles(topk=num_tokens <= ROUTE_ONE_LAUNCH_TOKENS, block_t=block_t, num_warps=8)
 
 
 @triton.jit
 def _route_kernel(
     logits_ptr, l_st, weights_ptr, ids_ptr, order_ptr, offsets_ptr, num_tokens, num_experts,
-    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, TOPK: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
-    """The whole routing prologue in one program: top-k softmax of ``BLOCK_T`` tokens at a time,
-    then, over all ``num_tokens · TOP_K`` pairs, the per-expert counts (a histogram), their prefix
-    (``offsets``) and the stable sort by expert (a bitonic sort of ``id · BLOCK_P + pair``: unique
-    keys, so the pairs of an expert keep their order)."""
-    e = tl.arange(0, BLOCK_E)[None, :]
-    j = tl.arange(0, BLOCK_K)[None, :]
-    for t0 in range(0, num_tokens, BLOCK_T):
-        t = (t0 + tl.arange(0, BLOCK_T))[:, None]
-        t_ok = t < num_tokens
-        logits = tl.load(logits_ptr + t * l_st + e, mask=t_ok & (e < num_experts), other=0.0).to(tl.float32)
-        top_w, top_i = _softmax_topk(logits, e, num_experts, TOP_K, RENORMALIZE, BLOCK_E, BLOCK_K)
-        mask = t_ok & (j < TOP_K)
-        tl.store(weights_ptr + t * TOP_K + j, cast(top_w, weights_ptr.dtype.element_ty), mask=mask)
-        tl.store(ids_ptr + t * TOP_K + j, top_i, mask=mask)
-    tl.debug_barrier()  # the ids written by every thread of the program, read back by others
+    """The routing prologue in one program: with ``TOPK``, the top-k softmax of ``BLOCK_T`` tokens
+    at a time (else ``ids`` were written by ``_topk_softmax_kernel``); then, over all
+    ``num_tokens · TOP_K`` pairs, the per-expert counts (a histogram), their prefix (``offsets``)
+    and the stable sort by expert (a bitonic sort of ``id · BLOCK_P + pair``: unique keys, so the
+    pairs of an expert keep their order)."""
+    if TOPK:
+        e = tl.arange(0, BLOCK_E)[None, :]
+        j = tl.arange(0, BLOCK_K)[None, :]
+        for t0 in range(0, num_tokens, BLOCK_T):
+            t = (t0 + tl.arange(0, BLOCK_T))[:, None]
+            t_ok = t < num_tokens
+            logits = tl.load(logits_ptr + t * l_st + e, mask=t_ok & (e < num_experts), other=0.0).to(tl.float32)
+            top_w, top_i = _softmax_topk(logits, e, num_experts, TOP_K, RENORMALIZE, BLOCK_E, BLOCK_K)
+            mask = t_ok & (j < TOP_K)
+            tl.store(weights_ptr + t * TOP_K + j, cast(top_w, weights_ptr.dtype.element_ty), mask=mask)
+            tl.store(ids_ptr + t * TOP_K + j, top_i, mask=mask)
+        tl.debug_barrier()  # the ids written by every thread of the program, read back by others
     num_pairs = num_tokens * TOP_K
     pair = tl.arange(0, BLOCK_P)
     pair_ok = pair < num_pairs
@@ -241,22 +250,24 @@ def moe_route(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     num_tokens, num_experts = router_logits.shape
     num_pairs = num_tokens * top_k
-    if num_tokens == 0 or num_pairs > ROUTE_ONE_LAUNCH_PAIRS:
+    if num_tokens == 0 or num_pairs > ROUTE_SORT_PAIRS:
         weights, ids = moe_topk_softmax(router_logits, top_k, renormalize)
         return (weights, ids, *moe_sort_tokens(ids, num_experts))
-    if not 0 < top_k <= num_experts:
-        raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
     if router_logits.stride(-1) != 1:
         router_logits = router_logits.contiguous()
-    device = router_logits.device
-    weights = new_empty((num_tokens, top_k), router_logits.dtype, device)
-    ids = new_empty((num_tokens, top_k), torch.int32, device)
-    order = new_empty((num_pairs,), torch.int32, device)
-    offsets = new_empty((num_experts + 1,), torch.int32, device)
     tiles = route_tiles(num_tokens, num_experts)
+    if tiles.topk:
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
+        weights = new_empty((num_tokens, top_k), router_logits.dtype, router_logits.device)
+        ids = new_empty((num_tokens, top_k), torch.int32, router_logits.device)
+    else:
+        weights, ids = moe_topk_softmax(router_logits, top_k, renormalize)
+    order = new_empty((num_pairs,), torch.int32, router_logits.device)
+    offsets = new_empty((num_experts + 1,), torch.int32, router_logits.device)
     _route_kernel[(1,)](
         router_logits, router_logits.stride(0), weights, ids, order, offsets, num_tokens, num_experts,
-        TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_T=tiles.block_t, BLOCK_E=pow2(num_experts),
+        TOP_K=top_k, RENORMALIZE=renormalize, TOPK=tiles.topk, BLOCK_T=tiles.block_t, BLOCK_E=pow2(num_experts),
         BLOCK_K=pow2(top_k), BLOCK_P=pow2(num_pairs, 16), num_warps=tiles.num_warps,
     )
     return weights, ids, order, offsets

@@ -223,10 +223,11 @@ def test_moe_routing_and_sort(rng, check, dtype):
     assert torch.equal(offsets, want_offsets) and torch.equal(order, want_order)
 
 
-@pytest.mark.parametrize("tokens", [1, 64, 256, 512, 1000])  # 1000: past the one launch (4096 pairs)
+# 1 to 256: one launch; 512: the top-k kernel, then the sort program; 1000: past the sort program
+@pytest.mark.parametrize("tokens", [1, 64, 256, 512, 1000])
 def test_moe_route(rng, tokens):
-    """The one-launch route equals the top-k kernel and the sort it replaces (ties included: random
-    bf16 logits tie), and the reference on distinct logits; replayed from a CUDA graph alike."""
+    """The route equals the top-k kernel and the sort it replaces (ties included: random bf16
+    logits tie), and the reference on distinct logits; replayed from a CUDA graph alike."""
     moe = _triton("moe")
     logits = randn(rng, tokens, EXPERTS + 1, dtype=torch.bfloat16)[:, :EXPERTS]
     got = moe.moe_route(logits, TOP_K, True)

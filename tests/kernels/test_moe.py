@@ -42,15 +42,19 @@ def test_topk_ties_take_the_lowest_id(route):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens,top_k,experts,one_launch", [
-    (1, 1, 5, True), (9, 3, 13, True), (37, 8, 40, True), (37, 8, 40, False),
+@pytest.mark.parametrize("tokens,top_k,experts,path", [
+    (1, 1, 5, "one launch"), (9, 3, 13, "one launch"), (37, 8, 40, "one launch"), (37, 8, 40, "two launches"),
+    (37, 8, 40, "four launches"),
 ])
-def test_moe_route(rng, monkeypatch, dtype, tokens, top_k, experts, one_launch):
-    """The one-launch route and, past its size (lowered here), the top-k + sort launches: the
-    reference's ids, weights, stable order and offsets."""
+def test_moe_route(rng, monkeypatch, dtype, tokens, top_k, experts, path):
+    """The one-launch route and, past its sizes (lowered here), the top-k kernel before the sort
+    program, and the top-k kernel before the three-launch sort: the reference's ids, weights,
+    stable order and offsets."""
     moe = _triton()
-    if not one_launch:
-        monkeypatch.setattr(moe, "ROUTE_ONE_LAUNCH_PAIRS", tokens * top_k - 1)
+    if path == "two launches":
+        monkeypatch.setattr(moe, "ROUTE_ONE_LAUNCH_TOKENS", tokens - 1)
+    if path == "four launches":
+        monkeypatch.setattr(moe, "ROUTE_SORT_PAIRS", tokens * top_k - 1)
     packed = _distinct_logits(rng, tokens, experts + 1, dtype)
     logits = packed[:, :experts]  # strided rows, as the layer's router + shared-gate GEMM gives them
     weights, ids, order, offsets = moe.moe_route(logits, top_k, True)
