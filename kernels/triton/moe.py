@@ -12,6 +12,10 @@
 3. ``_down_kernel``: the same tiling over ``w2``, scaled by the routing weight, written per pair.
 4. ``_sum_choices_kernel``: each token's ``top_k`` pair outputs summed in float32 (deterministic, no atomics).
 
+``moe_route`` (the routing of ``moe_topk_softmax`` and step 1 together: one launch at decode sizes)
+and ``grouped_experts`` (steps 2 to 4 from its sorted pairs, the shared expert's gated output added
+in step 4) are what the resident MoE layer runs.
+
 Rounding follows the reference (the projections, SiLU and products rounded to the activations' dtype).
 """
 
