@@ -14,7 +14,9 @@ Qwen3.6-35B-A3B's MoE shape: 256 experts, top-8, hidden 2048, moe intermediate 5
    then the sort program, at each of ``SORT_WARPS``); the default (``moe.route_tiles``) is marked.
    Set ``ROUTE_ONE_LAUNCH_TOKENS`` (kernels/triton/moe.py) to the largest batch where one launch
    wins, and ``route_tiles`` to the best shapes.
-2. ``block``: the whole MoE block after the router GEMM, old (top-k, sort, grouped GEMMs, sum over
+2. ``router_gemm``: the router + shared-gate GEMM before it, as the layer runs it (257 output
+   columns: cuBLAS's unaligned kernels) and with the weight padded to 264 rows (not done yet).
+3. ``block``: the whole MoE block after the router GEMM, old (top-k, sort, grouped GEMMs, sum over
    the choices, shared expert, combine) against new (``moe_route``, the shared expert,
    ``grouped_experts``), over ``LAYERS_BLOCK`` layers of distinct expert weights (6.4 GB, far more
    than the 60 MB L2) in one graph, as the engine's decode step runs it.
@@ -38,6 +40,7 @@ CUDA = torch.device("cuda")
 BF16 = torch.bfloat16
 HIDDEN, EXPERTS, TOP_K, INTER, SHARED_INTER = 2048, 256, 8, 512, 512
 LAYERS_PROLOGUE, LAYERS_BLOCK, REPLAYS = 40, 4, 20
+ROUTER_WEIGHTS = 128  # 135 MB of router weights in turn: none found in the 60 MB L2, as in a step
 # One launch: (tokens per top-k step, warps); sm_90 spills past 16 logits a thread, and compiling
 # each shape's bitonic sort takes seconds, so the list is short. Two launches: the sort's warps.
 ONE_LAUNCH = [(8, 4), (16, 8), (32, 8)]
@@ -159,6 +162,24 @@ def block_rows(tokens: int, layers: list[tuple[torch.Tensor, ...]], gen: torch.G
     return rows
 
 
+def router_gemm_rows(tokens: int, gen: torch.Generator) -> list[dict]:
+    """The router + shared-gate GEMM that feeds the prologue: ``[T, 2048] x [2048, 257]`` as the
+    layer runs it (257 output columns: rows of 514 bytes, so cuBLAS can only take its unaligned
+    kernels, e.g. ``cutlass_75_..._align1``), against the weight padded to 264 rows (rows of a
+    multiple of 16 bytes) with the first 257 columns used; ``ROUTER_WEIGHTS`` weights in turn."""
+    x = torch.randn(tokens, HIDDEN, dtype=BF16, device=CUDA, generator=gen)
+    weights = [torch.randn(EXPERTS + 8, HIDDEN, dtype=BF16, device=CUDA, generator=gen) * HIDDEN**-0.5
+               for _ in range(ROUTER_WEIGHTS)]
+    exact = [w[: EXPERTS + 1].contiguous() for w in weights]
+    rows = []
+    for name, ws in (("257 rows (today)", exact), ("264 rows, 257 used", weights)):
+        us = graph_us(lambda ws=ws: [F.linear(x, w)[:, : EXPERTS + 1] for w in ws], len(ws))
+        rows.append({"part": "router_gemm", "tokens": tokens, "variant": name, "us": us})
+    print(f"T={tokens} router GEMM, us per layer (graph replay): 257 rows {rows[0]['us']:.2f}, "
+          f"padded to 264 {rows[1]['us']:.2f}", flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 128, 256])
@@ -169,6 +190,8 @@ def main() -> None:
     rows = []
     for tokens in args.tokens:
         rows += prologue_rows(tokens, gen)
+    for tokens in args.tokens:
+        rows += router_gemm_rows(tokens, gen)
     if not args.no_block:
         layers = [layer(gen) for _ in range(LAYERS_BLOCK)]
         for tokens in args.tokens:
