@@ -212,7 +212,7 @@ def route_tiles(num_tokens: int, num_experts: int) -> RouteTiles:
 
 
 @triton.jit
-def _route_kernel(
+def _route_sort_kernel(
     logits_ptr, l_st, weights_ptr, ids_ptr, order_ptr, offsets_ptr, num_tokens, num_experts,
     TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, TOPK: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
@@ -269,7 +269,7 @@ def moe_route(
         weights, ids = moe_topk_softmax(router_logits, top_k, renormalize)
     order = new_empty((num_pairs,), torch.int32, router_logits.device)
     offsets = new_empty((num_experts + 1,), torch.int32, router_logits.device)
-    _route_kernel[(1,)](
+    _route_sort_kernel[(1,)](
         router_logits, router_logits.stride(0), weights, ids, order, offsets, num_tokens, num_experts,
         TOP_K=top_k, RENORMALIZE=renormalize, TOPK=tiles.topk, BLOCK_T=tiles.block_t, BLOCK_E=pow2(num_experts),
         BLOCK_K=pow2(top_k), BLOCK_P=pow2(num_pairs, 16), num_warps=tiles.num_warps,
