@@ -8,7 +8,7 @@ Qwen3.6-35B-A3B's MoE shape: 256 experts, top-8, hidden 2048, moe intermediate 5
 1. ``prologue``: per layer, the router logits (bf16, the router columns of the router + shared-gate
    GEMM's ``[T, 257]`` output) to the ids, weights, sorted pairs and expert offsets the grouped
    GEMMs read. Each variant is checked equal to the old path (ids, order and offsets exactly,
-   weights bit for bit), then timed as ``LAYERS_PROLOGUE`` calls captured in one CUDA graph: the
+   weights within rounding), then timed as ``LAYERS_PROLOGUE`` calls captured in one CUDA graph: the
    graph's replay time per call, median of ``REPLAYS`` replays. ``moe_route`` runs as one launch
    at each shape of ``ONE_LAUNCH`` (tokens per top-k step, warps) and as two (the top-k kernel,
    then the sort program, at each of ``SORT_WARPS``); the default (``moe.route_tiles``) is marked.
@@ -108,7 +108,8 @@ def prologue_rows(tokens: int, gen: torch.Generator) -> list[dict]:
     for name, fn in variants:
         got = fn(logits)
         torch.cuda.synchronize()
-        same = all(torch.equal(g, w) for g, w in zip(got, want))
+        # ids, order, offsets exactly; the weights within rounding (another softmax sum order)
+        same = all(torch.equal(g, w) for g, w in zip(got[1:], want[1:])) and torch.allclose(got[0], want[0])
         us = graph_us(lambda fn=fn: [fn(logits) for _ in range(LAYERS_PROLOGUE)], LAYERS_PROLOGUE)
         rows.append({"part": "prologue", "tokens": tokens, "variant": name, "us": us, "equal_to_old": same})
     old = rows[0]["us"]
@@ -153,12 +154,12 @@ def block_rows(tokens: int, layers: list[tuple[torch.Tensor, ...]], gen: torch.G
         us = graph_us(lambda block=block: [block(x, g, w) for g, w in zip(gates, layers)], len(layers))
         rows.append({"part": "block", "tokens": tokens, "variant": name, "us": us})
     torch.cuda.synchronize()
-    same = all(torch.equal(a, b) for a, b in zip(outs["old"], outs["new"]))
+    err = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(outs["new"], outs["old"]))
     for r in rows:
-        r["equal_to_old"] = same
+        r["rel_err_to_old"] = err
     print(f"T={tokens} MoE block after the router GEMM, us per layer (graph replay): old {rows[0]['us']:.1f}, "
-          f"new {rows[1]['us']:.1f} (saved {rows[0]['us'] - rows[1]['us']:.1f}); outputs "
-          f"{'bit-equal' if same else 'DIFFER'}", flush=True)
+          f"new {rows[1]['us']:.1f} (saved {rows[0]['us'] - rows[1]['us']:.1f}); new vs old rel err {err:.1e}",
+          flush=True)
     return rows
 
 

@@ -226,21 +226,23 @@ def test_moe_routing_and_sort(rng, check, dtype):
 # 1 to 256: one launch; 512: the top-k kernel, then the sort program; 1000: past the sort program
 @pytest.mark.parametrize("tokens", [1, 64, 256, 512, 1000])
 def test_moe_route(rng, tokens):
-    """The route equals the top-k kernel and the sort it replaces (ties included: random bf16
-    logits tie), and the reference on distinct logits; replayed from a CUDA graph alike."""
+    """The route's ids, order and offsets equal the top-k kernel's and the sort's it replaces (ties
+    included: random bf16 logits tie), its weights within rounding (the softmax's sum may be
+    reduced in another order); the reference's on distinct logits; the same replayed from a graph."""
     moe = _triton("moe")
     logits = randn(rng, tokens, EXPERTS + 1, dtype=torch.bfloat16)[:, :EXPERTS]
     got = moe.moe_route(logits, TOP_K, True)
     weights, ids = moe.moe_topk_softmax(logits, TOP_K, True)
     want = (weights, ids, *ref_moe.moe_sort_tokens_reference(ids, EXPERTS))
-    for name, g, w in zip(("weights", "ids", "order", "offsets"), got, want):
+    for name, g, w in zip(("ids", "order", "offsets"), got[1:], want[1:]):
         assert torch.equal(g, w), name
+    torch.testing.assert_close(got[0], want[0])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         replayed = moe.moe_route(logits, TOP_K, True)
     graph.replay()
     torch.cuda.synchronize()
-    assert all(torch.equal(g, w) for g, w in zip(replayed, want))
+    assert all(torch.equal(r, g) for r, g in zip(replayed, got))
     distinct = torch.stack([torch.randperm(EXPERTS, generator=rng, device=CUDA) for _ in range(tokens)])
     logits = ((distinct - 128) / 32.0).to(torch.bfloat16)
     weights, ids, order, offsets = moe.moe_route(logits, TOP_K, True)
