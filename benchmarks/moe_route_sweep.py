@@ -1,5 +1,6 @@
-"""The grouped MoE path's routing prologue, one launch (``moe_route``) against the four it replaces
-(``moe_topk_softmax`` + ``moe_sort_tokens``), at decode batch sizes, replayed from CUDA graphs.
+"""The grouped MoE path's routing prologue: the top-k kernel then the one-program sort
+(``moe_sort_tokens`` up to ``SORT_ONE_PROGRAM_PAIRS``) against the top-k kernel then the
+three-launch sort, at decode batch sizes, replayed from CUDA graphs.
 
     python benchmarks/moe_route_sweep.py [--tokens 16 64 128 256] [--no-block] [--json FILE]
 
@@ -7,19 +8,17 @@ Qwen3.6-35B-A3B's MoE shape: 256 experts, top-8, hidden 2048, moe intermediate 5
 
 1. ``prologue``: per layer, the router logits (bf16, the router columns of the router + shared-gate
    GEMM's ``[T, 257]`` output) to the ids, weights, sorted pairs and expert offsets the grouped
-   GEMMs read. Each variant is checked equal to the old path (ids, order and offsets exactly,
-   weights within rounding), then timed as ``LAYERS_PROLOGUE`` calls captured in one CUDA graph: the
-   graph's replay time per call, median of ``REPLAYS`` replays. ``moe_route`` runs as one launch
-   at each shape of ``ONE_LAUNCH`` (tokens per top-k step, warps) and as two (the top-k kernel,
-   then the sort program, at each of ``SORT_WARPS``); the default (``moe.route_tiles``) is marked.
-   Set ``ROUTE_ONE_LAUNCH_TOKENS`` (kernels/triton/moe.py) to the largest batch where one launch
-   wins, and ``route_tiles`` to the best shapes.
-2. ``router_gemm``: the router + shared-gate GEMM before it, as the layer runs it (257 output
-   columns: cuBLAS's unaligned kernels) and with the weight padded to 264 rows (not done yet).
-3. ``block``: the whole MoE block after the router GEMM, old (top-k, sort, grouped GEMMs, sum over
-   the choices, shared expert, combine) against new (``moe_route``, the shared expert,
-   ``grouped_experts``), over ``LAYERS_BLOCK`` layers of distinct expert weights (6.4 GB, far more
-   than the 60 MB L2) in one graph, as the engine's decode step runs it.
+   GEMMs read. Each variant is checked equal to the old path, then timed as ``LAYERS_PROLOGUE``
+   calls captured in one CUDA graph: the graph's replay time per call, median of ``REPLAYS``
+   replays. The one-program sort runs at each of ``SORT_WARPS``; the default
+   (``SORT_ONE_PROGRAM_WARPS``) is marked. Set ``SORT_ONE_PROGRAM_PAIRS`` (kernels/triton/moe.py)
+   to the largest batch where it wins.
+2. ``router_gemm``: the router + shared-gate GEMM before it, with 257 output rows of weight
+   (cuBLAS's unaligned kernels) and padded to 264 rows, as the layer allocates it.
+3. ``block``: the whole MoE block after the router GEMM (top-k, sort, grouped GEMMs, sum over the
+   choices, shared expert, combine), old sort against new, over ``LAYERS_BLOCK`` layers of
+   distinct expert weights (6.4 GB, far more than the 60 MB L2) in one graph, as the engine's
+   decode step runs it.
 
 Under 120 s on an H200 (most of it compiling the tile shapes).
 """
@@ -41,9 +40,6 @@ BF16 = torch.bfloat16
 HIDDEN, EXPERTS, TOP_K, INTER, SHARED_INTER = 2048, 256, 8, 512, 512
 LAYERS_PROLOGUE, LAYERS_BLOCK, REPLAYS = 40, 4, 20
 ROUTER_WEIGHTS = 128  # 135 MB of router weights in turn: none found in the 60 MB L2, as in a step
-# One launch: (tokens per top-k step, warps); sm_90 spills past 16 logits a thread, and compiling
-# each shape's bitonic sort takes seconds, so the list is short. Two launches: the sort's warps.
-ONE_LAUNCH = [(8, 4), (16, 8), (32, 8)]
 SORT_WARPS = [4, 8]
 
 
@@ -70,46 +66,38 @@ def graph_us(run: Callable[[], object], calls: int) -> float:
     return statistics.median(times)
 
 
+def prologue(logits: torch.Tensor, pairs: int, warps: int) -> tuple[torch.Tensor, ...]:
+    """The top-k kernel and ``moe_sort_tokens`` with its one-program bound and warps set."""
+    default = moe.SORT_ONE_PROGRAM_PAIRS, moe.SORT_ONE_PROGRAM_WARPS
+    moe.SORT_ONE_PROGRAM_PAIRS, moe.SORT_ONE_PROGRAM_WARPS = pairs, warps
+    try:
+        weights, ids = moe.moe_topk_softmax(logits, TOP_K, True)
+        return (weights, ids, *moe.moe_sort_tokens(ids, EXPERTS))
+    finally:
+        moe.SORT_ONE_PROGRAM_PAIRS, moe.SORT_ONE_PROGRAM_WARPS = default
+
+
 def old_prologue(logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    weights, ids = moe.moe_topk_softmax(logits, TOP_K, True)
-    return (weights, ids, *moe.moe_sort_tokens(ids, EXPERTS))
-
-
-def with_tiles(tiles: moe.RouteTiles) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]]:
-    def run(logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        default = moe.route_tiles
-        moe.route_tiles = lambda *_: tiles
-        try:
-            return moe.moe_route(logits, TOP_K, True)
-        finally:
-            moe.route_tiles = default
-
-    return run
-
-
-def label(tiles: moe.RouteTiles) -> str:
-    if tiles.topk:
-        return f"one launch: block_t {tiles.block_t}, {tiles.num_warps} warps"
-    return f"two launches: top-k kernel, sort program of {tiles.num_warps} warps"
+    return prologue(logits, 0, moe.SORT_ONE_PROGRAM_WARPS)
 
 
 def prologue_rows(tokens: int, gen: torch.Generator) -> list[dict]:
     packed = torch.randn(tokens, EXPERTS + 1, dtype=BF16, device=CUDA, generator=gen)
     logits = packed[:, :EXPERTS]
     want = old_prologue(logits)
-    default = moe.route_tiles(tokens, EXPERTS)
-    candidates = [moe.RouteTiles(topk=True, block_t=bt, num_warps=w) for bt, w in ONE_LAUNCH]
-    candidates += [moe.RouteTiles(topk=False, block_t=1, num_warps=w) for w in SORT_WARPS]
-    if default not in candidates:
-        candidates.append(default)
+    pairs = tokens * TOP_K
     variants = [("four launches (old): top-k kernel, 3-launch sort", old_prologue)]
-    variants += [(label(t) + ("  (default)" if t == default else ""), with_tiles(t)) for t in candidates]
+    variants += [
+        (f"two launches: top-k kernel, sort program of {w} warps"
+         + ("  (default)" if w == moe.SORT_ONE_PROGRAM_WARPS else ""),
+         lambda logits, w=w: prologue(logits, pairs, w))
+        for w in SORT_WARPS
+    ]
     rows = []
     for name, fn in variants:
         got = fn(logits)
         torch.cuda.synchronize()
-        # ids, order, offsets exactly; the weights within rounding (another softmax sum order)
-        same = all(torch.equal(g, w) for g, w in zip(got[1:], want[1:])) and torch.allclose(got[0], want[0])
+        same = all(torch.equal(g, w) for g, w in zip(got, want))
         us = graph_us(lambda fn=fn: [fn(logits) for _ in range(LAYERS_PROLOGUE)], LAYERS_PROLOGUE)
         rows.append({"part": "prologue", "tokens": tokens, "variant": name, "us": us, "equal_to_old": same})
     old = rows[0]["us"]
@@ -129,19 +117,26 @@ def layer(gen: torch.Generator) -> tuple[torch.Tensor, ...]:
     return w13, w2, sgu, sd
 
 
-def old_block(x: torch.Tensor, gate_logits: torch.Tensor, w: tuple[torch.Tensor, ...]) -> torch.Tensor:
+def block(x: torch.Tensor, gate_logits: torch.Tensor, w: tuple[torch.Tensor, ...], pairs: int) -> torch.Tensor:
+    """The block as ``SparseMoE`` runs it past the fused decode sizes, the one-program sort up to ``pairs``."""
     w13, w2, sgu, sd = w
-    weights, ids = moe.moe_topk_softmax(gate_logits[:, :EXPERTS], TOP_K, True)
-    shared = F.linear(moe.silu_and_mul(F.linear(x, sgu)), sd)
-    routed = moe.fused_experts(x, w13, w2, weights, ids)
-    return moe.shared_expert_combine(routed, shared, gate_logits[:, EXPERTS:])
+    default = moe.SORT_ONE_PROGRAM_PAIRS
+    moe.SORT_ONE_PROGRAM_PAIRS = pairs
+    try:
+        weights, ids = moe.moe_topk_softmax(gate_logits[:, :EXPERTS], TOP_K, True)
+        shared = F.linear(moe.silu_and_mul(F.linear(x, sgu)), sd)
+        routed = moe.fused_experts(x, w13, w2, weights, ids)
+        return moe.shared_expert_combine(routed, shared, gate_logits[:, EXPERTS:])
+    finally:
+        moe.SORT_ONE_PROGRAM_PAIRS = default
+
+
+def old_block(x: torch.Tensor, gate_logits: torch.Tensor, w: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return block(x, gate_logits, w, 0)
 
 
 def new_block(x: torch.Tensor, gate_logits: torch.Tensor, w: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    w13, w2, sgu, sd = w
-    weights, _, order, offsets = moe.moe_route(gate_logits[:, :EXPERTS], TOP_K, True)
-    shared = F.linear(moe.silu_and_mul(F.linear(x, sgu)), sd)
-    return moe.grouped_experts(x, w13, w2, weights, order, offsets, shared, gate_logits[:, EXPERTS:])
+    return block(x, gate_logits, w, moe.SORT_ONE_PROGRAM_PAIRS)
 
 
 def block_rows(tokens: int, layers: list[tuple[torch.Tensor, ...]], gen: torch.Generator) -> list[dict]:
@@ -149,9 +144,9 @@ def block_rows(tokens: int, layers: list[tuple[torch.Tensor, ...]], gen: torch.G
     gates = [torch.randn(tokens, EXPERTS + 1, dtype=BF16, device=CUDA, generator=gen) for _ in layers]
     rows = []
     outs = {}
-    for name, block in (("old", old_block), ("new", new_block)):
-        outs[name] = [block(x, g, w) for g, w in zip(gates, layers)]
-        us = graph_us(lambda block=block: [block(x, g, w) for g, w in zip(gates, layers)], len(layers))
+    for name, run in (("old", old_block), ("new", new_block)):
+        outs[name] = [run(x, g, w) for g, w in zip(gates, layers)]
+        us = graph_us(lambda run=run: [run(x, g, w) for g, w in zip(gates, layers)], len(layers))
         rows.append({"part": "block", "tokens": tokens, "variant": name, "us": us})
     torch.cuda.synchronize()
     err = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(outs["new"], outs["old"]))
@@ -173,7 +168,7 @@ def router_gemm_rows(tokens: int, gen: torch.Generator) -> list[dict]:
                for _ in range(ROUTER_WEIGHTS)]
     exact = [w[: EXPERTS + 1].contiguous() for w in weights]
     rows = []
-    for name, ws in (("257 rows (today)", exact), ("264 rows, 257 used", weights)):
+    for name, ws in (("257 rows", exact), ("264 rows, 257 used (the layer's)", weights)):
         us = graph_us(lambda ws=ws: [F.linear(x, w)[:, : EXPERTS + 1] for w in ws], len(ws))
         rows.append({"part": "router_gemm", "tokens": tokens, "variant": name, "us": us})
     print(f"T={tokens} router GEMM, us per layer (graph replay): 257 rows {rows[0]['us']:.2f}, "

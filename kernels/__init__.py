@@ -12,15 +12,7 @@ from freetoken.kernels.rotary import apply_rotary, build_rotary_cache
 from freetoken.kernels.attention import paged_attention, store_kv
 from freetoken.kernels.conv1d import causal_conv1d_decode, causal_conv1d_prefill
 from freetoken.kernels.gated_delta_rule import gated_delta_rule_decode, gated_delta_rule_prefill
-from freetoken.kernels.moe import (
-    fused_experts,
-    grouped_experts,
-    moe_route,
-    moe_sort_tokens,
-    moe_topk_softmax,
-    shared_expert_combine,
-    silu_and_mul,
-)
+from freetoken.kernels.moe import fused_experts, moe_sort_tokens, moe_topk_softmax, shared_expert_combine, silu_and_mul
 from freetoken.kernels.nvfp4 import fused_experts_nvfp4, nvfp4_linear, sparse_moe_decode_nvfp4
 from freetoken.kernels.moe_decode import sparse_moe_decode
 from freetoken.kernels.moe_decode_offload import sparse_moe_decode_offload, sparse_moe_decode_offload_nvfp4
@@ -49,9 +41,7 @@ __all__ = [
     "gated_delta_rule_decode_gated",
     "moe_topk_softmax",
     "moe_sort_tokens",
-    "moe_route",
     "fused_experts",
-    "grouped_experts",
     "silu_and_mul",
     "shared_expert_combine",
     "nvfp4_linear",

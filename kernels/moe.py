@@ -46,22 +46,12 @@ def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def moe_route_reference(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The routing prologue of the grouped experts: ``moe_topk_softmax`` then ``moe_sort_tokens``.
-
-    Returns ``(weights [T, k], ids [T, k] int32, order [T·k] int32, expert_offsets [E + 1] int32)``."""
-    weights, ids = moe_topk_softmax_reference(router_logits, top_k, renormalize)
-    return (weights, ids, *moe_sort_tokens_reference(ids, router_logits.shape[1]))
-
-
-def _experts_in_order(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, order: torch.Tensor,
-    offsets: torch.Tensor,
+def fused_experts_reference(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
 ) -> torch.Tensor:
-    """``Σ_j weight_j · down_e(silu(gate_e(x)) · up_e(x))``, expert by expert over the sorted pairs."""
-    top_k = topk_weights.shape[1]
+    """``Σ_j weight_j · down_e(silu(gate_e(x)) · up_e(x))`` over each token's chosen experts ``e = ids_j``."""
+    num_tokens, top_k = topk_ids.shape
+    order, offsets = moe_sort_tokens_reference(topk_ids, w13.shape[0])
     out = torch.zeros_like(x)
     bounds = offsets.tolist()
     for expert in range(w13.shape[0]):
@@ -75,31 +65,6 @@ def _experts_in_order(
     return out
 
 
-def fused_experts_reference(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
-) -> torch.Tensor:
-    """``Σ_j weight_j · down_e(silu(gate_e(x)) · up_e(x))`` over each token's chosen experts ``e = ids_j``."""
-    order, offsets = moe_sort_tokens_reference(topk_ids, w13.shape[0])
-    return _experts_in_order(x, w13, w2, topk_weights, order, offsets)
-
-
-def grouped_experts_reference(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    order: torch.Tensor,
-    offsets: torch.Tensor,
-    shared: torch.Tensor,
-    shared_gate_logit: torch.Tensor,
-) -> torch.Tensor:
-    """The MoE block's output from ``moe_route``'s sorted pairs: the routed experts (as
-    ``fused_experts``), then ``shared_expert_combine`` with the shared expert's output ``shared``
-    and its gate logit ``[T, 1]``."""
-    routed = _experts_in_order(x, w13, w2, topk_weights, order, offsets)
-    return shared_expert_combine_reference(routed, shared, shared_gate_logit)
-
-
 def shared_expert_combine_reference(
     routed: torch.Tensor, shared: torch.Tensor, gate_logit: torch.Tensor
 ) -> torch.Tensor:
@@ -109,8 +74,6 @@ def shared_expert_combine_reference(
 
 moe_topk_softmax = op("moe")(moe_topk_softmax_reference)
 moe_sort_tokens = op("moe")(moe_sort_tokens_reference)
-moe_route = op("moe")(moe_route_reference)
 silu_and_mul = op("moe")(silu_and_mul_reference)
 fused_experts = op("moe")(fused_experts_reference)
-grouped_experts = op("moe")(grouped_experts_reference)
 shared_expert_combine = op("moe")(shared_expert_combine_reference)

@@ -2,8 +2,8 @@
 
 ``fused_experts`` runs, with no device->host sync:
 
-1. ``moe_sort_tokens``: a stable counting sort of the flat expert ids, parallel over blocks of pairs
-   (``order``: pair indices grouped by expert, ``offsets``: each expert's range).
+1. ``moe_sort_tokens``: a stable sort of the flat expert ids, one program at decode sizes, else a
+   counting sort parallel over blocks of pairs (``order``: pair indices grouped by expert, ``offsets``: each expert's range).
 2. ``_gate_up_kernel``: a grouped GEMM over tiles of ``BLOCK_M`` pairs of one expert. A program finds
    its (expert, tile) from ``offsets`` itself; tiles past the real count exit, so the grid is an upper
    bound (``ceil(pairs / BLOCK_M) + experts`` row tiles, in groups of ``GROUP_M`` over all column
@@ -12,23 +12,16 @@
 3. ``_down_kernel``: the same tiling over ``w2``, scaled by the routing weight, written per pair.
 4. ``_sum_choices_kernel``: each token's ``top_k`` pair outputs summed in float32 (deterministic, no atomics).
 
-``moe_route`` (the routing of ``moe_topk_softmax`` and step 1 together: one launch at decode sizes)
-and ``grouped_experts`` (steps 2 to 4 from its sorted pairs, the shared expert's gated output added
-in step 4) are what the resident MoE layer runs.
-
 Rounding follows the reference (the projections, SiLU and products rounded to the activations' dtype).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from freetoken.kernels.triton._common import (
-    INTERPRETED,
     cast,
     device_function,
     dot,
@@ -156,85 +149,20 @@ def _place_kernel(ids_ptr, partial_ptr, totals_ptr, order_ptr, offsets_ptr, num_
         next_place += tl.sum(match, 0)
 
 
-def moe_sort_tokens(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Three small launches, parallel over blocks of pairs (round 1 scanned every pair once per
-    expert: 113 µs at T=8192 on the H200): per-block expert counts, their prefix over blocks per
-    expert, and the stable placement."""
-    flat = topk_ids.reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
-    num_pairs = flat.shape[0]
-    device = topk_ids.device
-    order = new_empty((num_pairs,), torch.int32, device)
-    offsets = new_empty((num_experts + 1,), torch.int32, device)
-    block = max(256, pow2(triton.cdiv(num_pairs, 512)))  # at most 512 blocks: one prefix tile
-    num_blocks = max(triton.cdiv(num_pairs, block), 1)
-    partial = new_empty((num_blocks, num_experts), torch.int32, device)
-    totals = new_empty((num_experts,), torch.int32, device)
-    block_e, sub = pow2(num_experts), 32
-    _block_counts_kernel[(num_blocks,)](flat, partial, num_pairs, num_experts, BLOCK=block, SUB=sub, BLOCK_E=block_e)
-    group_e = max(1, min(block_e, 2048 // pow2(num_blocks)))  # tiles of 2K counts: no spills
-    _block_prefix_kernel[(triton.cdiv(num_experts, group_e),)](
-        partial, totals, num_blocks, num_experts, BLOCKS=pow2(num_blocks), GROUP_E=group_e
-    )
-    _place_kernel[(num_blocks,)](
-        flat, partial, totals, order, offsets, num_pairs, num_experts, BLOCK=block, SUB=sub, BLOCK_E=block_e
-    )
-    return order, offsets
-
-
-# Up to this many (token, choice) pairs ``moe_route`` sorts them in one program (512 tokens of
-# top-8: the keys stay in registers); past it, the three-launch sort, parallel over blocks of pairs.
-ROUTE_SORT_PAIRS = 4096
-# Up to this many tokens the same program also runs the top-k softmax (one launch); past it the
-# top-k kernel, parallel over tokens, runs first (two launches). ``benchmarks/moe_route_sweep.py``
-# times the three paths at decode sizes.
-ROUTE_ONE_LAUNCH_TOKENS = 256
-
-
-@dataclass(frozen=True)
-class RouteTiles:
-    """The route program's launch: whether it runs the top-k softmax itself, tokens per top-k
-    step, warps."""
-
-    topk: bool
-    block_t: int
-    num_warps: int
-
-
-def route_tiles(num_tokens: int, num_experts: int) -> RouteTiles:
-    """Top-k steps over tiles of about 4K logits, 16 a thread over 8 warps (sm_90, Triton 3.6:
-    190 registers, no spills; 8K-logit tiles spill); the interpreter, whose cost is per
-    operation, takes all the tokens at once."""
-    budget = 1 << 20 if INTERPRETED else 4096
-    block_t = max(1, min(pow2(num_tokens), budget // pow2(num_experts)))
-    return RouteTiles(topk=num_tokens <= ROUTE_ONE_LAUNCH_TOKENS, block_t=block_t, num_warps=8)
+# Up to this many (token, choice) pairs ``moe_sort_tokens`` sorts them in one program (256 tokens
+# of top-8: the keys stay in registers; 26.2 us per layer on the H200 with the top-k kernel before
+# it, against 26.7 for the three-launch sort: ``benchmarks/moe_route_sweep.py``); past it, prefill
+# sizes, the three launches, parallel over blocks of pairs.
+SORT_ONE_PROGRAM_PAIRS = 2048
+SORT_ONE_PROGRAM_WARPS = 8  # 4 warps: 35.4 us at 256 tokens, 8: 26.2
 
 
 @triton.jit
-def _route_sort_kernel(
-    logits_ptr, l_st, weights_ptr, ids_ptr, order_ptr, offsets_ptr, num_tokens, num_experts,
-    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, TOPK: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
-):
-    """The routing prologue in one program: with ``TOPK``, the top-k softmax of ``BLOCK_T`` tokens
-    at a time (else ``ids`` were written by ``_topk_softmax_kernel``); then, over all
-    ``num_tokens · TOP_K`` pairs, the per-expert counts (a histogram), their prefix (``offsets``)
-    and the stable sort by expert (a bitonic sort of ``id · BLOCK_P + pair``: unique keys, so the
-    pairs of an expert keep their order)."""
-    if TOPK:
-        e = tl.arange(0, BLOCK_E)[None, :]
-        j = tl.arange(0, BLOCK_K)[None, :]
-        for t0 in range(0, num_tokens, BLOCK_T):
-            t = (t0 + tl.arange(0, BLOCK_T))[:, None]
-            t_ok = t < num_tokens
-            logits = tl.load(logits_ptr + t * l_st + e, mask=t_ok & (e < num_experts), other=0.0).to(tl.float32)
-            top_w, top_i = _softmax_topk(logits, e, num_experts, TOP_K, RENORMALIZE, BLOCK_E, BLOCK_K)
-            mask = t_ok & (j < TOP_K)
-            tl.store(weights_ptr + t * TOP_K + j, cast(top_w, weights_ptr.dtype.element_ty), mask=mask)
-            tl.store(ids_ptr + t * TOP_K + j, top_i, mask=mask)
-        tl.debug_barrier()  # the ids written by every thread of the program, read back by others
-    num_pairs = num_tokens * TOP_K
+def _sort_program_kernel(ids_ptr, order_ptr, offsets_ptr, num_pairs, num_experts, BLOCK_E: tl.constexpr,
+                         BLOCK_P: tl.constexpr):
+    """The sort by expert in one program, over all ``num_pairs`` pairs: the per-expert counts (a
+    histogram), their prefix (``offsets``) and the stable order (a bitonic sort of
+    ``id · BLOCK_P + pair``: unique keys, so the pairs of an expert keep their order)."""
     pair = tl.arange(0, BLOCK_P)
     pair_ok = pair < num_pairs
     ids = tl.load(ids_ptr + pair, mask=pair_ok, other=0)
@@ -249,32 +177,37 @@ def _route_sort_kernel(
     tl.store(order_ptr + pair, order, mask=pair_ok)
 
 
-def moe_route(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    num_tokens, num_experts = router_logits.shape
-    num_pairs = num_tokens * top_k
-    if num_tokens == 0 or num_pairs > ROUTE_SORT_PAIRS:
-        weights, ids = moe_topk_softmax(router_logits, top_k, renormalize)
-        return (weights, ids, *moe_sort_tokens(ids, num_experts))
-    if router_logits.stride(-1) != 1:
-        router_logits = router_logits.contiguous()
-    tiles = route_tiles(num_tokens, num_experts)
-    if tiles.topk:
-        if not 0 < top_k <= num_experts:
-            raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
-        weights = new_empty((num_tokens, top_k), router_logits.dtype, router_logits.device)
-        ids = new_empty((num_tokens, top_k), torch.int32, router_logits.device)
-    else:
-        weights, ids = moe_topk_softmax(router_logits, top_k, renormalize)
-    order = new_empty((num_pairs,), torch.int32, router_logits.device)
-    offsets = new_empty((num_experts + 1,), torch.int32, router_logits.device)
-    _route_sort_kernel[(1,)](
-        router_logits, router_logits.stride(0), weights, ids, order, offsets, num_tokens, num_experts,
-        TOP_K=top_k, RENORMALIZE=renormalize, TOPK=tiles.topk, BLOCK_T=tiles.block_t, BLOCK_E=pow2(num_experts),
-        BLOCK_K=pow2(top_k), BLOCK_P=pow2(num_pairs, 16), num_warps=tiles.num_warps,
+def moe_sort_tokens(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to ``SORT_ONE_PROGRAM_PAIRS`` pairs one program; past it three small launches, parallel
+    over blocks of pairs (round 1 scanned every pair once per expert: 113 µs at T=8192 on the
+    H200): per-block expert counts, their prefix over blocks per expert, and the stable placement."""
+    flat = topk_ids.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    num_pairs = flat.shape[0]
+    device = topk_ids.device
+    order = new_empty((num_pairs,), torch.int32, device)
+    offsets = new_empty((num_experts + 1,), torch.int32, device)
+    if 0 < num_pairs <= SORT_ONE_PROGRAM_PAIRS:
+        _sort_program_kernel[(1,)](
+            flat, order, offsets, num_pairs, num_experts, BLOCK_E=pow2(num_experts), BLOCK_P=pow2(num_pairs, 16),
+            num_warps=SORT_ONE_PROGRAM_WARPS,
+        )
+        return order, offsets
+    block = max(256, pow2(triton.cdiv(num_pairs, 512)))  # at most 512 blocks: one prefix tile
+    num_blocks = max(triton.cdiv(num_pairs, block), 1)
+    partial = new_empty((num_blocks, num_experts), torch.int32, device)
+    totals = new_empty((num_experts,), torch.int32, device)
+    block_e, sub = pow2(num_experts), 32
+    _block_counts_kernel[(num_blocks,)](flat, partial, num_pairs, num_experts, BLOCK=block, SUB=sub, BLOCK_E=block_e)
+    group_e = max(1, min(block_e, 2048 // pow2(num_blocks)))  # tiles of 2K counts: no spills
+    _block_prefix_kernel[(triton.cdiv(num_experts, group_e),)](
+        partial, totals, num_blocks, num_experts, BLOCKS=pow2(num_blocks), GROUP_E=group_e
     )
-    return weights, ids, order, offsets
+    _place_kernel[(num_blocks,)](
+        flat, partial, totals, order, offsets, num_pairs, num_experts, BLOCK=block, SUB=sub, BLOCK_E=block_e
+    )
+    return order, offsets
 
 
 @device_function
@@ -368,40 +301,25 @@ def _down_kernel(
 
 
 @triton.jit
-def _sum_choices_kernel(y_ptr, shared_ptr, gate_ptr, g_st, out_ptr, num_tokens, hidden, TOP_K: tl.constexpr,
-                        HAS_SHARED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK: tl.constexpr):
-    """Each token's ``TOP_K`` pair rows summed in float32 (deterministic, no atomics); with
-    ``HAS_SHARED``, the sum rounded as the routed output is and ``sigmoid(gate) · shared`` added
-    as ``_shared_combine_kernel`` adds it (one pass instead of two)."""
+def _sum_choices_kernel(y_ptr, out_ptr, num_tokens, hidden, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
+                        BLOCK: tl.constexpr):
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T))[:, None]
     cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
-    t_ok = t < num_tokens
-    ok = t_ok & (cols < hidden)
+    ok = (t < num_tokens) & (cols < hidden)
     acc = tl.zeros([BLOCK_T, BLOCK], tl.float32)
     for j in tl.static_range(TOP_K):
         acc += tl.load(y_ptr + (t * TOP_K + j).to(tl.int64) * hidden + cols, mask=ok, other=0.0).to(tl.float32)
-    dtype = out_ptr.dtype.element_ty
-    if HAS_SHARED:
-        gate = round_as(tl.sigmoid(tl.load(gate_ptr + t * g_st, mask=t_ok, other=0.0).to(tl.float32)), dtype)
-        shared = tl.load(shared_ptr + t * hidden + cols, mask=ok, other=0.0).to(tl.float32)
-        acc = round_as(acc, dtype) + round_as(gate * shared, dtype)
-    tl.store(out_ptr + t * hidden + cols, cast(acc, dtype), mask=ok)
+    tl.store(out_ptr + t * hidden + cols, cast(acc, out_ptr.dtype.element_ty), mask=ok)
 
 
-def sum_choices(
-    y: torch.Tensor, out: torch.Tensor, top_k: int, shared: torch.Tensor | None = None,
-    shared_gate_logit: torch.Tensor | None = None,
-) -> None:
+def sum_choices(y: torch.Tensor, out: torch.Tensor, top_k: int) -> None:
     """``out[t] = Σ_j y[t·top_k + j]`` (``y [T·k, H]`` the pairs' weighted outputs in pair order),
-    plus ``sigmoid(shared_gate_logit[t]) · shared[t]`` when the shared expert's output is given."""
+    in float32 (deterministic, no atomics)."""
     num_tokens, hidden = out.shape
     block = min(pow2(hidden), 1024)
     block_t = rows_per_program(num_tokens, block)
-    has_shared = shared is not None
-    gate = shared_gate_logit if shared_gate_logit is not None else y
     _sum_choices_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(hidden, block))](
-        y, shared if has_shared else y, gate, gate.stride(0) if has_shared else 0, out, num_tokens, hidden,
-        TOP_K=top_k, HAS_SHARED=has_shared, BLOCK_T=block_t, BLOCK=block,
+        y, out, num_tokens, hidden, TOP_K=top_k, BLOCK_T=block_t, BLOCK=block
     )
 
 
@@ -481,40 +399,6 @@ def fused_experts(
     order, offsets = moe_sort_tokens(topk_ids, w13.shape[0])
     y = _pair_outputs(x, w13.contiguous(), w2.contiguous(), topk_weights.contiguous(), order, offsets)
     sum_choices(y, out, topk_ids.shape[1])
-    return out
-
-
-def grouped_experts(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    order: torch.Tensor,
-    offsets: torch.Tensor,
-    shared: torch.Tensor,
-    shared_gate_logit: torch.Tensor,
-) -> torch.Tensor:
-    """``fused_experts`` from ``moe_route``'s sorted pairs, its per-token sum also adding the gated
-    shared expert (no ``shared_expert_combine`` launch)."""
-    num_tokens = x.shape[0]
-    _check_experts("grouped_experts", x, w13, w2, topk_weights.numel())
-    if (
-        order.shape != (topk_weights.numel(),)
-        or offsets.shape != (w13.shape[0] + 1,)
-        or shared.shape != x.shape
-        or shared_gate_logit.shape != (num_tokens, 1)
-    ):
-        raise ValueError(
-            f"grouped_experts: weights {tuple(topk_weights.shape)}, order {tuple(order.shape)}, offsets "
-            f"{tuple(offsets.shape)}, shared {tuple(shared.shape)}, gate {tuple(shared_gate_logit.shape)} "
-            f"disagree with x {tuple(x.shape)}, w13 {tuple(w13.shape)}"
-        )
-    out = new_empty(x.shape, x.dtype, x.device)
-    if num_tokens == 0:
-        return out
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    y = _pair_outputs(x, w13.contiguous(), w2.contiguous(), topk_weights.contiguous(), order, offsets)
-    sum_choices(y, out, topk_weights.shape[1], shared.contiguous(), shared_gate_logit)
     return out
 
 

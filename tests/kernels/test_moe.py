@@ -27,49 +27,25 @@ def test_moe_topk_softmax(rng, dtype, renormalize):
     assert_close(weights, want_w)
 
 
-def _distinct_logits(rng, tokens, experts, dtype):
-    """Distinct logits in every row (exact in bf16): torch.topk leaves the order of ties unspecified."""
-    distinct = torch.stack([torch.randperm(experts, generator=rng) for _ in range(tokens)]) * 0.25 - 1.5
-    return distinct.to(dtype).to(DEVICE)
-
-
-@pytest.mark.parametrize("route", ["moe_topk_softmax", "moe_route"])
-def test_topk_ties_take_the_lowest_id(route):
+def test_topk_ties_take_the_lowest_id():
     """Equal logits give equal probabilities: the choice among them is the lowest expert id."""
     logits = torch.tensor([[0.5, 2.0, 2.0, 0.5, 2.0, 0.5, 0.5], [1.0] * 7, [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 3.0]])
-    got = getattr(_triton(), route)(logits.to(DEVICE), 4, True)[1]
+    got = _triton().moe_topk_softmax(logits.to(DEVICE), 4, True)[1]
     assert got.tolist() == [[1, 2, 4, 0], [0, 1, 2, 3], [6, 0, 1, 2]]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens,top_k,experts,path", [
-    (1, 1, 5, "one launch"), (9, 3, 13, "one launch"), (37, 8, 40, "one launch"), (37, 8, 40, "two launches"),
-    (37, 8, 40, "four launches"),
-])
-def test_moe_route(rng, monkeypatch, dtype, tokens, top_k, experts, path):
-    """The one-launch route and, past its sizes (lowered here), the top-k kernel before the sort
-    program, and the top-k kernel before the three-launch sort: the reference's ids, weights,
-    stable order and offsets."""
-    moe = _triton()
-    if path == "two launches":
-        monkeypatch.setattr(moe, "ROUTE_ONE_LAUNCH_TOKENS", tokens - 1)
-    if path == "four launches":
-        monkeypatch.setattr(moe, "ROUTE_SORT_PAIRS", tokens * top_k - 1)
-    packed = _distinct_logits(rng, tokens, experts + 1, dtype)
-    logits = packed[:, :experts]  # strided rows, as the layer's router + shared-gate GEMM gives them
-    weights, ids, order, offsets = moe.moe_route(logits, top_k, True)
-    want_w, want_ids, want_order, want_offsets = ref.moe_route_reference(logits, top_k, True)
-    assert torch.equal(ids, want_ids)
-    assert_close(weights, want_w)
-    assert torch.equal(offsets, want_offsets)
-    assert torch.equal(order, want_order)
-
-
 # the last: 66 blocks of pairs, experts split over several prefix programs
-@pytest.mark.parametrize("tokens,top_k,experts", [(11, 3, 7), (1, 1, 5), (300, 4, 6), (2100, 8, 300)])
-def test_moe_sort_tokens(rng, tokens, top_k, experts):
+@pytest.mark.parametrize("tokens,top_k,experts,one_program", [
+    (11, 3, 7, True), (11, 3, 7, False), (1, 1, 5, True), (1, 1, 5, False), (300, 4, 6, True), (300, 4, 6, False),
+    (2100, 8, 300, False),
+])
+def test_moe_sort_tokens(rng, monkeypatch, tokens, top_k, experts, one_program):
+    """The one-program sort (``SORT_ONE_PROGRAM_PAIRS`` raised to the size here) and the
+    three-launch sort (it lowered to 0): the reference's stable order and offsets."""
+    moe = _triton()
+    monkeypatch.setattr(moe, "SORT_ONE_PROGRAM_PAIRS", tokens * top_k if one_program else 0)
     ids = torch.stack([torch.randperm(experts, generator=rng)[:top_k] for _ in range(tokens)]).int().to(DEVICE)
-    order, offsets = _triton().moe_sort_tokens(ids, experts)
+    order, offsets = moe.moe_sort_tokens(ids, experts)
     want_order, want_offsets = ref.moe_sort_tokens_reference(ids, experts)
     assert torch.equal(offsets, want_offsets)
     assert torch.equal(order, want_order)
@@ -86,21 +62,6 @@ def test_fused_experts(rng, dtype, tokens):
     weights, ids = ref.moe_topk_softmax_reference(logits, k, True)
     got = _triton().fused_experts(x, w13, w2, weights, ids)
     assert_close(got, ref.fused_experts_reference(x, w13, w2, weights, ids))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens", [1, 29])
-def test_grouped_experts(rng, dtype, tokens):
-    """From the route's sorted pairs, with the gated shared expert added in the per-token sum."""
-    e, k, hidden, inter = 7, 3, 72, 40
-    x = torch.randn(tokens, hidden, generator=rng).to(dtype).to(DEVICE)
-    w13 = (torch.randn(e, 2 * inter, hidden, generator=rng) * hidden**-0.5).to(dtype).to(DEVICE)
-    w2 = (torch.randn(e, hidden, inter, generator=rng) * inter**-0.5).to(dtype).to(DEVICE)
-    weights, _, order, offsets = ref.moe_route_reference(torch.randn(tokens, e, generator=rng).to(dtype), k, True)
-    shared = torch.randn(tokens, hidden, generator=rng).to(dtype).to(DEVICE)
-    gate = torch.randn(tokens, e + 1, generator=rng).to(dtype).to(DEVICE)[:, e:]  # a strided column
-    args = (x, w13, w2, weights.to(DEVICE), order.to(DEVICE), offsets.to(DEVICE), shared, gate)
-    assert_close(_triton().grouped_experts(*args), ref.grouped_experts_reference(*args))
 
 
 @pytest.mark.parametrize("hidden,block_k", [(72, 32), (64, 32)])  # a partial and no partial column tile

@@ -106,19 +106,8 @@ class SparseMoE(nn.Module):
         elif isinstance(self.experts, OffloadedExperts) and self.experts.decodes(x.shape[0]):
             return self.experts.decode(x, gate_logits, self.top_k, self.renormalize)
         router_logits, shared_gate = gate_logits[:, : self.num_experts], gate_logits[:, self.num_experts :]
-        if isinstance(self.experts, ResidentExperts) and isinstance(self.w13, torch.Tensor) and isinstance(
-            self.w2, torch.Tensor
-        ):
-            # Routing and the sort by expert in one launch at decode sizes; the per-token sum over
-            # the choices adds the gated shared expert.
-            weights, _, order, offsets = kernels.moe_route(router_logits, self.top_k, self.renormalize)
-            shared = self._shared_output(x)
-            return kernels.grouped_experts(x, self.w13, self.w2, weights, order, offsets, shared, shared_gate)
         weights, ids = kernels.moe_topk_softmax(router_logits, self.top_k, self.renormalize)
         routing = self.experts.prepare(x, ids)  # offloaded: the missing experts' copies start
-        shared = self._shared_output(x)
+        shared = linear(kernels.silu_and_mul(linear(x, self.shared_gate_up)), self.shared_down)
         routed = self.experts.compute(x, weights, routing)
         return kernels.shared_expert_combine(routed, shared, shared_gate)
-
-    def _shared_output(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(kernels.silu_and_mul(linear(x, self.shared_gate_up)), self.shared_down)
