@@ -4,12 +4,11 @@ must move: the float32 state ``[B, 32, 128, 128]`` read and written, at decode b
     python benchmarks/gdn_decode_sweep.py [--batch 1 16 64 128] [--json FILE]
 
 The kernel runs one program per (request, value head, block of ``BLOCK_V`` value columns) with a
-``[128, BLOCK_V]`` state tile and ``num_warps`` warps (``kernels/triton/gdn_decode.py``: 32 and 4
-today). Each shape here is launched as the wrapper launches it, checked against the wrapper's output
-and new state, then timed over ``LAYERS`` layers of distinct states (more than the 60 MB L2 at every
+``[128, BLOCK_V]`` state tile and ``num_warps`` warps (``gdn_decode.decode_tiles``: 32, from 16
+requests 64, over 4 warps). Each shape here is launched as the wrapper launches it, checked against
+the wrapper's output and new state, then timed over ``LAYERS`` layers of distinct states (more than the 60 MB L2 at every
 batch) captured in one CUDA graph: us per layer and TB/s of state traffic (read + write). The
-best shape per batch is printed beside the default; set ``BLOCK_V`` and ``num_warps`` in the
-wrapper to it.
+best shape per batch is printed beside the default; set ``decode_tiles`` to it.
 """
 
 from __future__ import annotations
@@ -84,21 +83,24 @@ def sweep(batch: int, gen: torch.Generator) -> list[dict]:
     state_bytes = batch * HV * DK * DV * 4
     layers = max(2, min(30, -(-256_000_000 // state_bytes)))
     states = [torch.randn(batch, HV, DK, DV, generator=gen, device=CUDA) * 0.1 for _ in range(layers)]
-    want_state = states[0].clone()
+    # The timing updates ``states`` in place: every shape is checked from this copy of the first.
+    initial = states[0].clone()
+    want_state = initial.clone()
     want = gdn_decode.gated_delta_rule_decode_gated(
         inputs["q"], inputs["k"], inputs["v"], inputs["a"], inputs["b"], inputs["A_log"], inputs["dt_bias"],
         want_state, inputs["slots"],
     )
     rows = []
     for block_v, warps in SHAPES:
-        state = states[0].clone()
+        state = initial.clone()
         out = launch(inputs, state, block_v, warps)
         err = max(((out.float() - want.float()).norm() / want.float().norm()).item(),
                   ((state - want_state).norm() / want_state.norm()).item())
         us = graph_us(lambda bv=block_v, w=warps: [launch(inputs, s, bv, w) for s in states], layers)
         rows.append({"batch": batch, "block_v": block_v, "num_warps": warps, "us": us,
                      "TB/s": 2 * state_bytes / (us * 1e-6) / 1e12, "rel_err": err})
-    default = next(r for r in rows if (r["block_v"], r["num_warps"]) == (gdn_decode.BLOCK_V, 4))
+    chosen = (gdn_decode.decode_tiles(batch, DV), gdn_decode.NUM_WARPS)
+    default = next(r for r in rows if (r["block_v"], r["num_warps"]) == chosen)
     best = min(rows, key=lambda r: r["us"])
     print(f"B={batch}: state {state_bytes / 1e6:.0f} MB/layer read + written, {layers} layers; us/layer (TB/s)",
           flush=True)
