@@ -14,7 +14,17 @@ import triton.language as tl
 
 from freetoken.kernels.triton._common import cast, new_empty, pow2, round_as
 
+# Value columns per program and warps: below ``WIDE_BATCH`` requests (B=1: 4.3 us on the H200)
+# ``BLOCK_V`` over 4 warps; from it ``WIDE_BLOCK_V`` over 4 warps, fewer programs for the same state
+# traffic (B=16/64/128: 21.7/75.5/149.7 us against 22.8/85.5/169.4; benchmarks/gdn_decode_sweep.py).
 BLOCK_V = 32
+WIDE_BATCH, WIDE_BLOCK_V = 16, 64
+NUM_WARPS = 4
+
+
+def decode_tiles(batch: int, value_dim: int) -> int:
+    """The ``BLOCK_V`` of a decode step of ``batch`` requests (``NUM_WARPS`` warps at every size)."""
+    return min(pow2(value_dim), WIDE_BLOCK_V if batch >= WIDE_BATCH else BLOCK_V)
 
 
 @triton.jit
@@ -88,12 +98,12 @@ def gated_delta_rule_decode_gated(
     out = new_empty((batch, num_v_heads, value_dim), v.dtype, v.device)
     if batch == 0:
         return out
-    block_v = min(pow2(value_dim), BLOCK_V)
+    block_v = decode_tiles(batch, value_dim)
     _decode_gated_kernel[(batch, num_v_heads, triton.cdiv(value_dim, block_v))](
         q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
         a, a.stride(0), b, b.stride(0), A_log, dt_bias,
         state, state.stride(0), state.stride(1), state.stride(2), state_slots, out,
         num_v_heads, key_dim, value_dim, key_dim**-0.5,
-        HEAD_RATIO=num_v_heads // num_k_heads, BLOCK_K=pow2(key_dim), BLOCK_V=block_v, num_warps=4,
+        HEAD_RATIO=num_v_heads // num_k_heads, BLOCK_K=pow2(key_dim), BLOCK_V=block_v, num_warps=NUM_WARPS,
     )
     return out

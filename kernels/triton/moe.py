@@ -2,8 +2,8 @@
 
 ``fused_experts`` runs, with no device->host sync:
 
-1. ``moe_sort_tokens``: a stable counting sort of the flat expert ids, parallel over blocks of pairs
-   (``order``: pair indices grouped by expert, ``offsets``: each expert's range).
+1. ``moe_sort_tokens``: a stable sort of the flat expert ids, one program at decode sizes, else a
+   counting sort parallel over blocks of pairs (``order``: pair indices grouped by expert, ``offsets``: each expert's range).
 2. ``_gate_up_kernel``: a grouped GEMM over tiles of ``BLOCK_M`` pairs of one expert. A program finds
    its (expert, tile) from ``offsets`` itself; tiles past the real count exit, so the grid is an upper
    bound (``ceil(pairs / BLOCK_M) + experts`` row tiles, in groups of ``GROUP_M`` over all column
@@ -34,6 +34,35 @@ from freetoken.kernels.triton._common import (
 from freetoken.kernels.triton.moe_configs import GemmConfig, moe_gemm_config
 
 
+@device_function
+def _softmax_topk(logits, e, num_experts, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """Rows of float32 ``logits [R, BLOCK_E]`` (``e``: the column index ``[1, BLOCK_E]``): softmax,
+    the ``TOP_K`` largest probabilities in decreasing order, the lowest expert id first among ties,
+    optionally renormalised; ``(weights [R, BLOCK_K] float32, ids [R, BLOCK_K] int32)``.
+
+    Each choice is one max over an int64 key: the probability's float32 bits (order-preserving for
+    the non-negative probabilities) above ``BLOCK_E - 1 - e`` (so among equal probabilities the
+    lowest id is largest), instead of a max over the values and a min over the ids that tie."""
+    logits = tl.where(e < num_experts, logits, float("-inf"))
+    p = tl.exp(logits - tl.max(logits, 1)[:, None])
+    p = p / tl.sum(p, 1)[:, None]
+    p = tl.where(e < num_experts, p, -1.0)  # padding: below every probability
+    rank = (BLOCK_E - 1) - e  # int32
+    key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | rank.to(tl.int64)
+    j = tl.arange(0, BLOCK_K)[None, :]
+    top_w = tl.zeros([logits.shape[0], BLOCK_K], tl.float32)
+    top_i = tl.zeros([logits.shape[0], BLOCK_K], tl.int32)
+    for choice in tl.static_range(TOP_K):
+        best = tl.max(key, 1)[:, None]
+        top_w = tl.where(j == choice, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True), top_w)
+        top_i = tl.where(j == choice, (BLOCK_E - 1) - (best & 0xFFFFFFFF).to(tl.int32), top_i)
+        key = tl.where(key == best, -(1 << 62), key)
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(tl.where(j < TOP_K, top_w, 0.0), 1)[:, None]
+    return top_w, top_i
+
+
 @triton.jit
 def _topk_softmax_kernel(
     logits_ptr, l_st, weights_ptr, ids_ptr, num_tokens, num_experts,
@@ -44,21 +73,8 @@ def _topk_softmax_kernel(
     t_ok = t < num_tokens
     e = tl.arange(0, BLOCK_E)[None, :]
     logits = tl.load(logits_ptr + t * l_st + e, mask=t_ok & (e < num_experts), other=0.0).to(tl.float32)
-    logits = tl.where(e < num_experts, logits, float("-inf"))
-    p = tl.exp(logits - tl.max(logits, 1)[:, None])
-    p = p / tl.sum(p, 1)[:, None]
-    p = tl.where(e < num_experts, p, -1.0)
+    top_w, top_i = _softmax_topk(logits, e, num_experts, TOP_K, RENORMALIZE, BLOCK_E, BLOCK_K)
     j = tl.arange(0, BLOCK_K)[None, :]
-    top_w = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
-    top_i = tl.zeros([BLOCK_T, BLOCK_K], tl.int32)
-    for choice in tl.static_range(TOP_K):
-        best = tl.max(p, 1)[:, None]
-        best_i = tl.min(tl.where(p == best, e, BLOCK_E), 1)[:, None]  # the lowest index among ties
-        top_w = tl.where(j == choice, best, top_w)
-        top_i = tl.where(j == choice, best_i, top_i)
-        p = tl.where(e == best_i, -2.0, p)
-    if RENORMALIZE:
-        top_w = top_w / tl.sum(tl.where(j < TOP_K, top_w, 0.0), 1)[:, None]
     mask = t_ok & (j < TOP_K)
     tl.store(weights_ptr + t * TOP_K + j, cast(top_w, weights_ptr.dtype.element_ty), mask=mask)
     tl.store(ids_ptr + t * TOP_K + j, top_i, mask=mask)
@@ -133,10 +149,38 @@ def _place_kernel(ids_ptr, partial_ptr, totals_ptr, order_ptr, offsets_ptr, num_
         next_place += tl.sum(match, 0)
 
 
+# Up to this many (token, choice) pairs ``moe_sort_tokens`` sorts them in one program (256 tokens
+# of top-8: the keys stay in registers; 26.2 us per layer on the H200 with the top-k kernel before
+# it, against 26.7 for the three-launch sort: ``benchmarks/moe_route_sweep.py``); past it, prefill
+# sizes, the three launches, parallel over blocks of pairs.
+SORT_ONE_PROGRAM_PAIRS = 2048
+SORT_ONE_PROGRAM_WARPS = 8  # 4 warps: 35.4 us at 256 tokens, 8: 26.2
+
+
+@triton.jit
+def _sort_program_kernel(ids_ptr, order_ptr, offsets_ptr, num_pairs, num_experts, BLOCK_E: tl.constexpr,
+                         BLOCK_P: tl.constexpr):
+    """The sort by expert in one program, over all ``num_pairs`` pairs: the per-expert counts (a
+    histogram), their prefix (``offsets``) and the stable order (a bitonic sort of
+    ``id · BLOCK_P + pair``: unique keys, so the pairs of an expert keep their order)."""
+    pair = tl.arange(0, BLOCK_P)
+    pair_ok = pair < num_pairs
+    ids = tl.load(ids_ptr + pair, mask=pair_ok, other=0)
+    # Padding pairs count as expert 0 (the histogram takes no mask in every Triton): taken back.
+    counts = tl.histogram(ids, BLOCK_E)
+    counts -= tl.where(tl.arange(0, BLOCK_E) == 0, BLOCK_P - num_pairs, 0)
+    expert = tl.arange(0, BLOCK_E)
+    tl.store(offsets_ptr + expert, tl.cumsum(counts, 0) - counts, mask=expert < num_experts)
+    tl.store(offsets_ptr + num_experts, num_pairs)
+    keys = tl.where(pair_ok, ids, BLOCK_E) * BLOCK_P + pair  # padding sorts last
+    order = tl.sort(keys) & (BLOCK_P - 1)
+    tl.store(order_ptr + pair, order, mask=pair_ok)
+
+
 def moe_sort_tokens(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Three small launches, parallel over blocks of pairs (round 1 scanned every pair once per
-    expert: 113 µs at T=8192 on the H200): per-block expert counts, their prefix over blocks per
-    expert, and the stable placement."""
+    """Up to ``SORT_ONE_PROGRAM_PAIRS`` pairs one program; past it three small launches, parallel
+    over blocks of pairs (round 1 scanned every pair once per expert: 113 µs at T=8192 on the
+    H200): per-block expert counts, their prefix over blocks per expert, and the stable placement."""
     flat = topk_ids.reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
@@ -144,6 +188,12 @@ def moe_sort_tokens(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Ten
     device = topk_ids.device
     order = new_empty((num_pairs,), torch.int32, device)
     offsets = new_empty((num_experts + 1,), torch.int32, device)
+    if 0 < num_pairs <= SORT_ONE_PROGRAM_PAIRS:
+        _sort_program_kernel[(1,)](
+            flat, order, offsets, num_pairs, num_experts, BLOCK_E=pow2(num_experts), BLOCK_P=pow2(num_pairs, 16),
+            num_warps=SORT_ONE_PROGRAM_WARPS,
+        )
+        return order, offsets
     block = max(256, pow2(triton.cdiv(num_pairs, 512)))  # at most 512 blocks: one prefix tile
     num_blocks = max(triton.cdiv(num_pairs, block), 1)
     partial = new_empty((num_blocks, num_experts), torch.int32, device)
@@ -262,6 +312,17 @@ def _sum_choices_kernel(y_ptr, out_ptr, num_tokens, hidden, TOP_K: tl.constexpr,
     tl.store(out_ptr + t * hidden + cols, cast(acc, out_ptr.dtype.element_ty), mask=ok)
 
 
+def sum_choices(y: torch.Tensor, out: torch.Tensor, top_k: int) -> None:
+    """``out[t] = Σ_j y[t·top_k + j]`` (``y [T·k, H]`` the pairs' weighted outputs in pair order),
+    in float32 (deterministic, no atomics)."""
+    num_tokens, hidden = out.shape
+    block = min(pow2(hidden), 1024)
+    block_t = rows_per_program(num_tokens, block)
+    _sum_choices_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(hidden, block))](
+        y, out, num_tokens, hidden, TOP_K=top_k, BLOCK_T=block_t, BLOCK=block
+    )
+
+
 def _row_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Upper bound of the grouped GEMM's row tiles: every expert may end in a partial tile."""
     return triton.cdiv(num_pairs, block_m) + num_experts
@@ -300,35 +361,44 @@ def down(
     )
 
 
-def fused_experts(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+def _check_experts(name: str, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, num_pairs: int) -> None:
+    num_experts, two_inter, hidden = w13.shape
+    if x.shape[1] != hidden or w2.shape != (num_experts, hidden, two_inter // 2) or num_pairs % max(x.shape[0], 1):
+        raise ValueError(
+            f"{name}: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}, {num_pairs} pairs disagree"
+        )
+
+
+def _pair_outputs(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, order: torch.Tensor,
+    offsets: torch.Tensor,
 ) -> torch.Tensor:
+    """``y [T·k, H]``: each pair's weighted expert output, in pair order (gate/up, then down)."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
-    top_k = topk_ids.shape[1]
-    if w13.shape[2] != hidden or w2.shape != (num_experts, hidden, inter) or topk_weights.shape != topk_ids.shape:
-        raise ValueError(
-            f"fused_experts: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}, "
-            f"weights {tuple(topk_weights.shape)}, ids {tuple(topk_ids.shape)} disagree"
-        )
-    out = new_empty((num_tokens, hidden), x.dtype, x.device)
-    if num_tokens == 0:
-        return out
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    w13, w2 = w13.contiguous(), w2.contiguous()
-    topk_weights = topk_weights.contiguous()
+    top_k = topk_weights.shape[1]
     num_pairs = num_tokens * top_k
-    order, offsets = moe_sort_tokens(topk_ids, num_experts)
     h = new_empty((num_pairs, inter), x.dtype, x.device)
     gate_up(x, w13, order, offsets, h, top_k, moe_gemm_config("gate_up", x.dtype, num_pairs, num_experts, hidden, inter))
     y = new_empty((num_pairs, hidden), x.dtype, x.device)
     down(h, w2, order, offsets, topk_weights, y, moe_gemm_config("down", x.dtype, num_pairs, num_experts, hidden, inter))
-    block = min(pow2(hidden), 1024)
-    block_t = rows_per_program(num_tokens, block)
-    _sum_choices_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(hidden, block))](
-        y, out, num_tokens, hidden, TOP_K=top_k, BLOCK_T=block_t, BLOCK=block
-    )
+    return y
+
+
+def fused_experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    _check_experts("fused_experts", x, w13, w2, topk_ids.numel())
+    if topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"fused_experts: weights {tuple(topk_weights.shape)}, ids {tuple(topk_ids.shape)} disagree")
+    out = new_empty(x.shape, x.dtype, x.device)
+    if x.shape[0] == 0:
+        return out
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    order, offsets = moe_sort_tokens(topk_ids, w13.shape[0])
+    y = _pair_outputs(x, w13.contiguous(), w2.contiguous(), topk_weights.contiguous(), order, offsets)
+    sum_choices(y, out, topk_ids.shape[1])
     return out
 
 

@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels.triton._common import _INTERPRETED, INTERPRETED, cast, device_function, dot, dot_precision, new_empty, pow2, rows_per_program, round_as
-from freetoken.kernels.triton.moe import _sum_choices_kernel, _tile_of, moe_sort_tokens
+from freetoken.kernels.triton._common import _INTERPRETED, INTERPRETED, cast, device_function, dot, dot_precision, new_empty, pow2, round_as
+from freetoken.kernels.triton.moe import _tile_of, moe_sort_tokens, sum_choices
 from freetoken.kernels.triton.nvfp4_rows import GEMV_MAX_ROWS, _code_bf16, _e4m3_codes, nvfp4_gemv
 
 GROUP = 16
@@ -251,9 +251,5 @@ def fused_experts_nvfp4(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         BLOCK_E=pow2(num_experts), PRECISION=precision, num_warps=warps, num_stages=stages,
     )
-    block = min(pow2(hidden), 1024)
-    block_t = rows_per_program(num_tokens, block)
-    _sum_choices_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(hidden, block))](
-        y, out, num_tokens, hidden, TOP_K=top_k, BLOCK_T=block_t, BLOCK=block
-    )
+    sum_choices(y, out, top_k)
     return out

@@ -223,6 +223,25 @@ def test_moe_routing_and_sort(rng, check, dtype):
     assert torch.equal(offsets, want_offsets) and torch.equal(order, want_order)
 
 
+# 1 to 256 tokens of top-8: the one-program sort; 257 and 1000: the three-launch sort
+@pytest.mark.parametrize("tokens", [1, 64, 256, 257, 1000])
+def test_moe_sort_tokens_decode_sizes(rng, tokens):
+    """The sort of the top-k kernel's ids (ties included: random bf16 logits tie) equals the
+    reference's, also replayed from a graph."""
+    moe = _triton("moe")
+    logits = randn(rng, tokens, EXPERTS + 1, dtype=torch.bfloat16)[:, :EXPERTS]
+    _, ids = moe.moe_topk_softmax(logits, TOP_K, True)
+    got = moe.moe_sort_tokens(ids, EXPERTS)
+    want = ref_moe.moe_sort_tokens_reference(ids, EXPERTS)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = moe.moe_sort_tokens(ids, EXPERTS)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(r, g) for r, g in zip(replayed, got))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [64, 2048])
 def test_fused_experts(rng, check, dtype, tokens):

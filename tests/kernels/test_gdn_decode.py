@@ -9,10 +9,16 @@ from freetoken.kernels import gdn_decode as ref
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_gated_delta_rule_decode_gated(rng, dtype, batch):
-    from freetoken.kernels.triton.gdn_decode import gated_delta_rule_decode_gated
+@pytest.mark.parametrize("wide", [False, True])
+def test_gated_delta_rule_decode_gated(rng, monkeypatch, dtype, batch, wide):
+    """Both tile widths (``WIDE_BATCH`` lowered here for the wide one): 80 value columns are three
+    blocks of 32 or two of 64, the last one partial."""
+    from freetoken.kernels.triton import gdn_decode
 
-    hk, hv, dk, dv, slots_total = 2, 4, 24, 40, 7
+    monkeypatch.setattr(gdn_decode, "WIDE_BATCH", 1 if wide else 1 << 30)
+    assert gdn_decode.decode_tiles(batch, 80) == (64 if wide else 32)
+    gated_delta_rule_decode_gated = gdn_decode.gated_delta_rule_decode_gated
+    hk, hv, dk, dv, slots_total = 2, 4, 24, 80, 7
 
     def randn(*shape, scale=1.0):
         return (torch.randn(*shape, generator=rng) * scale).to(dtype).to(DEVICE)

@@ -27,11 +27,25 @@ def test_moe_topk_softmax(rng, dtype, renormalize):
     assert_close(weights, want_w)
 
 
+def test_topk_ties_take_the_lowest_id():
+    """Equal logits give equal probabilities: the choice among them is the lowest expert id."""
+    logits = torch.tensor([[0.5, 2.0, 2.0, 0.5, 2.0, 0.5, 0.5], [1.0] * 7, [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 3.0]])
+    got = _triton().moe_topk_softmax(logits.to(DEVICE), 4, True)[1]
+    assert got.tolist() == [[1, 2, 4, 0], [0, 1, 2, 3], [6, 0, 1, 2]]
+
+
 # the last: 66 blocks of pairs, experts split over several prefix programs
-@pytest.mark.parametrize("tokens,top_k,experts", [(11, 3, 7), (1, 1, 5), (300, 4, 6), (2100, 8, 300)])
-def test_moe_sort_tokens(rng, tokens, top_k, experts):
+@pytest.mark.parametrize("tokens,top_k,experts,one_program", [
+    (11, 3, 7, True), (11, 3, 7, False), (1, 1, 5, True), (1, 1, 5, False), (300, 4, 6, True), (300, 4, 6, False),
+    (2100, 8, 300, False),
+])
+def test_moe_sort_tokens(rng, monkeypatch, tokens, top_k, experts, one_program):
+    """The one-program sort (``SORT_ONE_PROGRAM_PAIRS`` raised to the size here) and the
+    three-launch sort (it lowered to 0): the reference's stable order and offsets."""
+    moe = _triton()
+    monkeypatch.setattr(moe, "SORT_ONE_PROGRAM_PAIRS", tokens * top_k if one_program else 0)
     ids = torch.stack([torch.randperm(experts, generator=rng)[:top_k] for _ in range(tokens)]).int().to(DEVICE)
-    order, offsets = _triton().moe_sort_tokens(ids, experts)
+    order, offsets = moe.moe_sort_tokens(ids, experts)
     want_order, want_offsets = ref.moe_sort_tokens_reference(ids, experts)
     assert torch.equal(offsets, want_offsets)
     assert torch.equal(order, want_order)

@@ -41,6 +41,20 @@ def test_fused_expert_tensors_load_like_per_expert_ones(demo_checkpoint, tmp_pat
     assert _greedy(fused) == _greedy(demo_checkpoint)
 
 
+def test_router_rows_load_and_the_alignment_rows_are_zero(demo_checkpoint):
+    """The router + shared-gate weight is padded to a multiple of 8 rows: the checkpoint fills the
+    real rows, the rest are zero."""
+    llm = LLM(model=str(demo_checkpoint), dtype="float32", device="cpu")
+    tensors = load_file(demo_checkpoint / "model.safetensors")
+    mlp = llm.runtime.engine.model.layers[0].mlp
+    e = mlp.num_experts
+    prefix = "model.language_model.layers.0.mlp"
+    assert mlp.gate_weight.shape[0] % 8 == 0 and mlp.gate_weight.shape[0] > e + 1
+    assert torch.equal(mlp.gate_weight[:e], tensors[f"{prefix}.gate.weight"])
+    assert torch.equal(mlp.gate_weight[e : e + 1], tensors[f"{prefix}.shared_expert_gate.weight"])
+    assert not mlp.gate_weight[e + 1 :].any()
+
+
 def test_unknown_architecture_is_named(demo_checkpoint, tmp_path):
     path = _copy(demo_checkpoint, tmp_path / "arch")
     config = json.loads((path / "config.json").read_text())

@@ -84,24 +84,6 @@ def _takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def linear_padded_rows(x: torch.Tensor, weight: Weight) -> torch.Tensor:
-    """``linear(x, weight)`` for a 2-D ``x``, written into rows padded to a multiple of 16 bytes
-    (the result is a view of the first columns). cuBLAS runs a GEMM whose output rows are not
-    16-byte aligned in slow unaligned kernels: the 257-wide router + shared-gate GEMM of the MoE
-    block took an sm75 ``align1`` kernel, ~55 TFLOP/s and 6.4 ms of an 8k-token prefill on the
-    H200. The consumers read the view through its row stride. Decode's few rows take the GEMV
-    where ``linear`` would (its output rows need no alignment)."""
-    if not isinstance(weight, torch.Tensor) or x.dim() != 2 or _takes_gemv(x, weight):
-        return linear(x, weight)
-    rows = weight.shape[0]
-    step = max(1, 16 // x.element_size())
-    padded = -(-rows // step) * step
-    if padded == rows:
-        return F.linear(x, weight)
-    out = torch.empty(x.shape[0], padded, dtype=x.dtype, device=x.device)[:, :rows]
-    return torch.mm(x, weight.t(), out=out)
-
-
 def experts(x: torch.Tensor, w13: Weight, w2: Weight, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
     """The routed experts (``kernels.fused_experts``) over dense or NVFP4 ``w13`` / ``w2``.
 

@@ -21,6 +21,9 @@ class WeightTarget:
     rows: slice | None = None
     index: int | None = None
     convert: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # Rows no checkpoint holds (padding a GEMM's output to aligned rows): loading and random
+    # weights zero them.
+    zero: bool = False
 
     def destination(self) -> torch.Tensor:
         dst = self.param.data
@@ -52,12 +55,18 @@ def new_param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, device=_PARAMETER_DEVICE.get()), requires_grad=False)
 
 
-def packed_targets(param: nn.Parameter, prefix: str, parts: list[tuple[str, int]]) -> dict[str, WeightTarget]:
-    """Targets for a parameter whose rows are the checkpoint tensors ``parts`` ((name, rows), in order)."""
+def packed_targets(
+    param: nn.Parameter, prefix: str, parts: list[tuple[str, int]], padding: str | None = None
+) -> dict[str, WeightTarget]:
+    """Targets for a parameter whose rows are the checkpoint tensors ``parts`` ((name, rows), in
+    order); with ``padding``, the rows after them are zero rows under that name."""
     targets, start = {}, 0
     for name, rows in parts:
         targets[f"{prefix}{name}"] = WeightTarget(param, slice(start, start + rows))
         start += rows
+    if padding is not None and start < param.shape[0]:
+        targets[f"{prefix}{padding}"] = WeightTarget(param, slice(start, param.shape[0]), zero=True)
+        start = param.shape[0]
     assert start == param.shape[0], f"packed rows {start} != {param.shape[0]} for {prefix}"
     return targets
 

@@ -163,6 +163,10 @@ def load_weights(
         logger.warning("ignored %d checkpoint tensors FreeToken does not use, e.g. %s", len(unexpected), unexpected[:5])
     params = {name: p for name, p in model.named_parameters()}
     tied = model.tied_weights()
+    for target in targets.values():
+        if target.zero:
+            target.destination().zero_()
+            filled[id(target.param)] = filled.get(id(target.param), 0) + target.destination().numel()
     missing = []
     for canonical, target in targets.items():
         if filled.get(id(target.param), 0) >= target.param.numel():

@@ -159,7 +159,10 @@ def _split(
             targets.update(_packed_targets(piece, run, config, first))
         else:
             piece = nn.Parameter(torch.empty(last - first, param.shape[1], dtype=param.dtype, device=device), requires_grad=False)
-            targets.update({n: WeightTarget(piece, slice(t.rows.start - first, t.rows.stop - first)) for n, t in run})
+            targets.update({
+                n: dataclasses.replace(t, param=piece, rows=slice(t.rows.start - first, t.rows.stop - first))
+                for n, t in run
+            })
         pieces.append(piece)
     return SplitWeight(pieces), targets
 
@@ -242,7 +245,8 @@ def _plan(
     for module in quantized:
         load.unused.update(f"{module}.{suffix}" for suffix in config.names.unused)
     for parts in by_param.values():
-        stored = [(n, t) for n, t in parts if n in present or n.removesuffix(".weight") in quantized]
+        # zero rows: never in a checkpoint, kept dense (a split weight's last run)
+        stored = [(n, t) for n, t in parts if n in present or n.removesuffix(".weight") in quantized or t.zero]
         packed = [(n, t) for n, t in stored if n.endswith(".weight") and n.removesuffix(".weight") in quantized]
         if not packed:
             continue

@@ -98,7 +98,9 @@ def randomize_weights(
             continue
         dst = target.destination()
         draw_on = _indexed(device) if device is not None else dst.device
-        if dst.device == draw_on:
+        if target.zero:
+            dst.zero_()
+        elif dst.device == draw_on:
             _fill(name, dst, generator(draw_on))
         else:
             drawn = torch.empty(dst.shape, dtype=dst.dtype, device=draw_on)
