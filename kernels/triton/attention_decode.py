@@ -188,9 +188,12 @@ def _decode_attention_kernel(
     context = tl.load(seq_ptr + b)  # the request's keys; its queries are the last q_len of them
     # The split plan of this context: at least split_keys keys a split, at most max_splits splits,
     # whole key blocks each; splits = how many ranges of split_len cover the context.
-    splits = tl.minimum(tl.maximum(tl.cdiv(context, split_keys), 1), max_splits)
-    split_len = tl.maximum(tl.cdiv(tl.cdiv(context, splits), BLOCK_N), 1) * BLOCK_N  # > 0 for an empty row too
-    splits = tl.cdiv(context, split_len)
+    # (Ceiling divisions written out: the interpreter's re-wrapped tl.cdiv is not always the one
+    # this module's tl resolves to, depending on import order in a test session.)
+    splits = tl.minimum(tl.maximum((context + split_keys - 1) // split_keys, 1), max_splits)
+    per_split = (context + splits - 1) // splits
+    split_len = tl.maximum((per_split + BLOCK_N - 1) // BLOCK_N, 1) * BLOCK_N  # > 0 for an empty row too
+    splits = (context + split_len - 1) // split_len
     if (q_len > 0) & (split < splits):
         rows = tl.arange(0, BLOCK_M)
         tok = rows // GROUP
@@ -244,7 +247,7 @@ def _decode_attention_kernel(
             # Each level's reads are short, and the order is fixed by split index.
             counters = count_ptr + (b * num_kv_heads + kv_head) * (1 + MAX_SPLITS // FAN_IN)
             first = split // FAN_IN * FAN_IN
-            quads = tl.cdiv(splits, FAN_IN)
+            quads = (splits + FAN_IN - 1) // FAN_IN
             if _arrive(counters + 1 + split // FAN_IN, tl.minimum(FAN_IN, splits - first)):
                 o, lse = _merge(part_ptr, lse_ptr, *layout, first, tl.minimum(FAN_IN, splits - first), 1,
                                 BLOCK_M, BLOCK_D, FAN_IN, MERGE_UNROLL)
