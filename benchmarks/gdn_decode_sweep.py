@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-from typing import Callable
 
 import torch
+from graph_timing import graph_us
 import triton
 
 from freetoken.kernels.triton import gdn_decode
@@ -26,7 +25,6 @@ from freetoken.kernels.triton import gdn_decode
 CUDA = torch.device("cuda")
 BF16 = torch.bfloat16
 HK, HV, DK, DV = 16, 32, 128, 128
-REPLAYS = 20
 SHAPES = [(bv, w) for bv in (8, 16, 32, 64, 128) for w in (1, 2, 4, 8) if 4 <= DK * bv // (32 * w) <= 128]
 
 
@@ -43,26 +41,6 @@ def launch(inputs: dict, state: torch.Tensor, block_v: int, num_warps: int) -> t
         HEAD_RATIO=HV // HK, BLOCK_K=DK, BLOCK_V=block_v, num_warps=num_warps,
     )
     return out
-
-
-def graph_us(run: Callable[[], object], calls: int) -> float:
-    """Median replay time, in us per call, of ``run`` (``calls`` calls) captured in one CUDA graph."""
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
 
 
 def inputs_of(batch: int, gen: torch.Generator) -> dict:

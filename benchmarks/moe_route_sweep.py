@@ -9,7 +9,7 @@ Qwen3.6-35B-A3B's MoE shape: 256 experts, top-8, hidden 2048, moe intermediate 5
 1. ``prologue``: per layer, the router logits (bf16, the router columns of the router + shared-gate
    GEMM's ``[T, 257]`` output) to the ids, weights, sorted pairs and expert offsets the grouped
    GEMMs read. Each variant is checked equal to the old path, then timed as ``LAYERS_PROLOGUE``
-   calls captured in one CUDA graph: the graph's replay time per call, median of ``REPLAYS``
+   calls captured in one CUDA graph: the graph's replay time per call, median of 20
    replays. The one-program sort runs at each of ``SORT_WARPS``; the default
    (``SORT_ONE_PROGRAM_WARPS``) is marked. Set ``SORT_ONE_PROGRAM_PAIRS`` (kernels/triton/moe.py)
    to the largest batch where it wins.
@@ -27,10 +27,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-from typing import Callable
 
 import torch
+from graph_timing import graph_us
 import torch.nn.functional as F
 
 from freetoken.kernels.triton import moe
@@ -38,32 +37,9 @@ from freetoken.kernels.triton import moe
 CUDA = torch.device("cuda")
 BF16 = torch.bfloat16
 HIDDEN, EXPERTS, TOP_K, INTER, SHARED_INTER = 2048, 256, 8, 512, 512
-LAYERS_PROLOGUE, LAYERS_BLOCK, REPLAYS = 40, 4, 20
+LAYERS_PROLOGUE, LAYERS_BLOCK = 40, 4
 ROUTER_WEIGHTS = 128  # 135 MB of router weights in turn: none found in the 60 MB L2, as in a step
 SORT_WARPS = [4, 8]
-
-
-def graph_us(run: Callable[[], object], calls: int) -> float:
-    """Median replay time, in us per call, of ``run`` (``calls`` calls) captured in one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()  # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
 
 
 def prologue(logits: torch.Tensor, pairs: int, warps: int) -> tuple[torch.Tensor, ...]:
