@@ -49,7 +49,7 @@ def test_traffic_of_the_demo_shape_by_hand():
     # 2 kv heads of 32, q with its gate; 8 experts top-2 of 32, shared expert 48; 3 GDN + 1 attention.
     gdn = (128 + 64 + 2 * 4) * 64 + 128 * 4 + 4 + 4 + 16 + 64 * 64
     attention = (2 * 4 * 32 + 2 * 2 * 32) * 64 + 64 * 4 * 32 + 32 + 32
-    moe_dense = (8 + 1) * 64 + 2 * 48 * 64 + 64 * 48
+    moe_dense = 16 * 64 + 2 * 48 * 64 + 64 * 48  # router + shared gate: 8 + 1 rows padded to 16 (read too)
     layer_norms = 2 * 64
     dense = 3 * gdn + attention + 4 * (moe_dense + layer_norms) + 64 + 400 * 64  # + final norm, lm_head
     assert traffic.dense_weight_bytes == 2 * dense
