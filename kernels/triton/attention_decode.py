@@ -188,8 +188,6 @@ def _decode_attention_kernel(
     context = tl.load(seq_ptr + b)  # the request's keys; its queries are the last q_len of them
     # The split plan of this context: at least split_keys keys a split, at most max_splits splits,
     # whole key blocks each; splits = how many ranges of split_len cover the context.
-    # (Ceiling divisions written out: the interpreter's re-wrapped tl.cdiv is not always the one
-    # this module's tl resolves to, depending on import order in a test session.)
     splits = tl.minimum(tl.maximum((context + split_keys - 1) // split_keys, 1), max_splits)
     per_split = (context + splits - 1) // splits
     split_len = tl.maximum((per_split + BLOCK_N - 1) // BLOCK_N, 1) * BLOCK_N  # > 0 for an empty row too
