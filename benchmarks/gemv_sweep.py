@@ -45,7 +45,7 @@ BF16 = torch.bfloat16
 SHAPES = {
     "in_proj": (12352, 2048, 30),  # GDN qkv + z + b + a
     "out_proj": (2048, 4096, 40),  # GDN out_proj (30) and attention o_proj (10)
-    "router": (257, 2048, 40),  # router + shared-expert gate
+    "router": (264, 2048, 40),  # router + shared-expert gate, its 257 rows padded as layers.moe keeps them
     "qkv": (9216, 2048, 10),  # attention q (gated) + k + v
     "lm_head": (248320, 2048, 1),
 }

@@ -67,12 +67,12 @@ Buckets = tuple[tuple[int, GemvConfig | None], ...]
 # (out, in) -> buckets, bf16, measured on the H200 by benchmarks/gemv_sweep.py.
 # `python3 benchmarks/gemv_sweep.py` on the H200 (torch 2.11, Triton 3.6), graph replays of distinct
 # weight copies: at one row the step's GEMVs 1,325.5 us (cuBLAS) -> 1,082.8 us (docs/benchmarks.md).
-# The router's (264, 2048) is its (257, 2048) padded to a multiple of 8 rows, given the same shapes.
+# The router + shared-gate weight is (257, 2048) padded to (264, 2048) rows (layers.moe); the sweep
+# measured it at 257 rows, before the padding.
 TUNED: dict[tuple[int, int], Buckets] = {
     (12352, 2048): ((1, C(1, 2048, 1, 1, False)), (2, C(64, 128, 4, 3, True, dot=True)), (4, C(64, 128, 4, 3, True, dot=True)), (8, C(64, 128, 4, 3, True, dot=True))),  # in_proj
     (2048, 4096): ((1, C(1, 2048, 1, 1, True)), (2, C(8, 2048, 8, 1, True)), (4, C(16, 256, 4, 4, False, dot=True)), (8, C(16, 256, 4, 4, False, dot=True))),  # out_proj
-    (257, 2048): ((1, C(1, 2048, 1, 1, True)), (2, C(1, 2048, 1, 1, True)), (4, C(4, 2048, 4, 1, False)), (8, C(4, 2048, 4, 1, False))),  # router
-    (264, 2048): ((1, C(1, 2048, 1, 1, True)), (2, C(1, 2048, 1, 1, True)), (4, C(4, 2048, 4, 1, False)), (8, C(4, 2048, 4, 1, False))),  # router, padded
+    (264, 2048): ((1, C(1, 2048, 1, 1, True)), (2, C(1, 2048, 1, 1, True)), (4, C(4, 2048, 4, 1, False)), (8, C(4, 2048, 4, 1, False))),  # router
     (9216, 2048): ((1, C(2, 2048, 2, 1, True)), (2, C(16, 512, 4, 1, True)), (4, None), (8, None)),  # qkv
     (248320, 2048): ((1, C(4, 2048, 4, 1, True)), (2, C(8, 1024, 8, 1, True)), (4, C(64, 128, 4, 3, True, dot=True)), (8, C(64, 128, 4, 3, True, dot=True))),  # lm_head
 }

@@ -1,5 +1,5 @@
 """The few-row GEMV at the dense projections of Qwen3.6-35B-A3B (GDN in_proj 12352 x 2048, out_proj
-and o_proj 2048 x 4096, router + shared gate 257 x 2048, attention qkv 9216 x 2048, lm_head
+and o_proj 2048 x 4096, router + shared gate 264 x 2048 (257 rows padded), attention qkv 9216 x 2048, lm_head
 248320 x 2048), as the table picks its launch, against float32 ``F.linear``; a chain of them in a
 CUDA graph with programmatic dependent launch (each reads the previous one's output after its
 wait); and ``layers.linear`` taking it exactly where ``gemv_configs.prefers_gemv`` says."""
@@ -18,7 +18,7 @@ from freetoken.layers.linear import linear
 pytestmark = pytest.mark.gpu
 
 CUDA = torch.device("cuda")
-SHAPES = [(12352, 2048), (2048, 4096), (257, 2048), (9216, 2048), (248320, 2048)]
+SHAPES = [(12352, 2048), (2048, 4096), (264, 2048), (9216, 2048), (248320, 2048)]
 
 
 def _gemv():
