@@ -49,22 +49,22 @@ DEFAULT: dict[str, Buckets] = {
 }
 
 # (gemm, hidden, intermediate, experts) -> buckets, bf16, measured on the H200
-# (`benchmarks/tune_moe.py --tokens 4096 8192 --quick`, docs/benchmarks.md run 6); the buckets up
-# to 96 pairs per expert, below the tuned sizes, are DEFAULT's.
+# (`benchmarks/tune_moe.py --tokens 4096 8192 --quick`, docs/benchmarks.md run 6; the 16-48 bucket from
+# `--tokens 640 8192 --quick`, the 512-token tail of a prefix-cache hit); the 48-96 bucket is DEFAULT's.
 TUNED: dict[tuple[str, int, int, int], Buckets] = {
     ("gate_up", 2048, 512, 256): (
         (16, C(16, 64, 64, 1, 4, 3)),
-        (48, C(32, 64, 64, 1, 4, 3)),
+        (48, C(32, 64, 128, 8, 4, 3)),  # T=640: 260 us (its 1.07 GB of weights: at the HBM floor)
         (96, C(64, 64, 64, 4, 4, 3)),
         (181, C(128, 64, 64, 8, 8, 3)),  # T=4096: 411 us, 334 TFLOP/s
-        (float("inf"), C(128, 64, 64, 8, 8, 3)),  # T=8192: 674 us, 408 TFLOP/s
+        (float("inf"), C(128, 64, 64, 8, 8, 3)),  # T=8192: 626-674 us, 408-439 TFLOP/s
     ),
     ("down", 2048, 512, 256): (
         (16, C(16, 64, 64, 1, 4, 3)),
-        (48, C(32, 64, 64, 1, 4, 3)),
+        (48, C(32, 128, 64, 8, 4, 3)),  # T=640: 146 us (537 MB of weights: 1.17x the HBM floor)
         (96, C(64, 128, 64, 4, 4, 3)),
         (181, C(128, 128, 64, 8, 8, 3)),  # T=4096: 255 us, 270 TFLOP/s
-        (float("inf"), C(128, 128, 64, 8, 8, 3)),  # T=8192: 428 us, 321 TFLOP/s
+        (float("inf"), C(128, 128, 64, 8, 8, 3)),  # T=8192: 400-428 us, 321-344 TFLOP/s
     ),
 }
 
