@@ -96,15 +96,23 @@ class SparseMoE(nn.Module):
         return torch.topk(self._gate_logits(x)[:, : self.num_experts], self.top_k, dim=-1).indices
 
     def _gate_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """The router logits [T, E], then the shared expert's gate logit: one GEMM (its padding
-        columns dropped)."""
-        gate_logits = linear(x, self.gate_weight)[:, : self.num_experts + 1]
+        """The router logits [T, E], then the shared expert's gate logit: one GEMM."""
+        return self._finish_gate_logits(linear(x, self.gate_weight))
+
+    def _finish_gate_logits(self, projected: torch.Tensor) -> torch.Tensor:
+        """The ``gate_weight`` GEMM's output with its padding columns dropped and the router bias added."""
+        gate_logits = projected[:, : self.num_experts + 1]
         if self.router_bias is not None:
             gate_logits[:, : self.num_experts] += self.router_bias
         return gate_logits
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_logits = self._gate_logits(x)
+        return self.forward_projected(x, linear(x, self.gate_weight))
+
+    def forward_projected(self, x: torch.Tensor, projected: torch.Tensor) -> torch.Tensor:
+        """The block from its input ``x`` and the ``gate_weight`` GEMM of it (which a decoder layer
+        may have run together with the norm that made ``x``: ``layers.normed_linear``)."""
+        gate_logits = self._finish_gate_logits(projected)
         if isinstance(self.experts, ResidentExperts) and x.shape[0] <= DECODE_MAX_TOKENS:
             fused = sparse_moe_decode(
                 x, gate_logits, self.w13, self.w2, self.shared_gate_up, self.shared_down, self.top_k, self.renormalize
