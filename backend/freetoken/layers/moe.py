@@ -106,12 +106,11 @@ class SparseMoE(nn.Module):
             gate_logits[:, : self.num_experts] += self.router_bias
         return gate_logits
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_projected(x, linear(x, self.gate_weight))
-
-    def forward_projected(self, x: torch.Tensor, projected: torch.Tensor) -> torch.Tensor:
-        """The block from its input ``x`` and the ``gate_weight`` GEMM of it (which a decoder layer
-        may have run together with the norm that made ``x``: ``layers.normed_linear``)."""
+    def forward(self, x: torch.Tensor, projected: torch.Tensor | None = None) -> torch.Tensor:
+        """The block on ``x``; ``projected``: the ``gate_weight`` GEMM of ``x`` where the caller ran it
+        already (with the norm that made ``x``: ``layers.normed_linear``)."""
+        if projected is None:
+            projected = linear(x, self.gate_weight)
         gate_logits = self._finish_gate_logits(projected)
         if isinstance(self.experts, ResidentExperts) and x.shape[0] <= DECODE_MAX_TOKENS:
             fused = sparse_moe_decode(

@@ -50,7 +50,7 @@ class DecoderLayer(nn.Module):
         mixer_in = normed_linear(self.input_layernorm, hidden, residual, self.mixer.input_weight)
         hidden = self.mixer.forward_projected(mixer_in.out, batch)
         mlp_in = normed_linear(self.post_attention_layernorm, hidden, mixer_in.residual, self.mlp.gate_weight, True)
-        return self.mlp.forward_projected(mlp_in.normed, mlp_in.out), mlp_in.residual
+        return self.mlp(mlp_in.normed, mlp_in.out), mlp_in.residual
 
 
 class Qwen3_5MoeModel(CausalLM):
