@@ -113,3 +113,34 @@ def gemv_config(num_rows: int, n_out: int, k_in: int) -> GemvConfig:
     """The launch shape for this call: the table's, else ``default_config`` (also where the table
     keeps cuBLAS, for a caller that asked for the GEMV anyway)."""
     return _tuned(num_rows, n_out, k_in)[1] or default_config(n_out, k_in)
+
+
+# The GEMV with the residual add + RMSNorm in its prologue (``kernels/normed_gemv.py``): up to this
+# many rows, all in one program (each program normalizes every row itself).
+NORMED_MAX_ROWS = 4
+# (out, in) -> buckets of the fused kernel (FMA only; ``dot`` entries are not taken), measured by
+# ``benchmarks/normed_gemv_sweep.py``; a shape or row count it does not list takes the GEMV's own
+# entry where that is an FMA one, else ``default_config``. ``None``: the norm and GEMV stay apart.
+NORMED_TUNED: dict[tuple[int, int], Buckets] = {}
+
+
+def prefers_normed_gemv(num_rows: int, n_out: int, k_in: int) -> bool:
+    """Whether ``linear(norm(x + residual), W)`` should run as one fused launch: where the GEMV runs
+    (``prefers_gemv``), up to ``NORMED_MAX_ROWS`` rows, unless the fused sweep measured it slower."""
+    if not (num_rows <= NORMED_MAX_ROWS and prefers_gemv(num_rows, n_out, k_in)):
+        return False
+    buckets = NORMED_TUNED.get((n_out, k_in))
+    if buckets is None:
+        return True
+    return next((c for bound, c in buckets if num_rows <= bound), None) is not None
+
+
+def normed_gemv_config(num_rows: int, n_out: int, k_in: int) -> GemvConfig:
+    """The fused launch's shape: the fused table's, else the GEMV's FMA entry, else ``default_config``."""
+    buckets = NORMED_TUNED.get((n_out, k_in), ())
+    config = next((c for bound, c in buckets if num_rows <= bound), None)
+    if config is None:
+        config = _tuned(num_rows, n_out, k_in)[1]
+    if config is None or config.dot:
+        config = default_config(n_out, k_in)
+    return config

@@ -43,6 +43,7 @@ from freetoken.kernels.triton._common import (
     pow2,
     round_as,
 )
+from freetoken.kernels.triton.moe_decode import _pdl_available
 
 # Bound of the grid's split axis: at batch 1, 64 splits x 2 KV heads are about one program per
 # multiprocessor of an H200. No loop is unrolled over it (the merge reads at most FAN_IN partials,
@@ -179,7 +180,12 @@ def _decode_attention_kernel(
     MAX_SPLITS: tl.constexpr,
     FAN_IN: tl.constexpr,
     MERGE_UNROLL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # q, the gate and this step's keys are earlier launches' outputs; the split counters
+        # were reset by the previous launch's last programs, which the wait also covers
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -314,6 +320,7 @@ def paged_decode_attention(
         scale, num_q_heads, num_kv_heads, k_cache.shape[1], head_dim, num_tokens * num_q_heads, splits, split_keys,
         GROUP=group, BLOCK_Q=block_m // group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_GATE=gate is not None, PRECISION=dot_precision(q.dtype), MAX_SPLITS=MAX_SPLITS,
-        FAN_IN=FAN_IN, MERGE_UNROLL=merge_unroll, num_warps=num_warps, num_stages=tiles.num_stages,
+        FAN_IN=FAN_IN, MERGE_UNROLL=merge_unroll, PDL=_pdl_available(), num_warps=num_warps,
+        num_stages=tiles.num_stages, launch_pdl=_pdl_available(),
     )
     return out

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels.triton._common import cast, new_empty, pow2, round_as, rows_per_program
+from freetoken.kernels.triton.moe_decode import _pdl_available
 
 
 @triton.jit
@@ -23,8 +24,11 @@ def _prologue_kernel(
     kc_ptr, vc_ptr, c_st, c_sh, loc_ptr, out_ptr,
     num_tokens, num_q_heads, num_kv_heads, head_dim, eps,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    BLOCK_T: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # every input may be an earlier launch's output: wait before any load, then let the next launch start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T))[:, None]
     h = tl.program_id(1)
     t_ok = t < num_tokens
@@ -130,6 +134,6 @@ def norm_rotary_store_kv(
         num_tokens, num_q_heads, num_kv_heads, head_dim, eps,
         HALF=half, BLOCK_HALF=pow2(half),
         BLOCK_REST=pow2(head_dim - rotary_dim), BLOCK_D=pow2(head_dim),
-        BLOCK_T=block_t,
+        BLOCK_T=block_t, PDL=_pdl_available(), launch_pdl=_pdl_available(),
     )
     return out

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels.triton._common import _INTERPRETED, cast, device_function, new_empty, pow2, round_as
+from freetoken.kernels.triton.moe_decode import _pdl_available
 
 MAX_PREFILL_WIDTH = 4  # the prefill kernel holds the K - 1 previous rows in three registers
 
@@ -251,8 +252,11 @@ def launch_prefill(
 @triton.jit
 def _conv_decode_kernel(
     x_ptr, x_st, w_ptr, state_ptr, st_ss, st_sc, st_sk, slot_ptr, out_ptr, channels,
-    WIDTH: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+    WIDTH: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # every input may be an earlier launch's output: wait before any load, then let the next launch start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = c < channels
@@ -287,6 +291,6 @@ def causal_conv1d_decode(
     block_c = min(pow2(channels), 256)
     _conv_decode_kernel[(batch, triton.cdiv(channels, block_c))](
         x, x.stride(0), weight, conv_state, *conv_state.stride(), state_slots, out, channels,
-        WIDTH=width, BLOCK_K=pow2(width), BLOCK_C=block_c,
+        WIDTH=width, BLOCK_K=pow2(width), BLOCK_C=block_c, PDL=_pdl_available(), launch_pdl=_pdl_available(),
     )
     return out

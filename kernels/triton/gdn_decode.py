@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels.triton._common import cast, new_empty, pow2, round_as
+from freetoken.kernels.triton.moe_decode import _pdl_available
 
 # Value columns per program and warps: below ``WIDE_BATCH`` requests (B=1: 4.3 us on the H200)
 # ``BLOCK_V`` over 4 warps; from it ``WIDE_BLOCK_V`` over 4 warps, fewer programs for the same state
@@ -33,8 +34,11 @@ def _decode_gated_kernel(
     a_ptr, a_sb, b_ptr, b_sb, a_log_ptr, dt_bias_ptr,
     state_ptr, st_ss, st_sh, st_sk, slot_ptr, out_ptr,
     num_v_heads, key_dim, value_dim, q_scale,
-    HEAD_RATIO: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    HEAD_RATIO: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # every input may be an earlier launch's output: wait before any load, then let the next launch start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     bi = tl.program_id(0)
     h = tl.program_id(1)
     kh = h // HEAD_RATIO
@@ -105,5 +109,6 @@ def gated_delta_rule_decode_gated(
         state, state.stride(0), state.stride(1), state.stride(2), state_slots, out,
         num_v_heads, key_dim, value_dim, key_dim**-0.5,
         HEAD_RATIO=num_v_heads // num_k_heads, BLOCK_K=pow2(key_dim), BLOCK_V=block_v, num_warps=NUM_WARPS,
+        PDL=_pdl_available(), launch_pdl=_pdl_available(),
     )
     return out

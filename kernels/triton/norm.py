@@ -15,6 +15,7 @@ import triton.language as tl
 
 from freetoken.kernels.norm import check_gate_activation
 from freetoken.kernels.triton._common import cast, new_empty, pow2, round_as, rows_per_program
+from freetoken.kernels.triton.moe_decode import _pdl_available
 
 
 @triton.jit
@@ -31,7 +32,11 @@ def _rms_norm_kernel(
     ZERO_CENTERED: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # every input may be an earlier launch's output: wait before any load, then let the next launch start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     i = (rows // inner)[:, None]
     j = (rows % inner)[:, None]
@@ -110,7 +115,9 @@ def _launch(
             ZERO_CENTERED=zero_centered,
             BLOCK_R=block_r,
             BLOCK_D=block_d,
+            PDL=_pdl_available(),
             num_warps=4 if block_r * block_d <= 1024 else 8,
+            launch_pdl=_pdl_available(),
         )
     return out, summed
 

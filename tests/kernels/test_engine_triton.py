@@ -30,3 +30,26 @@ def test_float32_greedy_tokens_equal_transformers_through_triton(case):
         num_pages=64,
     )
     assert_greedy_batch(llm, case, [llm.runtime.tokenize(p) for p in PROMPTS], max_tokens=8)
+
+
+def test_float32_greedy_tokens_with_norms_fused_into_the_gemvs(monkeypatch):
+    """The decode projections after a norm through the fused norm + GEMV kernel (on the CPU the
+    layers keep them apart: the GEMV runs on CUDA only), still transformers' tokens."""
+    from freetoken import kernels
+    from freetoken.kernels.gemv_configs import NORMED_MAX_ROWS
+    from freetoken.layers import normed_linear
+
+    calls = []
+    fused = kernels.add_rms_norm_gemv
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(normed_linear, "fuses", lambda norm, x, weight: x.numel() // weight.shape[1] <= NORMED_MAX_ROWS)
+    monkeypatch.setattr(kernels, "add_rms_norm_gemv", counted)
+    case = Case("qwen3_5_moe", "two_layers")
+    llm = LLM(model=str(checkpoint(case)), dtype="float32", device=DEVICE.type, kernel_backend="triton",
+              max_prefill_length=16, page_size=PAGE_SIZE, num_pages=64)
+    assert_greedy_batch(llm, case, [llm.runtime.tokenize(p) for p in PROMPTS], max_tokens=8)
+    assert calls, "the fused kernel never ran"

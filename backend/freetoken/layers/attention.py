@@ -73,6 +73,11 @@ class GatedAttention(nn.Module):
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
 
+    @property
+    def input_weight(self) -> torch.Tensor:
+        """The first projection's weight: a decoder layer may run it with its norm (``layers.normed_linear``)."""
+        return self.qkv_proj
+
     def project(
         self, x: torch.Tensor, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
@@ -82,8 +87,14 @@ class GatedAttention(nn.Module):
         Returns the rotated queries ``[T, Hq, D]``, the output gate ``[T, Hq, D]`` and the extra
         projections' outputs in ``extra_projections`` order.
         """
-        num_tokens = x.shape[0]
-        q_gate, k, v, *extra = linear(x, self.qkv_proj).split([rows for _, rows in self.packed_parts], dim=-1)
+        return self.project_from(linear(x, self.qkv_proj), batch)
+
+    def project_from(
+        self, projected: torch.Tensor, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """``project`` after its GEMM, from the packed projection's output ``[T, qkv rows]``."""
+        num_tokens = projected.shape[0]
+        q_gate, k, v, *extra = projected.split([rows for _, rows in self.packed_parts], dim=-1)
         q, gate = q_gate.view(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = kernels.norm_rotary_store_kv(
             q,
@@ -106,7 +117,11 @@ class GatedAttention(nn.Module):
         return linear(attended.reshape(attended.shape[0], -1), self.o_proj)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        q, gate, _ = self.project(x, batch)
+        return self.forward_projected(linear(x, self.qkv_proj), batch)
+
+    def forward_projected(self, projected: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The layer after its packed q/k/v GEMM, from that GEMM's output."""
+        q, gate, _ = self.project_from(projected, batch)
         out = kernels.paged_attention(
             q,
             self.k_cache,

@@ -97,9 +97,18 @@ class GatedDeltaNet(nn.Module):
         copy_rows(self.conv_state, src, dst)
         copy_rows(self.recurrent_state, src, dst)
 
+    @property
+    def input_weight(self) -> torch.Tensor:
+        """The first projection's weight: a decoder layer may run it with its norm (``layers.normed_linear``)."""
+        return self.in_proj
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        mixed_qkv, z, b, a = linear(x, self.in_proj).split(
+        return self.forward_projected(linear(x, self.in_proj), batch)
+
+    def forward_projected(self, projected: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The layer after ``in_proj``, from its output ``[T, in_proj rows]``."""
+        num_tokens = projected.shape[0]
+        mixed_qkv, z, b, a = projected.split(
             [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1
         )
         nd = batch.num_decodes
@@ -109,7 +118,7 @@ class GatedDeltaNet(nn.Module):
             _, cu_seqlens, slots = batch.prefill_part()
             core = self._prefill(mixed_qkv, a, b, slots, cu_seqlens, batch.snapshots)
         else:
-            core = torch.empty(num_tokens, self.num_v_heads, self.head_v_dim, dtype=x.dtype, device=x.device)
+            core = projected.new_empty(num_tokens, self.num_v_heads, self.head_v_dim)
             core[:nd] = self._decode(mixed_qkv[:nd], a[:nd], b[:nd], batch.state_slots[:nd])
             first, cu_seqlens, slots = batch.prefill_part()
             core[first:] = self._prefill(mixed_qkv[first:], a[first:], b[first:], slots, cu_seqlens, batch.snapshots)

@@ -68,12 +68,12 @@ def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
         return kernels.nvfp4_linear(x, weight.packed, weight.scales, weight.row_scales)
     if isinstance(weight, SplitWeight):
         return weight.forward_rows(x)
-    if _takes_gemv(x, weight):
+    if takes_gemv(x, weight):
         return kernels.gemv(x, weight)
     return F.linear(x, weight)
 
 
-def _takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
         weight.is_cuda
         and weight.dim() == 2

@@ -96,15 +96,22 @@ class SparseMoE(nn.Module):
         return torch.topk(self._gate_logits(x)[:, : self.num_experts], self.top_k, dim=-1).indices
 
     def _gate_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """The router logits [T, E], then the shared expert's gate logit: one GEMM (its padding
-        columns dropped)."""
-        gate_logits = linear(x, self.gate_weight)[:, : self.num_experts + 1]
+        """The router logits [T, E], then the shared expert's gate logit: one GEMM."""
+        return self._finish_gate_logits(linear(x, self.gate_weight))
+
+    def _finish_gate_logits(self, projected: torch.Tensor) -> torch.Tensor:
+        """The ``gate_weight`` GEMM's output with its padding columns dropped and the router bias added."""
+        gate_logits = projected[:, : self.num_experts + 1]
         if self.router_bias is not None:
             gate_logits[:, : self.num_experts] += self.router_bias
         return gate_logits
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_logits = self._gate_logits(x)
+    def forward(self, x: torch.Tensor, projected: torch.Tensor | None = None) -> torch.Tensor:
+        """The block on ``x``; ``projected``: the ``gate_weight`` GEMM of ``x`` where the caller ran it
+        already (with the norm that made ``x``: ``layers.normed_linear``)."""
+        if projected is None:
+            projected = linear(x, self.gate_weight)
+        gate_logits = self._finish_gate_logits(projected)
         if isinstance(self.experts, ResidentExperts) and x.shape[0] <= DECODE_MAX_TOKENS:
             fused = sparse_moe_decode(
                 x, gate_logits, self.w13, self.w2, self.shared_gate_up, self.shared_down, self.top_k, self.renormalize

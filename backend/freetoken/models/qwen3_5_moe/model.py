@@ -13,9 +13,9 @@ from freetoken.batch import ForwardBatch
 from freetoken.kernels.prefill_snapshots import PrefillSnapshots, prefill_snapshots
 from freetoken.layers.attention import GatedAttention
 from freetoken.layers.gated_deltanet import GatedDeltaNet
-from freetoken.layers.linear import linear
 from freetoken.layers.moe import SparseMoE
 from freetoken.layers.norm import RMSNorm
+from freetoken.layers.normed_linear import normed_linear
 from freetoken.layers.weights import WeightTarget, new_param
 from freetoken.models.base import CausalLM
 from freetoken.models.qwen_layers import attention_sizes, deltanet_sizes, rotary_cache_of, sparse_moe
@@ -46,13 +46,11 @@ class DecoderLayer(nn.Module):
     def forward(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, normed = hidden, self.input_layernorm(hidden)
-        else:
-            normed, residual = self.input_layernorm.add_forward(hidden, residual)
-        hidden = self.mixer(normed, batch)
-        normed, residual = self.post_attention_layernorm.add_forward(hidden, residual)
-        return self.mlp(normed), residual
+        # Each norm runs with the projection after it (one launch at decode: layers.normed_linear).
+        mixer_in = normed_linear(self.input_layernorm, hidden, residual, self.mixer.input_weight)
+        hidden = self.mixer.forward_projected(mixer_in.out, batch)
+        mlp_in = normed_linear(self.post_attention_layernorm, hidden, mixer_in.residual, self.mlp.gate_weight, True)
+        return self.mlp(mlp_in.normed, mlp_in.out), mlp_in.residual
 
 
 class Qwen3_5MoeModel(CausalLM):
@@ -136,5 +134,4 @@ class Qwen3_5MoeModel(CausalLM):
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, batch)
         last = batch.logits_indices
-        normed, _ = self.norm.add_forward(hidden[last], residual[last])
-        return linear(normed, self.lm_head).float()
+        return normed_linear(self.norm, hidden[last], residual[last], self.lm_head).out.float()

@@ -1,0 +1,42 @@
+"""``linear(norm(x + residual), W)`` for a few activation rows: the residual add and RMSNorm that
+precede a decode projection, done in that projection's GEMV prologue (one launch instead of two).
+
+At batch 1 an RMSNorm launch is latency-bound (about 1.8 us on the H200 for 4 KB of work) and a
+decode step has about 110 of them; each one sits before a projection (the layer's first projection,
+the router, the lm_head). Fused, every GEMV program recomputes the norm of its 2048-element rows
+itself (4 KB from L2) and one program writes ``x + residual`` (and the normalized rows when asked)
+to buffers no program of the launch reads. ``layers.normed_linear`` takes it where the GEMV runs
+(``gemv_configs.prefers_normed_gemv``); elsewhere the norm and the projection run apart.
+
+Roundings are those of ``add_rms_norm`` then ``gemv``: the sum rounded to the activations' dtype,
+the normalized value rounded to it before the product, the product accumulated in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from freetoken.kernels.dispatch import op
+from freetoken.kernels.norm import add_rms_norm_reference, rms_norm_reference
+
+
+def add_rms_norm_gemv_reference(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    zero_centered: bool,
+    weight: torch.Tensor,
+    return_normed: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``(norm(s) @ weight.T, norm(s) if return_normed else None, s)`` for ``s = x + residual``
+    (``s = x`` without a residual: the first layer's norm), ``norm`` as ``kernels.rms_norm``."""
+    if residual is None:
+        normed, summed = rms_norm_reference(x, norm_weight, eps, zero_centered), x
+    else:
+        normed, summed = add_rms_norm_reference(x, residual, norm_weight, eps, zero_centered)
+    return F.linear(normed, weight), normed if return_normed else None, summed
+
+
+add_rms_norm_gemv = op("normed_gemv")(add_rms_norm_gemv_reference)
