@@ -4,7 +4,7 @@ kernel (``kernels/triton/attention_decode.py``) against the two launches it repl
 256, gated output, pages of 16, bf16), for each batch size x context length.
 
     python benchmarks/attention_decode_sweep.py [--batches 1 8 64 128] [--contexts 1024 8192 32768]
-        [--dtype bfloat16] [--tune] [--json FILE]
+        [--dtype bfloat16] [--tune] [--focus BATCH CONTEXT ...] [--json FILE]
 
 Each timing replays one graph of ``layers`` launches, each over its own KV pages (together at least
 256 MB, more than the 60 MB L2), so no launch finds its keys cached by the one before, as in a step
@@ -12,6 +12,14 @@ of a model; the figure is the replay time divided by ``layers``. ``floor`` is th
 over 4.3 TB/s. Both kernels' outputs are compared before timing. ``--tune`` adds a sweep of the new
 kernel's ``DecodeTiles`` at a few shapes (the best per shape, and the default's time), then the
 default tiles under other split axes (``max_splits`` 8 to 64).
+
+``--focus 64 1024 64 32768`` (pairs of batch and context; with ``--batches`` left out it times only
+these) sweeps, at each pair, the grid's split axis (``FOCUS_SPLITS``) against the launch shapes
+that matter there (``FOCUS_TILES``: 32- and 64-key blocks, 4 and 8 warps, ``prefetch_pages``: K/V
+double-buffered at 3 stages, triple at 4), and prints the best with its ``DecodeTiles`` and the split policy
+(``programs_per_sm``, ``round_splits_down``) that gives its split axis. At 64 x 1k the default
+(4 splits: 512 programs of 4 blocks each, one K/V block in flight per program) reads 2.5 TB/s
+against 4.1 at 64 x 32k, where the same programs stream 128 blocks each.
 """
 
 from __future__ import annotations
@@ -38,6 +46,14 @@ HBM_BYTES_PER_S = 4.3e12
 POOL_BYTES = 256 << 20
 MAX_LAYERS = 128
 TUNE_SHAPES = [(1, 1024), (1, 8192), (1, 32768), (8, 8192), (64, 1024), (64, 8192)]
+FOCUS_SPLITS = [1, 2, 4, 8]
+FOCUS_TILES = [  # (block_n, warps, prefetch_pages, stages); three 64-key K and V buffers would not fit
+    new.DecodeTiles(block_n=block_n, num_warps=warps, num_stages=stages, prefetch_pages=prefetch)
+    for block_n, warps, prefetch, stages in (
+        (64, 4, False, 3), (64, 4, True, 3), (64, 8, True, 3), (32, 4, False, 3), (32, 4, True, 3), (32, 4, True, 4),
+        (32, 8, True, 4),
+    )
+]
 CUDA = torch.device("cuda")
 
 
@@ -184,17 +200,70 @@ def tune(dtype: torch.dtype) -> list[dict]:
     return rows
 
 
+def split_policies(shape: Shape, splits: int) -> list[str]:
+    """The ``DecodeTiles`` split settings whose ``num_splits`` at this launch size is ``splits``."""
+    found = []
+    for per_sm in (1, 2, 3, 4):
+        for down in (False, True):
+            tiles = new.DecodeTiles(programs_per_sm=per_sm, round_splits_down=down)
+            if new.num_splits(shape.q, shape.batch * HKV, tiles) == splits:
+                found.append(f"programs_per_sm={per_sm}, round_splits_down={down}")
+    return found
+
+
+def focus(pairs: list[tuple[int, int]], dtype: torch.dtype) -> list[dict]:
+    rows = []
+    for batch, context in pairs:
+        shape = make_shape(batch, context, dtype)
+        default_us = graph_time_us(shape, new.paged_decode_attention)
+        default_splits = new.num_splits(shape.q, batch * HKV)
+        print(f"focus batch {batch} context {context}: default {new.TILES}, split axis {default_splits}: "
+              f"{default_us:.2f} us ({shape.kv_bytes / default_us / 1e3:.0f} GB/s)", flush=True)
+        rows.append(dict(batch=batch, context=context, us=default_us, default=True, max_splits=default_splits,
+                         **asdict(new.TILES)))
+        times = []
+        for tiles in FOCUS_TILES:
+            for splits in FOCUS_SPLITS:
+                fn = lambda *a, t=tiles, m=splits, **k: new.paged_decode_attention(  # noqa: E731
+                    *a, tiles=t, max_splits=m, **k)
+                try:
+                    us = graph_time_us(shape, fn)
+                except Exception as exc:  # a launch shape the GPU cannot hold (shared memory)
+                    print(f"    {tiles} splits {splits}: failed ({type(exc).__name__}: {str(exc)[:80]})", flush=True)
+                    continue
+                times.append((us, tiles, splits))
+                rows.append(dict(batch=batch, context=context, us=us, max_splits=splits, **asdict(tiles)))
+            line = ", ".join(f"{m}: {us:.2f}" for us, t, m in times if t == tiles)
+            print(f"    block_n {tiles.block_n} warps {tiles.num_warps} stages {tiles.num_stages} "
+                  f"prefetch {tiles.prefetch_pages} -> us by split axis: {line}", flush=True)
+        best_us, best, splits = min(times, key=lambda t: t[0])
+        print(f"  best {best_us:.2f} us ({shape.kv_bytes / best_us / 1e3:.0f} GB/s, default {default_us:.2f}): "
+              f"DecodeTiles(block_n={best.block_n}, num_warps={best.num_warps}, num_stages={best.num_stages}, "
+              f"prefetch_pages={best.prefetch_pages}) at split axis {splits}; split settings giving it: "
+              f"{split_policies(shape, splits) or 'none (pass max_splits)'}", flush=True)
+        del shape
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 128])
+    parser.add_argument("--batches", type=int, nargs="+", default=None, help="default 1 8 64 128 (none with --focus)")
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--tune", action="store_true", help="also sweep the new kernel's DecodeTiles")
+    parser.add_argument("--focus", type=int, nargs="+", default=[], metavar="BATCH CONTEXT",
+                        help="pairs of batch and context: split axis x launch shape at each")
     parser.add_argument("--json", help="write the rows to this file")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, {args.dtype}")
-    result = dict(sweep=sweep(args.batches, args.contexts, dtype))
+    if len(args.focus) % 2:
+        parser.error("--focus takes pairs of batch and context")
+    batches = args.batches if args.batches is not None else ([] if args.focus else [1, 8, 64, 128])
+    result = dict(sweep=sweep(batches, args.contexts, dtype))
+    if args.focus:
+        result["focus"] = focus(list(zip(args.focus[::2], args.focus[1::2])), dtype)
     if args.tune:
         result["tune"] = tune(dtype)
     if args.json:

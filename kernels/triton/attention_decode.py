@@ -61,24 +61,50 @@ class DecodeTiles:
     block). Three stages let the pipeliner fetch a block's page numbers two blocks ahead and its
     K/V tiles one ahead (with two, the page numbers are loaded synchronously each block) in the
     same shared memory and fewer registers (sm_90, Triton 3.6: 220 vs 242 at bf16, head_dim 256).
-    ``benchmarks/attention_decode_sweep.py --tune`` times the candidates on the GPU."""
+
+    That pipeline keeps one K and one V buffer (sm_90, Triton 3.6): a block's K/V addresses come
+    from a load of the same iteration, so the copy of block i + 1 is issued only after block i's
+    dots, and a program has one block in flight. ``prefetch_pages`` loads the page numbers a block
+    ahead by hand, so the K/V loads depend on no load of their iteration: the pipeliner then
+    double-buffers them at 3 stages (``async_wait`` keeps the next block's copy in flight while this
+    one is computed; 141 KB of shared memory at 64-key blocks, 75 KB at 32; three buffers at 4
+    stages).
+
+    The grid's split axis (``num_splits``) aims at ``programs_per_sm`` programs a multiprocessor:
+    the power of two at or above that share (``round_splits_down`` False, e.g. 4 splits at batch 64
+    with 2 KV heads on 132 multiprocessors: 512 programs, two waves of 2 a multiprocessor), or the
+    largest one whose programs fit it (True: 2 splits, 256 programs).
+    ``benchmarks/attention_decode_sweep.py --tune`` / ``--focus`` time the candidates on the GPU."""
 
     block_n: int | None = None
     num_warps: int | None = None
     num_stages: int = 3
     split_keys: int | None = None
+    prefetch_pages: bool = False
+    programs_per_sm: int = 2
+    round_splits_down: bool = False
+
+    def __post_init__(self) -> None:
+        if self.programs_per_sm < 1:
+            raise ValueError(f"DecodeTiles.programs_per_sm must be at least 1, got {self.programs_per_sm}")
 
 
 TILES = DecodeTiles()
 
 
-def num_splits(q: torch.Tensor, programs: int) -> int:
-    """The grid's split axis for a launch of ``programs`` (request, KV head) pairs: enough programs
-    to give every multiprocessor two, at most ``MAX_SPLITS``. A host value of the launch size
-    alone; the programs then use as many of these splits as their context needs."""
+def num_splits(q: torch.Tensor, programs: int, tiles: DecodeTiles = TILES) -> int:
+    """The grid's split axis for a launch of ``programs`` (request, KV head) pairs: about
+    ``tiles.programs_per_sm`` programs a multiprocessor (rounded as ``tiles.round_splits_down``
+    says), at most ``MAX_SPLITS``. A host value of the launch size alone; the programs then use as
+    many of these splits as their context needs."""
     # Under the interpreter: as if 4 multiprocessors, so the CPU tests exercise the split path.
     processors = _multiprocessors(q.device.index or 0) if on_gpu(q) else 4
-    return min(MAX_SPLITS, pow2(triton.cdiv(2 * processors, programs)))
+    slots = tiles.programs_per_sm * processors
+    if tiles.round_splits_down:
+        splits = 1 << (max(slots // programs, 1).bit_length() - 1)
+    else:
+        splits = pow2(triton.cdiv(slots, programs))
+    return min(MAX_SPLITS, splits)
 
 
 @functools.cache
@@ -180,6 +206,7 @@ def _decode_attention_kernel(
     MAX_SPLITS: tl.constexpr,
     FAN_IN: tl.constexpr,
     MERGE_UNROLL: tl.constexpr,
+    PREFETCH_PAGES: tl.constexpr,
     PDL: tl.constexpr,
 ):
     if PDL:  # q, the gate and this step's keys are earlier launches' outputs; the split counters
@@ -216,10 +243,20 @@ def _decode_attention_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        if PREFETCH_PAGES:
+            n = lo + tl.arange(0, BLOCK_N)
+            page_next = tl.load(pages_ptr + n // page_size, mask=n < hi, other=0)
         for start in range(lo, hi, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             n_ok = n < hi
-            page = tl.load(pages_ptr + n // page_size, mask=n_ok, other=0).to(tl.int64)
+            if PREFETCH_PAGES:
+                # The next block's page numbers, loaded a block ahead by hand: this block's K/V
+                # addresses then depend on no load of this iteration.
+                page = page_next.to(tl.int64)
+                n_next = n + BLOCK_N
+                page_next = tl.load(pages_ptr + n_next // page_size, mask=n_next < hi, other=0)
+            else:
+                page = tl.load(pages_ptr + n // page_size, mask=n_ok, other=0).to(tl.int64)
             offs = page * c_sp + (n % page_size) * c_st + kv_head * c_sh
             kv_mask = n_ok[:, None] & col_ok[None, :]
             # V is loaded with K, before the scores need K: both reads are in flight at once.
@@ -292,7 +329,7 @@ def paged_decode_attention(
     if block_n < 16 or block_n != pow2(block_n):
         raise ValueError(f"paged_decode_attention: block_n {block_n} is not a power of two >= 16 (tl.dot's least)")
     split_keys = triton.cdiv(tiles.split_keys or block_n, block_n) * block_n
-    splits = max_splits or num_splits(q, num_requests * num_kv_heads)
+    splits = max_splits or num_splits(q, num_requests * num_kv_heads, tiles)
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"paged_decode_attention: max_splits {splits} outside 1..{MAX_SPLITS}")
     out = new_empty((num_tokens, num_q_heads, head_dim), q.dtype, q.device)
@@ -320,7 +357,7 @@ def paged_decode_attention(
         scale, num_q_heads, num_kv_heads, k_cache.shape[1], head_dim, num_tokens * num_q_heads, splits, split_keys,
         GROUP=group, BLOCK_Q=block_m // group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_GATE=gate is not None, PRECISION=dot_precision(q.dtype), MAX_SPLITS=MAX_SPLITS,
-        FAN_IN=FAN_IN, MERGE_UNROLL=merge_unroll, PDL=_pdl_available(), num_warps=num_warps,
-        num_stages=tiles.num_stages, launch_pdl=_pdl_available(),
+        FAN_IN=FAN_IN, MERGE_UNROLL=merge_unroll, PREFETCH_PAGES=tiles.prefetch_pages, PDL=_pdl_available(),
+        num_warps=num_warps, num_stages=tiles.num_stages, launch_pdl=_pdl_available(),
     )
     return out

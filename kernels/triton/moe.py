@@ -2,6 +2,9 @@
 
 ``fused_experts`` runs, with no device->host sync:
 
+0. ``moe_topk_softmax`` (called by the layer before): softmax and top-k of each token's router
+   logits in one warp (``_topk_softmax_warp_kernel``), or past ``TOPK_WARP_MAX_TOKENS`` tokens in
+   multi-warp row tiles (``_topk_softmax_kernel``).
 1. ``moe_sort_tokens``: a stable sort of the flat expert ids, one program at decode sizes, else a
    counting sort parallel over blocks of pairs (``order``: pair indices grouped by expert, ``offsets``: each expert's range).
 2. ``_gate_up_kernel``: a grouped GEMM over tiles of ``BLOCK_M`` pairs of one expert. A program finds
@@ -22,6 +25,7 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels.triton._common import (
+    INTERPRETED,
     cast,
     device_function,
     dot,
@@ -32,6 +36,7 @@ from freetoken.kernels.triton._common import (
     rows_per_program,
 )
 from freetoken.kernels.triton.moe_configs import GemmConfig, moe_gemm_config
+from freetoken.kernels.triton.moe_decode import _pdl_available
 
 
 @device_function
@@ -80,7 +85,74 @@ def _topk_softmax_kernel(
     tl.store(ids_ptr + t * TOP_K + j, top_i, mask=mask)
 
 
+# The one-warp top-k kernel (``_topk_softmax_warp_kernel``) routes up to this many tokens,
+# ``TOPK_WARP_TOKENS`` per program; past it the multi-warp kernel. Set both from
+# ``benchmarks/moe_route_sweep.py`` (its ``topk`` part times each tile against the old kernel).
+TOPK_WARP_MAX_TOKENS = 1 << 31
+TOPK_WARP_TOKENS = 1
+# Programmatic dependent launch (sm_90 on) for the one-warp top-k kernel and the one-program sort:
+# each starts while the launch before it (the router GEMM; the shared expert's down GEMM) drains
+# and waits (``griddepcontrol.wait``) before its first load. The sweep times it on and off.
+ROUTE_PDL = False
+
+
+@triton.jit
+def _topk_softmax_warp_kernel(
+    logits_ptr, l_st, weights_ptr, ids_ptr, num_tokens, num_experts,
+    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, TOKENS: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr,
+):
+    """``TOKENS`` tokens in one warp (launched with ``num_warps=1``): every reduction over a row's
+    ``BLOCK_E`` logits stays in the warp whatever layout Triton picks (the multi-warp kernel's rows
+    span its warps when the row stride is not a multiple of 16: each of its ten reductions is then a
+    round trip through shared memory between barriers). A choice is two int32 reductions, one
+    ``redux.sync`` each: the largest probability's bits (non-negative floats order as their bits do),
+    then the lowest expert id holding them. The renormalising sum adds the choices in order."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    t = (tl.program_id(0) * TOKENS + tl.arange(0, TOKENS))[:, None]
+    t_ok = t < num_tokens
+    e = tl.arange(0, BLOCK_E)[None, :]
+    ok = e < num_experts
+    logits = tl.load(logits_ptr + t * l_st + e, mask=t_ok & ok, other=0.0).to(tl.float32)
+    logits = tl.where(ok, logits, float("-inf"))
+    p = tl.exp(logits - tl.max(logits, 1)[:, None])
+    key = tl.where(ok, (p / tl.sum(p, 1)[:, None]).to(tl.int32, bitcast=True), -1)  # padding: below every p
+    total = tl.zeros([TOKENS, 1], tl.float32)
+    weights = tl.zeros([TOKENS, BLOCK_E], tl.float32)
+    experts = tl.zeros([TOKENS, BLOCK_E], tl.int32)
+    for c in tl.static_range(TOP_K):
+        best_key = tl.max(key, 1)[:, None]
+        best_i = tl.min(tl.where(key == best_key, e, BLOCK_E), 1)[:, None]
+        best = best_key.to(tl.float32, bitcast=True)
+        total += best
+        weights = tl.where(e == c, best, weights)
+        experts = tl.where(e == c, best_i, experts)
+        key = tl.where(e == best_i, -1, key)
+    if RENORMALIZE:
+        weights = weights / total
+    mask = t_ok & (e < TOP_K)
+    tl.store(weights_ptr + t * TOP_K + e, cast(weights, weights_ptr.dtype.element_ty), mask=mask)
+    tl.store(ids_ptr + t * TOP_K + e, experts, mask=mask)
+
+
+def topk_softmax_warp(
+    router_logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, top_k: int, renormalize: bool, tokens: int
+) -> None:
+    """The one-warp top-k kernel over unit-column-stride ``router_logits``, ``tokens`` per program."""
+    num_tokens, num_experts = router_logits.shape
+    pdl = ROUTE_PDL and _pdl_available()
+    _topk_softmax_warp_kernel[(triton.cdiv(num_tokens, tokens),)](
+        router_logits, router_logits.stride(0), weights, ids, num_tokens, num_experts,
+        TOP_K=top_k, RENORMALIZE=renormalize, TOKENS=tokens, BLOCK_E=pow2(num_experts), PDL=pdl, num_warps=1,
+        launch_pdl=pdl,
+    )
+
+
 def moe_topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to ``TOPK_WARP_MAX_TOKENS`` tokens the one-warp kernel, past it the multi-warp one. Under
+    the interpreter, whose cost is per program, the one-warp kernel takes a row tile's worth of
+    tokens per program (the same results: tokens are independent)."""
     num_tokens, num_experts = router_logits.shape
     if not 0 < top_k <= num_experts:
         raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
@@ -88,9 +160,14 @@ def moe_topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool)
         router_logits = router_logits.contiguous()
     weights = new_empty((num_tokens, top_k), router_logits.dtype, router_logits.device)
     ids = new_empty((num_tokens, top_k), torch.int32, router_logits.device)
-    if num_tokens:
-        block_e = pow2(num_experts)
-        block_t = rows_per_program(num_tokens, block_e)
+    if not num_tokens:
+        return weights, ids
+    block_e = pow2(num_experts)
+    block_t = rows_per_program(num_tokens, block_e)
+    if num_tokens <= TOPK_WARP_MAX_TOKENS:
+        tokens = max(TOPK_WARP_TOKENS, block_t) if INTERPRETED else TOPK_WARP_TOKENS
+        topk_softmax_warp(router_logits, weights, ids, top_k, renormalize, tokens)
+    else:
         _topk_softmax_kernel[(triton.cdiv(num_tokens, block_t),)](
             router_logits, router_logits.stride(0), weights, ids, num_tokens, num_experts,
             TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=pow2(top_k),
@@ -159,10 +236,12 @@ SORT_ONE_PROGRAM_WARPS = 8  # 4 warps: 35.4 us at 256 tokens, 8: 26.2
 
 @triton.jit
 def _sort_program_kernel(ids_ptr, order_ptr, offsets_ptr, num_pairs, num_experts, BLOCK_E: tl.constexpr,
-                         BLOCK_P: tl.constexpr):
+                         BLOCK_P: tl.constexpr, PDL: tl.constexpr):
     """The sort by expert in one program, over all ``num_pairs`` pairs: the per-expert counts (a
     histogram), their prefix (``offsets``) and the stable order (a bitonic sort of
     ``id · BLOCK_P + pair``: unique keys, so the pairs of an expert keep their order)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     pair = tl.arange(0, BLOCK_P)
     pair_ok = pair < num_pairs
     ids = tl.load(ids_ptr + pair, mask=pair_ok, other=0)
@@ -189,9 +268,10 @@ def moe_sort_tokens(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Ten
     order = new_empty((num_pairs,), torch.int32, device)
     offsets = new_empty((num_experts + 1,), torch.int32, device)
     if 0 < num_pairs <= SORT_ONE_PROGRAM_PAIRS:
+        pdl = ROUTE_PDL and _pdl_available()
         _sort_program_kernel[(1,)](
             flat, order, offsets, num_pairs, num_experts, BLOCK_E=pow2(num_experts), BLOCK_P=pow2(num_pairs, 16),
-            num_warps=SORT_ONE_PROGRAM_WARPS,
+            PDL=pdl, num_warps=SORT_ONE_PROGRAM_WARPS, launch_pdl=pdl,
         )
         return order, offsets
     block = max(256, pow2(triton.cdiv(num_pairs, 512)))  # at most 512 blocks: one prefix tile

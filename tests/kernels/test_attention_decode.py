@@ -8,6 +8,8 @@ sizes, with batches that end in padded graph rows (one-token contexts on the scr
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -16,6 +18,7 @@ from freetoken.kernels import attention as ref
 
 PAGE_SIZE, HEAD_DIM = 4, 24
 SMALL_BLOCKS = dict(block_n=16, split_keys=16)  # the smallest blocks tl.dot takes
+PREFETCH = pytest.mark.parametrize("prefetch", [False, True], ids=["in-loop-pages", "prefetched-pages"])
 CONTEXTS = [37, 1, 150, 16, 211, 9, 64]
 
 
@@ -63,45 +66,52 @@ def _counters_zero() -> bool:
         for splits in all_splits
     ],
 )
-def test_decode_splits(rng, dtype, heads, with_gate, max_splits):
+@PREFETCH
+def test_decode_splits(rng, dtype, heads, with_gate, max_splits, prefetch):
     from freetoken.kernels.triton.attention_decode import DecodeTiles, paged_decode_attention
 
     q, k_cache, v_cache, table, cu, seq_lens, gate = _batch(rng, CONTEXTS, [1] * len(CONTEXTS), 3, heads, dtype)
     gate = gate if with_gate else None
     args = (q, k_cache, v_cache, table, cu, seq_lens, HEAD_DIM**-0.5, 1)
-    got = paged_decode_attention(*args, gate=gate, max_splits=max_splits, tiles=DecodeTiles(**SMALL_BLOCKS))
+    tiles = DecodeTiles(**SMALL_BLOCKS, prefetch_pages=prefetch)
+    got = paged_decode_attention(*args, gate=gate, max_splits=max_splits, tiles=tiles)
     assert_close(got, ref.paged_attention_reference(*args, gate=gate))
     assert _counters_zero()
 
 
-def test_most_splits(rng):
+@PREFETCH
+def test_most_splits(rng, prefetch):
     """``MAX_SPLITS`` splits of a long context: the second merge level's widest read."""
     from freetoken.kernels.triton.attention_decode import MAX_SPLITS, DecodeTiles, paged_decode_attention
 
     q, k_cache, v_cache, table, cu, seq_lens, gate = _batch(rng, [16 * MAX_SPLITS + 37], [1], 1, (6, 2), torch.float32)
     args = (q, k_cache, v_cache, table, cu, seq_lens, HEAD_DIM**-0.5, 1)
-    got = paged_decode_attention(*args, gate=gate, max_splits=MAX_SPLITS, tiles=DecodeTiles(**SMALL_BLOCKS))
+    tiles = DecodeTiles(**SMALL_BLOCKS, prefetch_pages=prefetch)
+    got = paged_decode_attention(*args, gate=gate, max_splits=MAX_SPLITS, tiles=tiles)
     assert_close(got, ref.paged_attention_reference(*args, gate=gate))
     assert _counters_zero()
 
 
+@PREFETCH
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_qwen_shape_default_tiles(rng, dtype):
+def test_qwen_shape_default_tiles(rng, dtype, prefetch):
     """Qwen3.6-35B-A3B's heads (16 query / 2 KV of 256, pages of 16) with the default tiles, so the
     compile check (``FREETOKEN_COMPILE_CHECK``) compiles the variants the model launches; a 300-key
-    context takes both merge levels (5 or 10 splits, at most 8)."""
-    from freetoken.kernels.triton.attention_decode import paged_decode_attention
+    context takes both merge levels (5 or 10 splits, at most 8); with ``prefetch_pages`` too, the
+    sweep's other candidate."""
+    from freetoken.kernels.triton.attention_decode import TILES, paged_decode_attention
 
     q, k_cache, v_cache, table, cu, seq_lens, gate = _batch(
         rng, [300, 1, 45], [1, 1, 1], 1, (16, 2), dtype, head_dim=256, page_size=16
     )
     args = (q, k_cache, v_cache, table, cu, seq_lens, 256**-0.5, 1)
-    got = paged_decode_attention(*args, gate=gate, max_splits=8)
+    got = paged_decode_attention(*args, gate=gate, max_splits=8, tiles=replace(TILES, prefetch_pages=prefetch))
     assert_close(got, ref.paged_attention_reference(*args, gate=gate))
     assert _counters_zero()
 
 
-def test_multi_token_steps(rng):
+@PREFETCH
+def test_multi_token_steps(rng, prefetch):
     """Requests of 0, 1 and 2 new tokens (a verify step): causal masks inside the splits, and rows
     whose keys all lie past their position in the last split (log-sum-exp -inf)."""
     from freetoken.kernels.triton.attention_decode import DecodeTiles, paged_decode_attention
@@ -110,7 +120,8 @@ def test_multi_token_steps(rng):
         rng, [37, 2, 150, 9, 17], [2, 2, 1, 0, 2], 1, (8, 2), torch.float32
     )
     args = (q, k_cache, v_cache, table, cu, seq_lens, HEAD_DIM**-0.5, 2)
-    got = paged_decode_attention(*args, gate=gate, max_splits=8, tiles=DecodeTiles(**SMALL_BLOCKS))
+    tiles = DecodeTiles(**SMALL_BLOCKS, prefetch_pages=prefetch)
+    got = paged_decode_attention(*args, gate=gate, max_splits=8, tiles=tiles)
     assert_close(got, ref.paged_attention_reference(*args, gate=gate))
     assert _counters_zero()
 
@@ -127,6 +138,17 @@ def test_replay_with_longer_contexts(rng):
         got = paged_decode_attention(*args, gate=gate, max_splits=16, tiles=DecodeTiles(**SMALL_BLOCKS))
         assert_close(got, ref.paged_attention_reference(*args, gate=gate))
         assert _counters_zero()
+
+
+@pytest.mark.parametrize("programs,down,want", [(3, False, 4), (3, True, 2), (8, False, 1), (9, True, 1),
+                                                (1, False, 8)])
+def test_split_axis_policy(programs, down, want):
+    """The grid's split axis under the interpreter's 4 multiprocessors, 2 programs each: the power
+    of two at or above the share of 8 slots, or the largest one that fits them."""
+    from freetoken.kernels.triton.attention_decode import DecodeTiles, num_splits
+
+    q = torch.empty(1, 1, 1)
+    assert num_splits(q, programs, DecodeTiles(round_splits_down=down)) == want
 
 
 def test_paged_attention_routes_decode_steps(rng):

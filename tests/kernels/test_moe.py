@@ -13,24 +13,62 @@ def _triton():
     return moe
 
 
+def _distinct_logits(rng, tokens, experts, dtype):
+    """Distinct logits in every row (exact in bf16; torch.topk leaves the order of ties unspecified),
+    the router half of a router + shared-gate GEMM's output as the layer passes it (row stride e + 1)."""
+    distinct = torch.stack([torch.randperm(experts + 1, generator=rng) for _ in range(tokens)]) * 0.25 - 1.5
+    return distinct.to(dtype).to(DEVICE)[:, :experts]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("renormalize", [True, False])
-def test_moe_topk_softmax(rng, dtype, renormalize):
-    t, e, k = 9, 13, 3
-    # Distinct logits in every row (exact in bf16): torch.topk leaves the order of ties unspecified.
-    distinct = torch.stack([torch.randperm(e + 1, generator=rng) for _ in range(t)]) * 0.25 - 1.5
-    packed = distinct.to(dtype).to(DEVICE)
-    logits = packed[:, :e]  # the router half of the router + shared-gate GEMM, as the layer passes it
-    weights, ids = _triton().moe_topk_softmax(logits, k, renormalize)
-    want_w, want_ids = ref.moe_topk_softmax_reference(logits, k, renormalize)
+@pytest.mark.parametrize("one_warp", [True, False])
+def test_moe_topk_softmax(rng, monkeypatch, dtype, renormalize, one_warp):
+    """The one-warp kernel and (``TOPK_WARP_MAX_TOKENS`` lowered to 0) the multi-warp one."""
+    moe = _triton()
+    monkeypatch.setattr(moe, "TOPK_WARP_MAX_TOKENS", moe.TOPK_WARP_MAX_TOKENS if one_warp else 0)
+    logits = _distinct_logits(rng, 9, 13, dtype)
+    weights, ids = moe.moe_topk_softmax(logits, 3, renormalize)
+    want_w, want_ids = ref.moe_topk_softmax_reference(logits, 3, renormalize)
     assert torch.equal(ids, want_ids)
     assert_close(weights, want_w)
 
 
-def test_topk_ties_take_the_lowest_id():
+@pytest.mark.parametrize("tokens_per_program", [1, 2, 4])
+def test_topk_softmax_warp_tiles(rng, tokens_per_program):
+    """The one-warp kernel at each tile the sweep offers (9 tokens: the last program partial)."""
+    moe = _triton()
+    logits = _distinct_logits(rng, 9, 21, torch.bfloat16)
+    weights = torch.full((9, 5), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    ids = torch.full((9, 5), -1, dtype=torch.int32, device=DEVICE)
+    moe.topk_softmax_warp(logits, weights, ids, 5, True, tokens_per_program)
+    want_w, want_ids = ref.moe_topk_softmax_reference(logits, 5, True)
+    assert torch.equal(ids, want_ids)
+    assert_close(weights, want_w)
+
+
+def test_route_with_pdl_setting(rng, monkeypatch):
+    """``ROUTE_PDL`` on: the top-k kernel and the one-program sort as without it (programmatic
+    dependent launch only where the GPU has it; the compile check builds those variants)."""
+    moe = _triton()
+    monkeypatch.setattr(moe, "ROUTE_PDL", True)
+    logits = _distinct_logits(rng, 7, 11, torch.bfloat16)
+    weights, ids = moe.moe_topk_softmax(logits, 3, True)
+    want_w, want_ids = ref.moe_topk_softmax_reference(logits, 3, True)
+    assert torch.equal(ids, want_ids)
+    assert_close(weights, want_w)
+    order, offsets = moe.moe_sort_tokens(ids, 11)
+    want_order, want_offsets = ref.moe_sort_tokens_reference(ids, 11)
+    assert torch.equal(order, want_order) and torch.equal(offsets, want_offsets)
+
+
+@pytest.mark.parametrize("one_warp", [True, False])
+def test_topk_ties_take_the_lowest_id(monkeypatch, one_warp):
     """Equal logits give equal probabilities: the choice among them is the lowest expert id."""
+    moe = _triton()
+    monkeypatch.setattr(moe, "TOPK_WARP_MAX_TOKENS", moe.TOPK_WARP_MAX_TOKENS if one_warp else 0)
     logits = torch.tensor([[0.5, 2.0, 2.0, 0.5, 2.0, 0.5, 0.5], [1.0] * 7, [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 3.0]])
-    got = _triton().moe_topk_softmax(logits.to(DEVICE), 4, True)[1]
+    got = moe.moe_topk_softmax(logits.to(DEVICE), 4, True)[1]
     assert got.tolist() == [[1, 2, 4, 0], [0, 1, 2, 3], [6, 0, 1, 2]]
 
 
