@@ -92,6 +92,8 @@ def main() -> None:
                   max_running_requests=1, num_pages=pages, device=args.device)
         runtime, engine = llm.runtime, llm.runtime.engine
         cuda = engine.device.type == "cuda"
+        if not cuda:  # the host work is one thread's; intra-op threads would time OpenMP on a busy CPU
+            torch.set_num_threads(1)
         if args.no_forward:
             def zero_logits(batch):
                 return torch.zeros(len(batch.logits_indices), engine.vocab_size, device=engine.device)
