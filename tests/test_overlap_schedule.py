@@ -194,7 +194,7 @@ def test_step_plan_names_slots_and_sends_token_ids_only_when_the_host_knows_them
     step = runtime.scheduler.schedule()
     (row,) = step.plan.rows
     assert (row.num_computed, row.num_new, row.samples) == (0, 16, False)
-    assert row.token_ids == tuple(range(10, 26))
+    assert row.token_ids.tolist() == list(range(10, 26))
     assert step.plan.reset_slots == [row.slot] and step.plan.admissions[0].slot == row.slot
     assert [(u.slot, u.start, len(u.pages)) for u in step.plan.page_updates] == [(row.slot, 0, 4)]
     assert step.plan.copy_slots == []
@@ -202,7 +202,7 @@ def test_step_plan_names_slots_and_sends_token_ids_only_when_the_host_knows_them
     runtime.scheduler.launched(step)
     assert runtime._land(step, pending) == []
     step = runtime.scheduler.schedule()  # the rest of the prompt: samples
-    assert step.plan.rows[0].token_ids == tuple(range(26, 30)) and step.plan.rows[0].samples
+    assert step.plan.rows[0].token_ids.tolist() == list(range(26, 30)) and step.plan.rows[0].samples
     assert step.plan.admissions == [] and step.plan.reset_slots == []
     runtime.scheduler.launched(step)
     runtime._land(step, runtime.engine.launch(step.plan))

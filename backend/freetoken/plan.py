@@ -15,7 +15,10 @@ host.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -34,7 +37,9 @@ class SlotSampling:
     seed: int  # int64 range
     min_tokens: int
     stop_token_ids: tuple[int, ...]  # blocked while fewer than min_tokens outputs exist
-    prompt_token_ids: tuple[int, ...]  # repetition penalty covers prompt + output
+    # Repetition penalty covers prompt + output. The scheduler passes the request's read-only int64
+    # prompt array (no copy of an 8k-token prompt per admission).
+    prompt_token_ids: Sequence[int] | np.ndarray
     output_token_ids: tuple[int, ...]  # outputs already sampled (non-empty after a preemption)
     logprobs: int | None  # None: no logprobs; k: each chosen token's logprob and rank, and the k likeliest
 
@@ -51,7 +56,9 @@ class PlanRow:
     num_computed: int  # tokens of the slot already in the KV cache / state
     num_new: int
     samples: bool  # the row reaches its last known token and samples the next one
-    token_ids: tuple[int, ...] | None  # the new tokens; None: one decode token from the last-token pool
+    # The new tokens (from the scheduler an int64 array, a view of the prompt's for prompt chunks,
+    # so staging copies them in one go); None: one decode token from the last-token pool.
+    token_ids: Sequence[int] | np.ndarray | None
 
     def __post_init__(self) -> None:
         if self.token_ids is None and self.num_new != 1:

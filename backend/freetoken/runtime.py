@@ -13,9 +13,11 @@ import queue
 import random
 import threading
 import traceback
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from freetoken.config import EngineConfig
@@ -24,7 +26,7 @@ from freetoken.engine.engine import Engine
 from freetoken.engine.outputs import StepOutput
 from freetoken.output import OutputText, append_token, make_output
 from freetoken.scheduler.cache import PagePool, SlotPool
-from freetoken.scheduler.prefix_cache import PrefixCache
+from freetoken.scheduler.prefix_cache import PrefixCache, page_hashes
 from freetoken.scheduler.request import Request
 from freetoken.scheduler.scheduler import ScheduledStep, Scheduler
 from freetoken.tokenizer import IncrementalDetokenizer, load_tokenizer
@@ -114,38 +116,57 @@ class Runtime:
     # ----- building requests (any thread) -----
 
     def tokenize(self, prompt: Prompt) -> list[int]:
+        return self._prompt_ids(prompt).tolist()
+
+    def _prompt_ids(self, prompt: Prompt) -> np.ndarray:
+        """The prompt's ids as an int64 array; raises ``ValueError`` naming a bad id. Given ids are
+        checked over one C array (an 8k-token prompt: no per-token Python work); the loop over
+        them runs only to name the first bad one."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
+            return np.array(self.tokenizer.encode(prompt, add_special_tokens=False), dtype=np.int64)
         if not prompt:
             raise ValueError("prompt_token_ids must not be empty")
         vocab = self.engine.vocab_size
-        for token in prompt:
-            if not isinstance(token, int) or not 0 <= token < vocab:
-                raise ValueError(f"prompt_token_ids must be integers in [0, {vocab}), got {token!r}")
-        return list(prompt)
+        try:
+            ids = np.frombuffer(array("q", prompt), dtype=np.int64)
+        except (TypeError, OverflowError):  # not integers, or beyond int64
+            ids = None
+        if ids is None or ids.min() < 0 or ids.max() >= vocab:
+            for token in prompt:
+                if not isinstance(token, int) or not 0 <= token < vocab:
+                    raise ValueError(f"prompt_token_ids must be integers in [0, {vocab}), got {token!r}")
+        return ids
 
     def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Request:
         """Validate, tokenize, fill in the sampling defaults; raises ``ValueError`` naming what is wrong."""
         if params.n != 1:
             raise ValueError(f"sampling parameter 'n' must be 1 here, got {params.n}: n > 1 is served by "
                              "`freetoken serve`; offline, give the prompt n times")
-        return self._make_request(request_id, self.tokenize(prompt), params)
+        return self.make_requests(request_id, prompt, params)[0]
 
     def make_requests(self, request_id: str, prompt: Prompt, params: SamplingParams) -> list[Request]:
         """``params.n`` sibling requests of one prompt (tokenized once), as vLLM's parallel sampling
         lays them out: sample ``i`` is ``request_id#i`` (``request_id`` alone when n is 1) and, for a
         seeded request, draws from ``seed + i``. With prefix caching, samples after the first are
         admitted once the first computed the prompt, and hit its pages and snapshot: the prompt is
-        prefilled once (bar its last page); without, each prefills it on its own."""
-        token_ids = self.tokenize(prompt)
+        prefilled once (bar its last page); without, each prefills it on its own.
+
+        With prefix caching the prompt's page hashes are computed here, once for all samples: on
+        the caller's thread (the server's tokenizer thread), not the engine thread's schedule."""
+        ids = self._prompt_ids(prompt)
+        token_ids = ids.tolist()
+        hashes = None
+        if self.config.enable_prefix_caching:
+            hashes = page_hashes(ids, self.config.page_size)
         if params.n == 1:
-            return [self._make_request(request_id, token_ids, params)]
+            return [self._make_request(request_id, token_ids, ids, hashes, params)]
         requests = []
         for i, sample_id in enumerate(self.sample_ids(request_id, params.n)):
             seed = None if params.seed is None else params.seed + i
-            requests.append(self._make_request(sample_id, token_ids, dataclasses.replace(params, n=1, seed=seed)))
+            sample_params = dataclasses.replace(params, n=1, seed=seed)
+            requests.append(self._make_request(sample_id, token_ids, ids, hashes, sample_params))
         if self.config.enable_prefix_caching:
             for sibling in requests[1:]:
                 sibling.prefill_after = requests[0]
@@ -156,7 +177,14 @@ class Runtime:
         """The engine ids ``make_requests`` gives the ``n`` samples of ``request_id``."""
         return [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
 
-    def _make_request(self, request_id: str, token_ids: list[int], params: SamplingParams) -> Request:
+    def _make_request(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        ids: np.ndarray,
+        hashes: list[bytes] | None,
+        params: SamplingParams,
+    ) -> Request:
         params.validate()
         if len(token_ids) >= self.max_total_tokens:
             raise ValueError(
@@ -174,6 +202,8 @@ class Runtime:
             eos_token_ids=self.eos_token_ids,
             stop_token_ids=stop_ids,
             max_total_tokens=self.max_total_tokens,
+            page_hashes=hashes,
+            prompt_array=ids,
         )
 
     def submit(self, request: Request, callback: OutputCallback | None = None) -> None:

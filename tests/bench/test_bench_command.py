@@ -38,8 +38,9 @@ def test_bench_writes_every_figure_per_batch_size(demo_checkpoint, tmp_path, cap
         assert result["ratio_to_floor"] == pytest.approx(result["decode_ms_per_step"] / floor["ms"])
         assert result["gpu_idle_share"] is None  # measured on CUDA only
         assert result["activation_peak_mib"] is None and result["alloc_retries"] is None  # CUDA only
+        assert result["activation_peak_reserved_mib"] is None and result["max_prefill_length"] > 0
     table = capsys.readouterr().out
-    assert "decode ms/step" in table and "x floor" in table
+    assert "decode ms/step" in table and "x floor" in table and "act. peak MiB (alloc / reserved)" in table
 
 
 def test_bench_needs_a_model_or_a_preset():

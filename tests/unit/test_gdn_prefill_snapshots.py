@@ -11,20 +11,21 @@ import torch
 from freetoken.batch import ForwardBatch
 from freetoken.kernels.prefill_snapshots import prefill_snapshots
 from freetoken.layers.gated_deltanet import DeltaNetSizes, GatedDeltaNet
+from freetoken.layers.slot_state import SlotStates
 
 SIZES = DeltaNetSizes(hidden_size=24, num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=6, conv_kernel=4, eps=1e-6)
 NUM_SLOTS = 9
 
 
-def _layer(seed: int) -> GatedDeltaNet:
+def _layer(seed: int) -> tuple[GatedDeltaNet, SlotStates]:
     torch.manual_seed(seed)
     layer = GatedDeltaNet(SIZES)
     for param in layer.parameters():
         param.copy_(torch.randn_like(param) * 0.3)
-    layer.allocate_state(NUM_SLOTS, torch.float32, torch.device("cpu"))
+    states = SlotStates([layer], NUM_SLOTS, torch.float32, torch.device("cpu"))
     layer.conv_state.copy_(torch.randn_like(layer.conv_state))  # the requests' earlier chunks
     layer.recurrent_state.copy_(torch.randn_like(layer.recurrent_state) * 0.3)
-    return layer
+    return layer, states
 
 
 def _prefill_batch(lens: list[int], slots: list[int], snapshots=None) -> ForwardBatch:
@@ -53,7 +54,7 @@ def test_snapshots_inside_the_chunk_equal_the_states_of_a_cut():
     # Request 0: 1 and 2 tokens in (windows partly from the slot), request 1: on a delta-rule chunk
     # boundary (64) and off it (66).
     snapshots = [(0, 1, 6), (0, 2, 7), (1, 64, 8), (1, 66, 3)]
-    layer = _layer(0)
+    layer, states = _layer(0)
     x = torch.randn(sum(lens), SIZES.hidden_size)
     initial = layer.conv_state.clone(), layer.recurrent_state.clone()
 
@@ -73,7 +74,7 @@ def test_snapshots_inside_the_chunk_equal_the_states_of_a_cut():
             want_out[rows] = layer(x[rows], _prefill_batch([hi - lo], [slot]))
             for offset, snapshot_slot in cuts:
                 if offset == hi:
-                    layer.copy_slots(torch.tensor([slot]), torch.tensor([snapshot_slot]))
+                    states.copy(torch.tensor([slot]), torch.tensor([snapshot_slot]))
     torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
     for snapshot_slot in (*slots, *(s for _, _, s in snapshots)):
         # Close, not equal: the in_proj GEMM over a whole chunk and over a piece of it round differently.

@@ -201,6 +201,7 @@ def bench_batch(llm, batch_size: int, args: argparse.Namespace, traffic, progres
         "batch_size": batch_size,
         "input_len": args.input_len,
         "output_len": args.output_len,
+        "max_prefill_length": llm.config.max_prefill_length,
         "steps": len(rec.records),
         "steady_steps": len(steady),
         "ttft_ms_mean": statistics.fmean(ttft) * 1e3,
@@ -277,8 +278,10 @@ def _expert_cache_delta(before, after, steps: int, pcie_bandwidth: float, expert
 
 class _MemoryWatch:
     """CUDA memory of the timed run beyond what was allocated before it (weights, KV pool, states):
-    the activations' peak (the largest prefill chunk's), and the caching allocator's retries (a
-    retry frees cached blocks and synchronises: the stalls long prefill chunks can cause)."""
+    the activations' peak, allocated and reserved by the caching allocator (the largest prefill
+    chunk's: a decode step's activations are far smaller, so this is the ``--max-prefill-length``
+    trade-off's memory side), and the allocator's retries (a retry frees cached blocks and
+    synchronises: the stalls long prefill chunks can cause)."""
 
     def __init__(self, on_cuda: bool) -> None:
         import torch
@@ -287,15 +290,17 @@ class _MemoryWatch:
         if on_cuda:
             torch.cuda.reset_peak_memory_stats()
             self.before = torch.cuda.memory_allocated()
+            self.reserved_before = torch.cuda.memory_reserved()
             self.retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
 
     def result(self) -> dict[str, Any]:
         import torch
 
         if not self.on_cuda:
-            return {"activation_peak_mib": None, "alloc_retries": None}
+            return {"activation_peak_mib": None, "activation_peak_reserved_mib": None, "alloc_retries": None}
         return {
             "activation_peak_mib": (torch.cuda.max_memory_allocated() - self.before) / 2**20,
+            "activation_peak_reserved_mib": (torch.cuda.max_memory_reserved() - self.reserved_before) / 2**20,
             "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) - self.retries,
         }
 

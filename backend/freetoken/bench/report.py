@@ -32,6 +32,11 @@ def format_row(result: dict[str, Any]) -> list[str]:
     else:
         row += ["-"] * 5
     row += [_num(result["ratio_to_floor"], ".2f"), "-" if idle is None else f"{100 * idle:.1f}%"]
+    row += [
+        str(result.get("max_prefill_length", "-")),
+        f"{_num(result.get('activation_peak_mib'), ',.0f')} / {_num(result.get('activation_peak_reserved_mib'), ',.0f')}",
+        _num(result.get("alloc_retries"), "d"),
+    ]
     hf = result.get("transformers")
     if hf is not None and "error" in hf:
         row += [hf["error"][:24], "-"]
@@ -53,6 +58,9 @@ HEADER = [
     "state GB",
     "x floor",
     "GPU idle",
+    "chunk",
+    "act. peak MiB (alloc / reserved)",
+    "alloc retries",
 ]
 
 

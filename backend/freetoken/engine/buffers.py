@@ -216,9 +216,10 @@ class StepBuffers:
             end = update.start + len(update.pages)
             if update.slot == 0 or end > self.max_pages_per_slot:
                 raise ValueError(f"page update of slot {update.slot} for entries [{update.start}, {end}) is out of range")
-            self._page_mirror[update.slot, update.start : end] = update.pages
+            pages = np.asarray(update.pages, np.int64)
+            self._page_mirror[update.slot, update.start : end] = pages
             indices.append(update.slot * self.max_pages_per_slot + np.arange(update.start, end))
-            values.append(np.asarray(update.pages, np.int64))
+            values.append(pages)
         if not indices:
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
         return np.concatenate(indices), np.concatenate(values)

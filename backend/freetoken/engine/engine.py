@@ -159,17 +159,17 @@ class Engine:
         return torch.tensor(slots, dtype=torch.int64, pin_memory=pinned).to(self.device, non_blocking=pinned)
 
     def _prepare(self, plan: StepPlan) -> None:
-        """Slot copies, then resets, then sampling admissions, all queued before the forward (on the
-        one stream, after every earlier step). The copies are one parallel copy per state tensor:
-        each reads the state as the previous step left it, so a snapshot of a slot and a restore
-        into the same slot, reused by another request, may share a plan; resets come after, so a
-        slot snapshotted and then handed to a fresh request is read before it is zeroed."""
+        """Slot copies, then resets, queued before the forward (on the one stream, after every
+        earlier step). The copies are one parallel copy per state tensor: each reads the state as
+        the previous step left it, so a snapshot of a slot and a restore into the same slot, reused
+        by another request, may share a plan; resets come after, so a slot snapshotted and then
+        handed to a fresh request is read before it is zeroed. (Sampling admissions are queued
+        after the forward: only the sampling reads them.)"""
         if plan.copy_slots:
             src, dst = zip(*plan.copy_slots)
             self.model.copy_slots(self._slot_tensor(list(src)), self._slot_tensor(list(dst)))
         if plan.reset_slots:
             self.model.reset_slots(self._slot_tensor(plan.reset_slots))
-        self.sampler.admit(plan.admissions)
 
     @staticmethod
     def _snapshot_entries(plan: StepPlan) -> list[tuple[int, int, int]]:
@@ -188,6 +188,7 @@ class Engine:
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> StepOutput:
         """Queue the plan's forward and sampling; the result comes through the returned output.
+        The host work before the forward is only what it reads (slot copies and resets, staging).
         With ``moe_offload``, the expert cache's deferred updates are queued first (between steps)
         and the step's routed ids are settled when it is resolved (``experts.offload``)."""
         on_resolve = None
@@ -204,6 +205,9 @@ class Engine:
                 staged.batch.snapshots = self._prefill_snapshots(plan)
             decode_logits = sum(1 for row in plan.rows[: plan.num_decodes] if row.samples)
             logits = self._forward(staged.batch, decode_logits)
+        # Behind the forward's launches: the host stages the admissions while the device computes,
+        # not before its first kernel (a prompt's time to first token).
+        self.sampler.admit(plan.admissions)
         host_slots = [row.slot for row in plan.sampling_rows]
         if not host_slots:  # prompt chunks only
             return self.outputs.send(torch.zeros(0, dtype=torch.int64, device=self.device), None, [], on_resolve)

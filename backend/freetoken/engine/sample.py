@@ -12,8 +12,10 @@ host; the tokens reach it through ``engine.outputs``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from freetoken import kernels
@@ -66,24 +68,28 @@ class SampledLogprobs:
         return cls(chosen[:, 0], (raw_logprobs >= chosen).sum(dim=1), top_ids, top_values)
 
 
+# The per-slot parameters live in three tables by dtype, so an admission stages them with one
+# upload and three row copies: float32 (these SlotSampling fields, in column order, and their
+# defaults), int64 (seed, min_tokens, num_outputs) and int32 top_k.
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+_FLOAT_DEFAULTS = (1.0, 1.0, 0.0, 1.0, 0.0, 0.0)
+
+
+def _column(table: str, index: int) -> property:
+    """Column ``index`` of a parameter table, as a view (written in place, gathered by slots)."""
+    return property(lambda self: getattr(self, table)[:, index])
+
+
 class SlotSampler:
+    temperature, top_p, min_p, repetition, presence, frequency = (_column("float_params", i) for i in range(6))
+    seed, min_tokens, num_outputs = (_column("int_params", i) for i in range(3))  # num_outputs: the sampling step
+
     def __init__(self, num_slots: int, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
-
-        def table(dtype: torch.dtype, fill: float = 0) -> torch.Tensor:
-            return torch.full((num_slots,), fill, dtype=dtype, device=device)
-
-        self.temperature = table(torch.float32, 1.0)
-        self.top_p = table(torch.float32, 1.0)
-        self.top_k = table(torch.int32)
-        self.min_p = table(torch.float32)
-        self.repetition = table(torch.float32, 1.0)
-        self.presence = table(torch.float32)
-        self.frequency = table(torch.float32)
-        self.seed = table(torch.int64)
-        self.min_tokens = table(torch.int64)
-        self.num_outputs = table(torch.int64)  # the sampling step of each slot
-        self.last_token = table(torch.int64)  # the last-token pool: a decode row's input
+        self.float_params = torch.tensor(_FLOAT_DEFAULTS, dtype=torch.float32, device=device).repeat(num_slots, 1)
+        self.int_params = torch.zeros(num_slots, 3, dtype=torch.int64, device=device)
+        self.top_k = torch.zeros(num_slots, dtype=torch.int32, device=device)  # int32, as the kernel reads it
+        self.last_token = torch.zeros(num_slots, dtype=torch.int64, device=device)  # the last-token pool: a decode row's input
         self.output_counts = torch.zeros(num_slots, vocab_size, dtype=torch.int32, device=device)
         self.prompt_seen = torch.zeros(num_slots, vocab_size, dtype=torch.bool, device=device)
         self.stop_mask = torch.zeros(num_slots, vocab_size, dtype=torch.bool, device=device)
@@ -100,38 +106,40 @@ class SlotSampler:
 
     def admit(self, admissions: list[SlotSampling]) -> None:
         """Stage each admitted request's parameters and token history in its slot, without a host
-        sync: every value goes up from pinned memory asynchronously, and rows are cleared and
-        marked with ``index_fill_`` (``rows[index] = scalar`` copies the scalar up and waits)."""
+        sync: the slots and every parameter go up in one copy from pinned memory (three row copies
+        put them in the tables), rows are cleared and marked with ``index_fill_`` (``rows[index] =
+        scalar`` copies the scalar up and waits); only requests with penalties or min_tokens stage
+        their token sets, each from an int64 array."""
         if not admissions:
             return
-        vocab = self.vocab_size
-        slots = self._up([a.slot for a in admissions], torch.int64)
-
-        def put(table: torch.Tensor, values: list) -> None:
-            table.index_copy_(0, slots, self._up(values, table.dtype))
-
-        put(self.temperature, [a.temperature for a in admissions])
-        put(self.top_p, [a.top_p for a in admissions])
-        put(self.top_k, [a.top_k for a in admissions])
-        put(self.min_p, [a.min_p for a in admissions])
-        put(self.repetition, [a.repetition_penalty for a in admissions])
-        put(self.presence, [a.presence_penalty for a in admissions])
-        put(self.frequency, [a.frequency_penalty for a in admissions])
-        put(self.seed, [a.seed for a in admissions])
-        put(self.min_tokens, [a.min_tokens for a in admissions])
-        put(self.num_outputs, [len(a.output_token_ids) for a in admissions])
+        n, vocab = len(admissions), self.vocab_size
+        packed = np.empty(60 * n, dtype=np.uint8)  # int64 slots, int64 [n, 3], float32 [n, 6], int32 top_k
+        packed[: 8 * n].view(np.int64)[:] = [a.slot for a in admissions]
+        packed[8 * n : 32 * n].view(np.int64).reshape(n, 3)[:] = [
+            [a.seed, a.min_tokens, len(a.output_token_ids)] for a in admissions
+        ]
+        packed[32 * n : 56 * n].view(np.float32).reshape(n, 6)[:] = [
+            [getattr(a, name) for name in _FLOAT_FIELDS] for a in admissions
+        ]
+        packed[56 * n :].view(np.int32)[:] = [a.top_k for a in admissions]
+        up = self._up(packed, torch.uint8)
+        slots = up[: 8 * n].view(torch.int64)
+        self.int_params.index_copy_(0, slots, up[8 * n : 32 * n].view(torch.int64).view(n, 3))
+        self.float_params.index_copy_(0, slots, up[32 * n : 56 * n].view(torch.float32).view(n, 6))
+        self.top_k.index_copy_(0, slots, up[56 * n :].view(torch.int32))
         for rows in (self.output_counts, self.prompt_seen, self.stop_mask):
             rows.index_fill_(0, slots, 0)
         for a in admissions:
             self._host[a.slot] = _HostSlot(a.uses_penalties, a.min_tokens, a.logprobs)
             if a.uses_penalties:
-                self.prompt_seen[a.slot].index_fill_(0, self._up([t for t in a.prompt_token_ids if t < vocab], torch.int64), True)
-                outputs = torch.tensor([t for t in a.output_token_ids if t < vocab], dtype=torch.int64)
-                self.output_counts[a.slot].copy_(self._up(torch.bincount(outputs, minlength=vocab), torch.int32))
+                self.prompt_seen[a.slot].index_fill_(0, self._up(_in_vocab(a.prompt_token_ids, vocab), torch.int64), True)
+                if a.output_token_ids:
+                    outputs = self._up(_in_vocab(a.output_token_ids, vocab), torch.int64)
+                    self.output_counts[a.slot].index_add_(0, outputs, torch.ones_like(outputs, dtype=torch.int32))
             if a.min_tokens > 0 and a.stop_token_ids:
-                self.stop_mask[a.slot].index_fill_(0, self._up([t for t in a.stop_token_ids if t < vocab], torch.int64), True)
+                self.stop_mask[a.slot].index_fill_(0, self._up(_in_vocab(a.stop_token_ids, vocab), torch.int64), True)
 
-    def _up(self, values: list | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def _up(self, values: np.ndarray | list, dtype: torch.dtype) -> torch.Tensor:
         """``values`` on the device: from pinned memory, asynchronously, on CUDA. The pinned block
         stays allocated until its copy is done (torch's host allocator records the copy's event)."""
         pinned = self.device.type == "cuda"
@@ -176,3 +184,9 @@ class SlotSampler:
         self.num_outputs.scatter_add_(0, slots, ones)
         logprobs = None if raw_logprobs is None else SampledLogprobs.of(raw_logprobs, token_ids, max(wanted))
         return token_ids, logprobs
+
+
+def _in_vocab(token_ids: Sequence[int] | np.ndarray, vocab_size: int) -> np.ndarray:
+    """The ids below ``vocab_size`` (a tokenizer's added tokens may lie past the model's logits)."""
+    ids = np.asarray(token_ids, dtype=np.int64)
+    return ids[ids < vocab_size]

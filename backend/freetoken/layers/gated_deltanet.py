@@ -12,7 +12,7 @@ from freetoken import kernels
 from freetoken.batch import ForwardBatch
 from freetoken.kernels.prefill_snapshots import PrefillSnapshots
 from freetoken.layers.linear import linear
-from freetoken.layers.slot_state import copy_rows
+from freetoken.layers.slot_state import StateShapes
 from freetoken.layers.weights import WeightTarget, new_param, packed_targets
 
 
@@ -82,20 +82,13 @@ class GatedDeltaNet(nn.Module):
         conv = self.conv_dim * (self.conv_kernel - 1) * dtype.itemsize
         return conv + self.num_v_heads * self.head_k_dim * self.head_v_dim * 4
 
-    def allocate_state(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.conv_state = torch.zeros(num_slots, self.conv_dim, self.conv_kernel - 1, dtype=dtype, device=device)
-        self.recurrent_state = torch.zeros(
-            num_slots, self.num_v_heads, self.head_k_dim, self.head_v_dim, dtype=torch.float32, device=device
-        )
-
-    def reset_slots(self, slots: torch.Tensor) -> None:
-        # index_fill_, not ``[slots] = 0``: that copies the 0 to the device and synchronizes.
-        self.conv_state.index_fill_(0, slots, 0)
-        self.recurrent_state.index_fill_(0, slots, 0)
-
-    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        copy_rows(self.conv_state, src, dst)
-        copy_rows(self.recurrent_state, src, dst)
+    def state_shapes(self, num_slots: int, dtype: torch.dtype) -> StateShapes:
+        """The conv window in the activations' dtype, the recurrent state in float32
+        (``layers.slot_state.SlotStates`` stacks them across layers)."""
+        return {
+            "conv_state": ((num_slots, self.conv_dim, self.conv_kernel - 1), dtype),
+            "recurrent_state": ((num_slots, self.num_v_heads, self.head_k_dim, self.head_v_dim), torch.float32),
+        }
 
     @property
     def input_weight(self) -> torch.Tensor:

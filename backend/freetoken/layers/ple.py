@@ -19,7 +19,7 @@ from torch import nn
 from freetoken import kernels
 from freetoken.batch import ForwardBatch
 from freetoken.layers.linear import linear
-from freetoken.layers.slot_state import copy_rows
+from freetoken.layers.slot_state import StateShapes
 from freetoken.layers.weights import WeightTarget, chunked_targets, new_param, packed_targets
 
 _MASK64 = (1 << 64) - 1
@@ -195,14 +195,9 @@ class PLELayer(nn.Module):
     def state_bytes_per_slot(self, dtype: torch.dtype) -> int:
         return self.state_len * self.width * dtype.itemsize
 
-    def allocate_state(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.conv_state = torch.zeros(num_slots, self.state_len, self.width, dtype=dtype, device=device)
-
-    def reset_slots(self, slots: torch.Tensor) -> None:
-        self.conv_state.index_fill_(0, slots, 0)  # no host sync, unlike ``[slots] = 0``
-
-    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        copy_rows(self.conv_state, src, dst)
+    def state_shapes(self, num_slots: int, dtype: torch.dtype) -> StateShapes:
+        """The dilated conv's input window (``layers.slot_state.SlotStates`` stacks it across layers)."""
+        return {"conv_state": ((num_slots, self.state_len, self.width), dtype)}
 
     def forward(
         self,

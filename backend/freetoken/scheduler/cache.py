@@ -36,9 +36,11 @@ class PagePool:
     def allocate(self, count: int) -> list[int]:
         if count > len(self._free):
             raise MemoryError(f"asked for {count} KV pages, {len(self._free)} free")
-        pages = [self._free.pop() for _ in range(count)]
+        free, refs = self._free, self._refs
+        pages = free[len(free) - count :][::-1]  # as ``count`` pops would hand them out
+        del free[len(free) - count :]
         for page in pages:
-            self._refs[page] = 1
+            refs[page] = 1
         return pages
 
     def refs(self, page: int) -> int:
@@ -47,16 +49,18 @@ class PagePool:
 
     def share(self, pages: list[int]) -> None:
         """Add a holder to pages already in use (a prefix-cache hit)."""
+        refs = self._refs
         for page in pages:
-            assert self._refs[page] > 0, f"page {page} is free"
-            self._refs[page] += 1
+            assert refs[page] > 0, f"page {page} is free"
+            refs[page] += 1
 
     def release(self, pages: list[int]) -> None:
+        refs, free = self._refs, self._free
         for page in pages:
-            assert self._refs[page] > 0, f"page {page} released twice"
-            self._refs[page] -= 1
-            if self._refs[page] == 0:
-                self._free.append(page)
+            assert refs[page] > 0, f"page {page} released twice"
+            refs[page] -= 1
+            if refs[page] == 0:
+                free.append(page)
 
 
 class SlotPool:

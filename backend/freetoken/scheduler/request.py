@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from freetoken.core import FinishReason, RequestTimes, ResolvedSampling, SamplingParams, TokenLogprobs
 
 
@@ -52,9 +54,18 @@ class Request:
     # so it hits that prompt's pages and snapshot instead of prefilling it again.
     prefill_after: Request | None = None
     times: RequestTimes = field(default_factory=RequestTimes)
+    # The prompt as a read-only int64 array, built once (by the runtime's validation, or here): its
+    # page hashes, its chunks' staging and the sampler's prompt set read it with no per-token
+    # Python work.
+    prompt_array: np.ndarray | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        if self.prompt_array is None:
+            self.prompt_array = np.array(self.prompt_token_ids, dtype=np.int64)
+        elif self.prompt_array.dtype != np.int64 or len(self.prompt_array) != len(self.prompt_token_ids):
+            raise ValueError(f"request {self.request_id}: prompt_array must be the prompt's {len(self.prompt_token_ids)} int64 ids")
+        self.prompt_array.flags.writeable = False
 
     @property
     def num_prompt_tokens(self) -> int:

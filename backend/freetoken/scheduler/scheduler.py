@@ -27,6 +27,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from freetoken.plan import PageUpdate, PlanRow, RowSnapshot, SlotSampling, StepPlan
 from freetoken.scheduler.cache import PagePool, SlotPool
 from freetoken.scheduler.prefix_cache import PageHash, PrefixCache, PrefixHit, page_hashes
@@ -62,7 +64,7 @@ def slot_sampling(req: Request) -> SlotSampling:
         seed=s.seed,
         min_tokens=req.params.min_tokens,
         stop_token_ids=tuple(sorted(req.stop_token_ids)),
-        prompt_token_ids=tuple(req.prompt_token_ids),
+        prompt_token_ids=req.prompt_array,
         output_token_ids=tuple(req.output_token_ids),
         logprobs=req.params.logprobs,
     )
@@ -157,8 +159,8 @@ class Scheduler:
         if self.prefix_cache is not None and req.page_hashes is not None:
             # Its computed prompt pages the index lost meanwhile (evicted while this request held
             # an equal page of its own) are named again, so the chain stays whole.
-            for index in range(req.num_indexed_pages):
-                self.prefix_cache.insert_page(req.page_hashes[index], req.pages[index])
+            count = req.num_indexed_pages
+            self.prefix_cache.insert_pages(req.page_hashes[:count], req.pages[:count])
         self.release_pages(req.pages)
         req.pages = []
         req.num_indexed_pages = 0
@@ -258,7 +260,7 @@ class Scheduler:
         if self.prefix_cache is None:
             return PrefixHit()
         if req.page_hashes is None:
-            req.page_hashes = page_hashes(req.prompt_token_ids, self.pages.page_size, req.prefix_namespace)
+            req.page_hashes = page_hashes(req.prompt_array, self.pages.page_size, req.prefix_namespace)
         return self.prefix_cache.lookup(req.page_hashes, len(req.token_ids) - 1)
 
     def _take_hit(self, req: Request, hit: PrefixHit) -> None:
@@ -343,10 +345,15 @@ class Scheduler:
 
     @staticmethod
     def _row(req: Request, num_tokens: int) -> PlanRow:
-        start = req.num_computed
-        from_pool = num_tokens == 1 and start >= req.num_admitted_tokens
-        token_ids = None if from_pool else tuple(req.token_ids[start : start + num_tokens])
-        return PlanRow(req.slot, start, num_tokens, start + num_tokens == req.num_known, token_ids)
+        """A prompt chunk's ids are a view of the request's prompt array (staged by one copy)."""
+        start, end = req.num_computed, req.num_computed + num_tokens
+        if num_tokens == 1 and start >= req.num_admitted_tokens:
+            token_ids = None
+        elif end <= req.num_prompt_tokens:
+            token_ids = req.prompt_array[start:end]
+        else:
+            token_ids = np.array(req.token_ids[start:end], dtype=np.int64)
+        return PlanRow(req.slot, start, num_tokens, end == req.num_known, token_ids)
 
     def _add_pages(
         self, req: Request, num_tokens: int, new_pages: dict[int, PageUpdate], start: int | None = None
@@ -395,8 +402,9 @@ class Scheduler:
             if cache is None or req.page_hashes is None:
                 continue
             full = min(req.num_computed, req.num_prompt_tokens) // self.pages.page_size
-            for index in range(req.num_indexed_pages, full):
-                cache.insert_page(req.page_hashes[index], req.pages[index])
+            if full > req.num_indexed_pages:
+                first = req.num_indexed_pages
+                cache.insert_pages(req.page_hashes[first:full], req.pages[first:full])
             req.num_indexed_pages = max(req.num_indexed_pages, full)
             if req.snapshot_at and req.snapshot_at[0] == req.num_computed:
                 boundary = req.snapshot_at.pop(0)

@@ -16,6 +16,7 @@ from freetoken.layers.gated_deltanet import GatedDeltaNet
 from freetoken.layers.moe import SparseMoE
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.normed_linear import normed_linear
+from freetoken.layers.slot_state import SlotStates
 from freetoken.layers.weights import WeightTarget, new_param
 from freetoken.models.base import CausalLM
 from freetoken.models.qwen_layers import attention_sizes, deltanet_sizes, rotary_cache_of, sparse_moe
@@ -77,6 +78,7 @@ class Qwen3_5MoeModel(CausalLM):
         )
         self.norm = RMSNorm(text_config.hidden_size, text_config.rms_norm_eps, zero_centered=True)
         self.lm_head = new_param(text_config.vocab_size, text_config.hidden_size)
+        self.slot_states: SlotStates | None = None  # the Gated DeltaNet states (allocate_state)
 
     def _mixer(self, config, layer_type: str) -> GatedDeltaNet | GatedAttention:
         if layer_type == "linear_attention":
@@ -108,16 +110,13 @@ class Qwen3_5MoeModel(CausalLM):
         dtype, device = self.embed_tokens.dtype, self.embed_tokens.device
         for attention in self._attention_layers():
             attention.allocate_kv(num_pages, page_size, dtype, device)
-        for linear in self._linear_layers():
-            linear.allocate_state(num_slots, dtype, device)
+        self.slot_states = SlotStates(self._linear_layers(), num_slots, dtype, device)
 
     def reset_slots(self, slots: torch.Tensor) -> None:
-        for linear in self._linear_layers():
-            linear.reset_slots(slots)
+        self.slot_states.reset(slots)
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        for linear in self._linear_layers():
-            linear.copy_slots(src, dst)
+        self.slot_states.copy(src, dst)
 
     def prefill_snapshots(
         self, query_lens: Sequence[int], snapshots: Sequence[tuple[int, int, int]]

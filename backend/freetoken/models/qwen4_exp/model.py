@@ -19,7 +19,7 @@ from freetoken.layers.indexed_attention import IndexedAttention
 from freetoken.layers.linear import linear
 from freetoken.layers.moe import SparseMoE
 from freetoken.layers.ple import PLELayer
-from freetoken.layers.slot_state import copy_rows
+from freetoken.layers.slot_state import SlotStates, copy_rows
 from freetoken.layers.weights import WeightTarget, new_param
 from freetoken.models.base import CausalLM
 from freetoken.models.qwen4_exp.gdn import Qwen4GatedDeltaNet
@@ -110,6 +110,7 @@ class Qwen4ExpModel(CausalLM):
         )
         self.lm_head = new_param(text_config.vocab_size, text_config.hidden_size)
         self.ngram_context: torch.Tensor | None = None
+        self.slot_states: SlotStates | None = None  # the Gated DeltaNet and PLE states (allocate_state)
 
     def _layer(self, config, layer_idx: int) -> DecoderLayer:
         layer_type = config.layer_types[layer_idx]
@@ -153,28 +154,19 @@ class Qwen4ExpModel(CausalLM):
         dtype, device = self.embed_tokens.dtype, self.embed_tokens.device
         for attention in self._of_type(IndexedAttention):
             attention.allocate_kv(num_pages, page_size, dtype, device)
-        for linear in self._of_type(Qwen4GatedDeltaNet):
-            linear.allocate_state(num_slots, dtype, device)
-        for ple in self._ple_layers():
-            ple.allocate_state(num_slots, dtype, device)
+        self.slot_states = SlotStates([*self._of_type(Qwen4GatedDeltaNet), *self._ple_layers()], num_slots, dtype, device)
         if self._ple_layers():
             shape = (num_slots, self.config.ngram_size - 1)
             self.ngram_context = torch.full(shape, self.eos_token_id, dtype=torch.int64, device=device)
 
     def reset_slots(self, slots: torch.Tensor) -> None:
-        for linear in self._of_type(Qwen4GatedDeltaNet):
-            linear.reset_slots(slots)
-        for ple in self._ple_layers():
-            ple.reset_slots(slots)
+        self.slot_states.reset(slots)
         if self.ngram_context is not None:
             # A request's text starts after an EOS (index_fill_: no host sync).
             self.ngram_context.index_fill_(0, slots, self.eos_token_id)
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        for linear in self._of_type(Qwen4GatedDeltaNet):
-            linear.copy_slots(src, dst)
-        for ple in self._ple_layers():
-            ple.copy_slots(src, dst)
+        self.slot_states.copy(src, dst)
         if self.ngram_context is not None:
             copy_rows(self.ngram_context, src, dst)
 
