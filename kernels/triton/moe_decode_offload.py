@@ -12,6 +12,12 @@ The map does not change during a step (every update is queued between steps, ``e
 and an entry always points at a copy of its expert's weights, so each load alone is safe. Both
 copies of an expert hold the same values, so hit or miss changes no result bit.
 
+Read-through fill (``fills`` and ``lend`` given; ``kernels/moe_decode_offload.py`` has the
+contract): the routing launch is one program that routes the tokens in turn, gives each distinct
+miss the next slot the host lent and maps it at once (the later launches take a slot from the map
+only for a hit's code, so this step still reads the claimed expert from host memory); the gate/up
+and down programs that load a claimed expert's tiles also store them into its slot.
+
 The rest (rounding, launch shapes and tiles, the shared expert) is the resident block's, without
 programmatic dependent launch (each launch starts once the previous one is done). NVFP4 experts
 route inside their gate/up programs as the resident NVFP4 block does and pick the base of each of
