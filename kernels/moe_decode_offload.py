@@ -27,6 +27,30 @@ def _route(gate_logits: torch.Tensor, slot_map: torch.Tensor, num_experts: int, 
     routed.copy_(torch.where(hit, ids, -1 - ids).to(routed.dtype))
 
 
+def _claim(routed: torch.Tensor, fills: torch.Tensor, lend: torch.Tensor) -> list[tuple[int, int]]:
+    """The read-through fill's claims, as the kernel makes them: each distinct missed expert, in
+    (token, choice) order, takes the next lent slot while there are any (``lend``: claimed so far,
+    the limit, then the ring of lent slots; ``experts.lend``); ``fills`` gets the slot at the first
+    (token, choice) routed to it, -1 elsewhere. Returns ``(expert, slot)`` of the claims."""
+    claimed, limit = int(lend[0]), int(lend[1])
+    ring = lend.numel() - 2
+    fills.fill_(-1)
+    seen: set[int] = set()
+    claims: list[tuple[int, int]] = []
+    for t, row in enumerate(routed.tolist()):
+        for j, code in enumerate(row):
+            if code >= 0 or code in seen:
+                continue
+            seen.add(code)
+            if claimed < limit:
+                slot = int(lend[2 + claimed % ring])
+                fills[t, j] = slot
+                claims.append((-1 - code, slot))
+                claimed += 1
+    lend[0] = claimed
+    return claims
+
+
 def _as_read(slot_map: torch.Tensor, slot_part: torch.Tensor, host_part: torch.Tensor, device: torch.device) -> torch.Tensor:
     """One weight part of the layer's experts ``[E, ...]`` as the kernel reads them: a cached
     expert's from its slot, the others' from host memory (compared as bytes: any dtype)."""
@@ -51,6 +75,8 @@ def sparse_moe_decode_offload_reference(
     top_k: int,
     renormalize: bool,
     routed: torch.Tensor,
+    fills: torch.Tensor | None = None,
+    lend: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``sparse_moe_decode`` with the routed experts split between a device cache and host memory.
 
@@ -59,12 +85,26 @@ def sparse_moe_decode_offload_reference(
     on CUDA). Writes each (token, choice)'s expert into ``routed [T, top_k]`` (int32) as ``e`` when
     it was read from a slot, ``-1 - e`` when from host memory: the cache's bookkeeping learns the
     step's hits and misses from it without a sync (``experts.decode_log``).
+
+    Read-through fill (``fills [T, top_k]`` int32 and ``lend`` int32 ``[2 + ring]``, both or
+    neither): each distinct missed expert claims the next slot the host lent (``_claim``); the
+    kernel writes the weights it read from host memory into that slot and maps the expert to it
+    (``slot_map[e] = slot``) for the later forwards, so a miss crosses PCIe once; ``fills`` records
+    the claims for the host's bookkeeping. This forward reads every miss from host memory.
     """
     num_experts = host_w13.shape[0]
+    if (fills is None) != (lend is None):
+        raise ValueError("sparse_moe_decode_offload: fills and lend come together (the read-through fill)")
     _route(gate_logits, slot_map, num_experts, top_k, renormalize, routed)
     w13 = _as_read(slot_map, slot_w13, host_w13, x.device)
     w2 = _as_read(slot_map, slot_w2, host_w2, x.device)
-    return sparse_moe_decode_reference(x, gate_logits, w13, w2, shared_gate_up, shared_down, top_k, renormalize)
+    out = sparse_moe_decode_reference(x, gate_logits, w13, w2, shared_gate_up, shared_down, top_k, renormalize)
+    if fills is not None and lend is not None:
+        for expert, slot in _claim(routed, fills, lend):
+            slot_w13[slot].copy_(host_w13[expert])
+            slot_w2[slot].copy_(host_w2[expert])
+            slot_map[expert] = slot
+    return out
 
 
 def sparse_moe_decode_offload_nvfp4_reference(

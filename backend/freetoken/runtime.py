@@ -54,6 +54,8 @@ class ExpertCacheStats:
     prefetched: int  # experts copied ahead of their layer's routing
     prefetch_hits: int  # of those, used by that layer
     slots: int  # device slots of the cache
+    zero_copy_bytes: int = 0  # expert bytes the decode kernels read from host memory (their misses)
+    read_through_fills: int = 0  # decode misses written into a slot by the kernel that read them (no copy)
 
 
 @dataclass
@@ -431,4 +433,5 @@ class Runtime:
             return None
         counters, num_slots = cache
         return ExpertCacheStats(counters.hits, counters.misses, counters.bytes_copied, counters.prefetched,
-                                counters.prefetch_hits, num_slots)
+                                counters.prefetch_hits, num_slots, counters.zero_copy_bytes,
+                                counters.read_through_fills)

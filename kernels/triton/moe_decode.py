@@ -119,9 +119,12 @@ def _route_kernel(
 
 @device_function
 def _gate_up_pairs(x_ptr, x_st, base, routed, w13_sn, sw_sn, q, q_ok, t, h_ptr, h_width, hidden, inter, shared_inter,
-                   PAIRS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   fill_base, fill_ok, PAIRS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   FILL: tl.constexpr):
     """``silu(gate) · up`` of pairs ``q`` (token ``t``'s routed choice or shared expert, whose
-    ``[2·I, hidden]`` weight starts at ``base``), column block ``program_id(1)``, stored in ``h``."""
+    ``[2·I, hidden]`` weight starts at ``base``), column block ``program_id(1)``, stored in ``h``.
+    ``FILL`` (the offloaded block's read-through fill): the pairs of ``fill_ok`` also store the
+    weight tiles they loaded at ``fill_base`` (a cache slot, with the same strides)."""
     row_st = tl.where(routed, w13_sn, sw_sn).to(tl.int64)
     limit = tl.where(routed, inter, shared_inter)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -136,10 +139,16 @@ def _gate_up_pairs(x_ptr, x_st, base, routed, w13_sn, sw_sn, q, q_ok, t, h_ptr, 
         xv = tl.load(x_ptr + t[:, None] * x_st + k[None, :], mask=q_ok[:, None] & k_ok[None, :], other=0.0)
         xv = xv.to(tl.float32)[:, None, :]
         mask = n_ok[:, :, None] & k_ok[None, None, :]
-        w_gate = tl.load(gate_rows[:, :, None] + k[None, None, :], mask=mask, other=0.0).to(tl.float32)
-        w_up = tl.load(up_rows[:, :, None] + k[None, None, :], mask=mask, other=0.0).to(tl.float32)
-        acc_gate += tl.sum(w_gate * xv, 2)
-        acc_up += tl.sum(w_up * xv, 2)
+        w_gate = tl.load(gate_rows[:, :, None] + k[None, None, :], mask=mask, other=0.0)
+        w_up = tl.load(up_rows[:, :, None] + k[None, None, :], mask=mask, other=0.0)
+        if FILL:
+            fill_gate = fill_base[:, None] + n[None, :] * row_st[:, None]
+            fill_up = fill_gate + limit[:, None] * row_st[:, None]
+            fill_mask = mask & fill_ok[:, None, None]
+            tl.store(fill_gate[:, :, None] + k[None, None, :], w_gate, mask=fill_mask)
+            tl.store(fill_up[:, :, None] + k[None, None, :], w_up, mask=fill_mask)
+        acc_gate += tl.sum(w_gate.to(tl.float32) * xv, 2)
+        acc_up += tl.sum(w_up.to(tl.float32) * xv, 2)
     dtype = h_ptr.dtype.element_ty
     gate = round_as(acc_gate, dtype)
     h = round_as(gate * tl.sigmoid(gate), dtype) * round_as(acc_up, dtype)
@@ -164,16 +173,19 @@ def _gate_up_kernel(
     expert = tl.load(topi_ptr + t * TOP_K + j, mask=q_ok & routed, other=0).to(tl.int64)
     base = tl.where(routed, w13_ptr + expert * w13_se, sw_ptr)
     _gate_up_pairs(x_ptr, x_st, base, routed, w13_sn, sw_sn, q, q_ok, t, h_ptr, h_width, hidden, inter, shared_inter,
-                   PAIRS, BLOCK_N, BLOCK_K)
+                   base, routed, PAIRS, BLOCK_N, BLOCK_K, False)
 
 
 @device_function
 def _down_choices(h_ptr, h_width, w_rows, sd_ptr, sd_sn, weight, logits_ptr, l_st, out_ptr, t, n, n_ok, c, c_ok,
-                  hidden, inter, shared_inter, num_experts, TOP_K: tl.constexpr, BLOCK_C: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                  hidden, inter, shared_inter, num_experts, fill_rows, fill_ok, TOP_K: tl.constexpr,
+                  BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+                  FILL: tl.constexpr):
     """Token ``t``'s output columns ``n``: its choices' down rows (``w_rows [BLOCK_C, BLOCK_N]``, at
     the routing ``weight``) summed, plus the gated shared expert's. Under ``PDL`` the weights of the
-    first step are loaded before waiting for the gate/up launch's ``h``."""
+    first step are loaded before waiting for the gate/up launch's ``h``. ``FILL`` (the offloaded
+    block's read-through fill): the choices of ``fill_ok`` also store the rows they loaded at
+    ``fill_rows [BLOCK_C, BLOCK_N]`` (a cache slot's)."""
     dtype = out_ptr.dtype.element_ty
     h_rows = h_ptr + (t.to(tl.int64) * (TOP_K + 1) + c) * h_width
     h_shared = h_ptr + (t.to(tl.int64) * (TOP_K + 1) + TOP_K) * h_width
@@ -184,6 +196,8 @@ def _down_choices(h_ptr, h_width, w_rows, sd_ptr, sd_sn, weight, logits_ptr, l_s
         k_ok, ks_ok = k < inter, k < shared_inter
         mask = c_ok[:, None, None] & n_ok[None, :, None] & k_ok[None, None, :]
         w = tl.load(w_rows[:, :, None] + k[None, None, :], mask=mask, other=0.0)
+        if FILL:
+            tl.store(fill_rows[:, :, None] + k[None, None, :], w, mask=mask & fill_ok[:, None, None])
         ws = tl.load(sd_ptr + n[:, None] * sd_sn + k[None, :], mask=n_ok[:, None] & ks_ok[None, :], other=0.0)
         if PDL:  # returns at once after the first step
             tl.extra.cuda.gdc_wait()
@@ -222,7 +236,7 @@ def _down_kernel(
     weight = cast(weight, dtype).to(tl.float32)
     w_rows = w2_ptr + expert[:, None] * w2_se + n[None, :] * w2_sn
     _down_choices(h_ptr, h_width, w_rows, sd_ptr, sd_sn, weight, logits_ptr, l_st, out_ptr, t, n, n_ok, c, c_ok,
-                  hidden, inter, shared_inter, num_experts, TOP_K, BLOCK_C, BLOCK_N, BLOCK_K, PDL)
+                  hidden, inter, shared_inter, num_experts, w_rows, c_ok, TOP_K, BLOCK_C, BLOCK_N, BLOCK_K, PDL, False)
 
 
 @functools.cache

@@ -12,6 +12,12 @@ The map does not change during a step (every update is queued between steps, ``e
 and an entry always points at a copy of its expert's weights, so each load alone is safe. Both
 copies of an expert hold the same values, so hit or miss changes no result bit.
 
+Read-through fill (``fills`` and ``lend`` given; ``kernels/moe_decode_offload.py`` has the
+contract): the routing launch is one program that routes the tokens in turn, gives each distinct
+miss the next slot the host lent and maps it at once (the later launches take a slot from the map
+only for a hit's code, so this step still reads the claimed expert from host memory); the gate/up
+and down programs that load a claimed expert's tiles also store them into its slot.
+
 The rest (rounding, launch shapes and tiles, the shared expert) is the resident block's, without
 programmatic dependent launch (each launch starts once the previous one is done). NVFP4 experts
 route inside their gate/up programs as the resident NVFP4 block does and pick the base of each of
@@ -74,22 +80,53 @@ def _down(h_row, w_ptr, s_ptr, r_ptr, inter, n, n_ok, BLOCK_N: tl.constexpr, BLO
 
 @triton.jit
 def _offload_route_kernel(
-    logits_ptr, l_st, map_ptr, topw_ptr, topi_ptr, num_experts,
-    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+    logits_ptr, l_st, map_ptr, topw_ptr, topi_ptr, fill_ptr, lend_ptr, num_tokens, num_experts, ring,
+    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
+    FILL: tl.constexpr,
 ):
-    t = tl.program_id(0)
-    weights, experts = _top_k(logits_ptr + t * l_st, num_experts, TOP_K, RENORMALIZE, BLOCK_E)
-    c = tl.arange(0, BLOCK_E)
-    slot = tl.load(map_ptr + experts, mask=c < TOP_K, other=-1)
-    tl.store(topw_ptr + t * TOP_K + c, weights, mask=c < TOP_K)
-    tl.store(topi_ptr + t * TOP_K + c, tl.where(slot >= 0, experts, -1 - experts), mask=c < TOP_K)
+    # One program routes every token in turn, so a miss routed by several tokens claims one slot
+    # (the first token's choice fills it), with no atomics: the layers' launches are in order.
+    e = tl.arange(0, BLOCK_E)
+    c = tl.arange(0, BLOCK_C)
+    c_ok = c < TOP_K
+    claimed = tl.sum(tl.zeros([BLOCK_C], tl.int32), 0)
+    limit = claimed
+    if FILL:
+        claimed = tl.load(lend_ptr)
+        limit = tl.load(lend_ptr + 1)
+    taken = tl.zeros([BLOCK_E], tl.int32)  # this layer's experts an earlier token missed
+    for t in range(num_tokens):
+        weights, experts = _top_k(logits_ptr + t * l_st, num_experts, TOP_K, RENORMALIZE, BLOCK_E)
+        lane = e[None, :] == c[:, None]  # [BLOCK_C, BLOCK_E]: choice c in lane c
+        choice = tl.sum(tl.where(lane, experts[None, :], 0), 1)
+        weight = tl.sum(tl.where(lane, weights[None, :], 0.0), 1)
+        slot = tl.load(map_ptr + choice, mask=c_ok, other=-1)
+        onehot = choice[:, None] == e[None, :]
+        # An expert an earlier token missed is a miss for this one too, even once its claim mapped it.
+        seen = tl.sum(tl.where(onehot, taken[None, :], 0), 1)
+        hit = (slot >= 0) & (seen == 0)
+        tl.store(topw_ptr + t * TOP_K + c, weight, mask=c_ok)
+        tl.store(topi_ptr + t * TOP_K + c, tl.where(hit, choice, -1 - choice), mask=c_ok)
+        if FILL:
+            new = c_ok & ~hit & (seen == 0)
+            k = claimed + tl.cumsum(new.to(tl.int32), 0) - 1
+            granted = new & (k < limit)
+            target = tl.load(lend_ptr + 2 + k % ring, mask=granted, other=-1)
+            tl.store(fill_ptr + t * TOP_K + c, tl.where(granted, target, -1), mask=c_ok)
+            # Published at once: this step's later kernels find the slot only through a hit's code,
+            # so they read a claimed expert from host memory (filling its slot), later steps from the slot.
+            tl.store(map_ptr + choice, target, mask=granted)
+            claimed += tl.sum(granted.to(tl.int32), 0)
+        taken = tl.maximum(taken, tl.max(tl.where(onehot & (c_ok & ~hit)[:, None], 1, 0), 0))
+    if FILL:
+        tl.store(lend_ptr, claimed)
 
 
 @triton.jit
 def _offload_gate_up_kernel(
-    x_ptr, x_st, map_ptr, slot_w13_ptr, host_w13_ptr, w13_se, w13_sn, sw_ptr, sw_sn, topi_ptr, h_ptr, h_width,
-    num_pairs, hidden, inter, shared_inter,
-    TOP_K: tl.constexpr, PAIRS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, x_st, map_ptr, slot_w13_ptr, host_w13_ptr, w13_se, w13_sn, sw_ptr, sw_sn, topi_ptr, fill_ptr, h_ptr,
+    h_width, num_pairs, hidden, inter, shared_inter,
+    TOP_K: tl.constexpr, PAIRS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FILL: tl.constexpr,
 ):
     # Pair q = t·(TOP_K + 1) + j: token t's choice j, or its shared expert at j = TOP_K.
     q = tl.program_id(0) * PAIRS + tl.arange(0, PAIRS)
@@ -99,19 +136,27 @@ def _offload_gate_up_kernel(
     routed = j < TOP_K
     code = tl.load(topi_ptr + t * TOP_K + j, mask=q_ok & routed, other=0)
     expert = tl.where(code >= 0, code, -1 - code)
-    slot = tl.load(map_ptr + expert, mask=q_ok & routed, other=-1)
+    # A hit's slot (the map entries of hits do not change during a step); a miss reads host memory.
+    slot = tl.load(map_ptr + expert, mask=q_ok & routed & (code >= 0), other=-1)
     expert_base = tl.where(slot >= 0, slot_w13_ptr + slot.to(tl.int64) * w13_se,
                            host_w13_ptr + expert.to(tl.int64) * w13_se)
     base = tl.where(routed, expert_base, sw_ptr)
+    fill_ok = q_ok & routed
+    if FILL:
+        fill = tl.load(fill_ptr + t * TOP_K + j, mask=q_ok & routed, other=-1)
+        fill_ok = fill_ok & (fill >= 0)
+    else:
+        fill = tl.zeros([PAIRS], tl.int32)
+    fill_base = slot_w13_ptr + tl.maximum(fill, 0).to(tl.int64) * w13_se
     _gate_up_pairs(x_ptr, x_st, base, routed, w13_sn, sw_sn, q, q_ok, t, h_ptr, h_width, hidden, inter, shared_inter,
-                   PAIRS, BLOCK_N, BLOCK_K)
+                   fill_base, fill_ok, PAIRS, BLOCK_N, BLOCK_K, FILL)
 
 
 @triton.jit
 def _offload_down_kernel(
-    h_ptr, h_width, map_ptr, slot_w2_ptr, host_w2_ptr, w2_se, w2_sn, sd_ptr, sd_sn, topw_ptr, topi_ptr,
+    h_ptr, h_width, map_ptr, slot_w2_ptr, host_w2_ptr, w2_se, w2_sn, sd_ptr, sd_sn, topw_ptr, topi_ptr, fill_ptr,
     logits_ptr, l_st, out_ptr, hidden, inter, shared_inter, num_experts,
-    TOP_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FILL: tl.constexpr,
 ):
     t = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -121,14 +166,33 @@ def _offload_down_kernel(
     dtype = out_ptr.dtype.element_ty
     code = tl.load(topi_ptr + t * TOP_K + c, mask=c_ok, other=0)
     expert = tl.where(code >= 0, code, -1 - code)
-    slot = tl.load(map_ptr + expert, mask=c_ok, other=-1)
+    slot = tl.load(map_ptr + expert, mask=c_ok & (code >= 0), other=-1)
     expert_base = tl.where(slot >= 0, slot_w2_ptr + slot.to(tl.int64) * w2_se, host_w2_ptr + expert.to(tl.int64) * w2_se)
     # The weights as the reference holds them: rounded to the activations' dtype.
     weight = tl.load(topw_ptr + t * TOP_K + c, mask=c_ok, other=0.0)
     weight = cast(weight, dtype).to(tl.float32)
     w_rows = expert_base[:, None] + n[None, :] * w2_sn
+    if FILL:
+        fill = tl.load(fill_ptr + t * TOP_K + c, mask=c_ok, other=-1)
+    else:
+        fill = tl.full([BLOCK_C], -1, tl.int32)
+    fill_rows = (slot_w2_ptr + tl.maximum(fill, 0).to(tl.int64) * w2_se)[:, None] + n[None, :] * w2_sn
     _down_choices(h_ptr, h_width, w_rows, sd_ptr, sd_sn, weight, logits_ptr, l_st, out_ptr, t, n, n_ok, c, c_ok,
-                  hidden, inter, shared_inter, num_experts, TOP_K, BLOCK_C, BLOCK_N, BLOCK_K, False)
+                  hidden, inter, shared_inter, num_experts, fill_rows, c_ok & (fill >= 0), TOP_K, BLOCK_C, BLOCK_N,
+                  BLOCK_K, False, FILL)
+
+
+def _check_fill(routed: torch.Tensor, fills: torch.Tensor | None, lend: torch.Tensor | None) -> None:
+    if (fills is None) != (lend is None):
+        raise ValueError("sparse_moe_decode_offload: fills and lend come together (the read-through fill)")
+    if fills is None or lend is None:
+        return
+    if fills.shape != routed.shape or fills.dtype != torch.int32 or not fills.is_contiguous():
+        raise ValueError(f"sparse_moe_decode_offload: fills {tuple(fills.shape)} ({fills.dtype}) must be contiguous "
+                         f"int32 shaped as routed {tuple(routed.shape)}")
+    if lend.dim() != 1 or lend.numel() < 3 or lend.dtype != torch.int32 or not lend.is_contiguous():
+        raise ValueError(f"sparse_moe_decode_offload: lend {tuple(lend.shape)} ({lend.dtype}) must be contiguous "
+                         f"int32 [2 + ring] (claimed, limit, then the ring of lent slots)")
 
 
 def _check(x, gate_logits, slot_map, slot_w13, slot_w2, host_w13, host_w2, shared_gate_up, shared_down,
@@ -179,8 +243,11 @@ def sparse_moe_decode_offload(
     top_k: int,
     renormalize: bool,
     routed: torch.Tensor,
+    fills: torch.Tensor | None = None,
+    lend: torch.Tensor | None = None,
 ) -> torch.Tensor:
     _check(x, gate_logits, slot_map, slot_w13, slot_w2, host_w13, host_w2, shared_gate_up, shared_down, top_k, routed)
+    _check_fill(routed, fills, lend)
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = host_w13.shape
     inter, shared_inter = two_inter // 2, shared_gate_up.shape[0] // 2
@@ -194,22 +261,27 @@ def sparse_moe_decode_offload(
     h = new_empty((pairs, h_width), x.dtype, x.device)
     top_w = new_empty((num_tokens, top_k), torch.float32, x.device)
     tiles = moe_decode.TILES
-    _offload_route_kernel[(num_tokens,)](
-        gate_logits, gate_logits.stride(0), slot_map, top_w, routed, num_experts,
-        TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=pow2(num_experts), num_warps=moe_decode.ROUTE_WARPS,
+    fill = lend is not None
+    fills_arg = fills if fills is not None else routed  # not read without the fill
+    lend_arg = lend if lend is not None else routed
+    ring = lend.numel() - 2 if lend is not None else 1
+    _offload_route_kernel[(1,)](
+        gate_logits, gate_logits.stride(0), slot_map, top_w, routed, fills_arg, lend_arg, num_tokens, num_experts,
+        ring, TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=pow2(num_experts), BLOCK_C=pow2(top_k), FILL=fill,
+        num_warps=moe_decode.ROUTE_WARPS,
     )
     _offload_gate_up_kernel[(triton.cdiv(pairs, tiles.gate_up_pairs), triton.cdiv(h_width, tiles.gate_up_block_n))](
         x, x.stride(0), slot_map, slot_w13, host_w13, host_w13.stride(0), host_w13.stride(1),
-        shared_gate_up, shared_gate_up.stride(0), routed, h, h_width, pairs, hidden, inter, shared_inter,
+        shared_gate_up, shared_gate_up.stride(0), routed, fills_arg, h, h_width, pairs, hidden, inter, shared_inter,
         TOP_K=top_k, PAIRS=tiles.gate_up_pairs, BLOCK_N=tiles.gate_up_block_n,
-        BLOCK_K=min(pow2(hidden), tiles.gate_up_block_k), num_warps=tiles.gate_up_warps,
+        BLOCK_K=min(pow2(hidden), tiles.gate_up_block_k), FILL=fill, num_warps=tiles.gate_up_warps,
     )
     _offload_down_kernel[(num_tokens, triton.cdiv(hidden, tiles.down_block_n))](
         h, h_width, slot_map, slot_w2, host_w2, host_w2.stride(0), host_w2.stride(1), shared_down,
-        shared_down.stride(0), top_w, routed, gate_logits, gate_logits.stride(0), out,
+        shared_down.stride(0), top_w, routed, fills_arg, gate_logits, gate_logits.stride(0), out,
         hidden, inter, shared_inter, num_experts,
         TOP_K=top_k, BLOCK_C=pow2(top_k), BLOCK_N=tiles.down_block_n,
-        BLOCK_K=min(pow2(h_width), tiles.down_block_k), num_warps=tiles.down_warps,
+        BLOCK_K=min(pow2(h_width), tiles.down_block_k), FILL=fill, num_warps=tiles.down_warps,
     )
     return out
 

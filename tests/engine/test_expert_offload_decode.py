@@ -1,7 +1,7 @@
 """MoE expert offload's zero-copy decode path on the CPU (issue 11): forwards of at most
 ``DECODE_MAX_TOKENS`` tokens read each routed expert from its cache slot or from host memory in one
-kernel, without a host sync; the routed ids reach the host after the step and the misses are
-copied in between steps (``experts.slots``). Checked: float32 greedy tokens equal transformers'
+kernel, without a host sync, and write each miss into a slot lent for it (the read-through fill,
+``experts.lend``); the routed ids and claims reach the host after the step. Checked: float32 greedy tokens equal transformers'
 with a cache smaller than one layer's experts (also through a graph runner's padded batches), the
 slot map's invariant at every kernel call, the counters, and the deferred updates' ordering."""
 
@@ -61,9 +61,9 @@ def test_zero_copy_decode_greedy_equals_transformers(monkeypatch, family, padded
     codes: list[torch.Tensor] = []
     decode = kernels.sparse_moe_decode_offload
 
-    def checked(*args):
+    def checked(*args, **kwargs):
         check_slot_map_invariant(offload)
-        out = decode(*args)
+        out = decode(*args, **kwargs)
         codes.append(args[-1].clone())
         return out
 
@@ -101,6 +101,8 @@ def test_zero_copy_decode_greedy_equals_transformers(monkeypatch, family, padded
         assert any(n < size for n, size in runner.runs), "no padded decode batch ran"
     if slots >= 16:
         assert sum(reserved) > 0, "no expert was evicted ahead"
+        # The misses are filled by the kernels that read them (experts.lend), never copied again.
+        assert offload.counters.read_through_fills > 0 and offload.counters.decode_fills == 0
     check_slot_map_invariant(offload)
 
 

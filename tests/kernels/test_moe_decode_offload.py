@@ -129,3 +129,50 @@ def test_sparse_moe_decode_offload_nvfp4(rng, dtype, tokens):
     assert_close(got.float(), want, dtype=dtype)
     assert torch.equal(got_routed, want_routed)
     assert want_routed[0, 0] >= 0 and want_routed[0, 1] < 0
+
+
+def _lend(claimed: int, limit: int, ring: list[int]) -> torch.Tensor:
+    return torch.tensor([claimed, limit, *ring], dtype=torch.int32, device=DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,lent", [(1, 3), (5, 2), (5, 9)])
+def test_read_through_fill(rng, dtype, tokens, lent):
+    """The kernel fills the slots the routing claims exactly as the reference does: the same claims
+    (a miss routed by several tokens claims one slot, none past the lent ones, the ring wrapping),
+    the host's bytes in each claimed slot, the map pointing there, every other slot untouched, and
+    the forward's result that of reading every miss from host memory."""
+    from freetoken.kernels.triton.moe_decode_offload import sparse_moe_decode_offload
+
+    experts, top_k, hidden, inter, num_slots = 7, 3, 72, 40, 16
+    x, logits, slot_map, slot_w13, slot_w2, host_w13, host_w2, sgu, sd = _inputs(
+        rng, dtype, tokens, experts, hidden, inter, 24, num_slots, top_k)
+    free = sorted(set(range(num_slots)) - set(slot_map.tolist()))[:4]
+    ring, claimed = free, 2  # the ring's position 2 first, then wrapping to 0
+    results = {}
+    for name, fn in (("triton", sparse_moe_decode_offload), ("reference", ref.sparse_moe_decode_offload_reference)):
+        state = [t.clone() for t in (slot_map, slot_w13, slot_w2)]
+        routed, fills = _routed(tokens, top_k), _routed(tokens, top_k)
+        lend = _lend(claimed, claimed + lent, ring)
+        out = fn(x, logits, state[0], state[1], state[2], host_w13, host_w2, sgu, sd, top_k, True, routed,
+                 fills=fills, lend=lend)
+        results[name] = (out, routed, fills, lend, *state)
+    got, want = results["triton"], results["reference"]
+    assert_close(got[0], want[0])
+    for g, w in zip(got[1:], want[1:]):
+        assert torch.equal(g, w)
+    plain = ref.sparse_moe_decode_offload_reference(
+        x, logits, slot_map, slot_w13, slot_w2, host_w13, host_w2, sgu, sd, top_k, True, _routed(tokens, top_k))
+    assert torch.equal(want[0], plain)  # this forward still read its misses from host memory
+    _, routed, fills, lend, new_map, new_w13, new_w2 = want
+    missed = sorted({-1 - c for c in routed.flatten().tolist() if c < 0})
+    claims = {int(-1 - routed[pos]): int(fills[pos]) for pos in zip(*torch.nonzero(fills >= 0, as_tuple=True))}
+    assert len(claims) == min(len(missed), lent, len(ring)) and int(lend[0]) == claimed + len(claims)
+    assert set(claims.values()) <= set(ring) and len(set(claims.values())) == len(claims)
+    for expert, slot in claims.items():
+        assert int(new_map[expert]) == slot
+        assert torch.equal(new_w13[slot].cpu(), host_w13[expert]) and torch.equal(new_w2[slot].cpu(), host_w2[expert])
+    untouched = [s for s in range(num_slots) if s not in claims.values()]
+    assert torch.equal(new_w13[untouched], slot_w13[untouched]) and torch.equal(new_w2[untouched], slot_w2[untouched])
+    unclaimed = [e for e in range(experts) if e not in claims]
+    assert torch.equal(new_map[unclaimed], slot_map[unclaimed])

@@ -64,7 +64,8 @@ def test_expert_cache_counters_follow_the_stats():
             n: kind for n, (kind, _, _) in EXPERT_CACHE_FAMILIES.items()
         }
         assert all(_PbUtils.kinds[n] == "COUNTER" for n in EXPERT_CACHE_FAMILIES if n.endswith("_total"))
-        current[0] = ExpertCacheStats(hits=9, misses=4, bytes_copied=400, prefetched=2, prefetch_hits=1, slots=16)
+        current[0] = ExpertCacheStats(hits=9, misses=4, bytes_copied=400, prefetched=2, prefetch_hits=1, slots=16,
+                                      zero_copy_bytes=300, read_through_fills=3)
         metrics.flush()
         values = {n: _PbUtils.created[n].value for n in EXPERT_CACHE_FAMILIES}
         assert values == {
@@ -73,6 +74,8 @@ def test_expert_cache_counters_follow_the_stats():
             "freetoken_expert_cache_bytes_copied_total": 400,
             "freetoken_expert_cache_prefetched_total": 2,
             "freetoken_expert_cache_prefetch_hits_total": 1,
+            "freetoken_expert_cache_zero_copy_bytes_total": 300,
+            "freetoken_expert_cache_read_through_fills_total": 3,
             "freetoken_expert_cache_slots": 16,
         }
     finally:

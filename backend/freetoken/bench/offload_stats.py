@@ -70,6 +70,7 @@ def _decode(c: dict[str, float], expert_bytes: int, pcie_bandwidth: float) -> di
         "hit_rate": hits / (hits + misses) if hits + misses else None,
         "bytes_copied": int(copied),
         "zero_copy_bytes": int(zero_copy),
+        "read_through_fills": int(c.get("read_through_fills", 0)),
         "fills_waited_on": int(c.get("fills_waited_on", 0)),
     }
     if not forwards:
@@ -78,6 +79,7 @@ def _decode(c: dict[str, float], expert_bytes: int, pcie_bandwidth: float) -> di
     out.update(
         misses_per_step=misses / forwards,
         fills_per_step=c.get("decode_fills", 0) / forwards,
+        read_through_per_step=c.get("read_through_fills", 0) / forwards,
         miss_floor_ms_per_step=misses * expert_bytes * per,
         zero_copy_ms_per_step=zero_copy * per,
         copy_ms_per_step=copied * per,
@@ -166,7 +168,8 @@ def print_phases(batch_size: int, phases: dict[str, Any]) -> None:
             f"({d['hits']:,} hits, {d['misses']:,} misses, {d['misses_per_step']:.1f}/step; second half "
             f"{rate(late)}, {late.get('misses_per_step', 0):.1f}/step); PCIe ms/step: missed experts' floor "
             f"{d['miss_floor_ms_per_step']:.2f}, zero-copy reads {d['zero_copy_ms_per_step']:.2f}, copies "
-            f"{d['copy_ms_per_step']:.2f} ({d['fills_per_step']:.1f} experts/step); compute stream waited for copies "
+            f"{d['copy_ms_per_step']:.2f} ({d['fills_per_step']:.1f} experts/step; filled read-through, no copy: "
+            f"{d['read_through_per_step']:.1f}/step); compute stream waited for copies "
             f"{d['copy_wait_ms_per_step']:.2f} ms/step ({d['fills_waited_on']:,} fills); settle host "
             f"{d['settle_ms_per_step']:.2f} ms/step"
         )

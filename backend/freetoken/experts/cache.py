@@ -34,6 +34,7 @@ class CacheCounters:
     decode_hits: int = 0
     decode_misses: int = 0
     decode_fills: int = 0  # experts whose copies the settles queued (their bytes are in bytes_copied)
+    read_through_fills: int = 0  # decode misses the kernel that read them wrote into a lent slot (no copy)
     not_admitted: int = 0  # decode misses left in host memory: the policy kept its victim (``admits``)
     zero_copy_bytes: int = 0  # expert bytes the kernels read from host memory: missed (token, choice) pairs
     fills_waited_on: int = 0  # fills mapped while still copying: the next step waits for them on the device
@@ -92,7 +93,8 @@ class SlotTable:
             placed.append((expert, self._place(key, protected, evicted)))
         return placed, evicted
 
-    def observe(self, layer: int, experts: list[int], hits: list[bool]) -> tuple[list[tuple[int, int]], list[ExpertKey]]:
+    def observe(self, layer: int, experts: list[int], hits: list[bool],
+                place: bool = True) -> tuple[list[tuple[int, int]], list[ExpertKey]]:
         """One zero-copy decode forward's routed experts of ``layer`` (distinct, in routing order),
         as the kernel read them: ``hits[i]`` from a slot, else from host memory (``experts.slots``).
         Counts them so, tells the policy, and makes the missed ones cached for the next steps:
@@ -100,7 +102,9 @@ class SlotTable:
         forward may route more experts than the cache holds: the rest keep being read from host
         memory). A hit evicted since its step ran is not copied back until a step misses it, so
         there is at most one copy per miss.
-        Returns what ``admit`` does; the caller fills the slots later (``DeviceSlots.fill_deferred``)."""
+        Returns what ``admit`` does; the caller fills the slots later (``DeviceSlots.fill_deferred``).
+        ``place=False`` (the read-through fill, whose kernels filled the slots they claimed:
+        ``claim``): only counts and tells the policy."""
         self.policy.access([(layer, e) for e in experts])
         for expert, hit in zip(experts, hits):
             if hit:
@@ -111,6 +115,8 @@ class SlotTable:
                     self.counters.prefetch_hits += 1
             else:
                 self.counters.misses += 1
+        if not place:
+            return [], []
         protected = {(layer, e) for e in experts}
         room = self.num_slots - sum(1 for key in protected if key in self._slot_of)
         missed = [e for e, hit in zip(experts, hits) if not hit and (layer, e) not in self._slot_of]
@@ -160,6 +166,31 @@ class SlotTable:
             self._prefetched.discard(victim)
             evicted.append(victim)
         return evicted
+
+    def lend(self, count: int) -> tuple[list[int], list[ExpertKey]]:
+        """Up to ``count`` free slots for the read-through fill (``experts.lend``), evicting by the
+        policy for them (not in a cache under ``RESERVE_DIVISOR`` slots, which could not spare
+        one: there only free slots are lent): they leave the free list until ``claim`` or
+        ``give_back``. Returns the slots and the keys evicted (the caller unmaps them before any
+        forward claims a slot)."""
+        evicted = self.reserve(count, set()) if self.num_slots >= RESERVE_DIVISOR else []
+        slots = [self._free.popleft() for _ in range(min(count, len(self._free)))]
+        return slots, evicted
+
+    def claim(self, key: ExpertKey, slot: int) -> bool:
+        """A decode forward filled lent ``slot`` with ``key`` and mapped it there. False when the
+        table had cached ``key`` meanwhile (an eager forward after it copied it in and mapped it
+        elsewhere, the later map write): then ``slot`` is free again."""
+        if key in self._slot_of:
+            self._free.append(slot)
+            return False
+        self._slot_of[key] = slot
+        self.policy.insert(key)
+        return True
+
+    def give_back(self, slots: list[int]) -> None:
+        """Lent slots no forward claimed: free again."""
+        self._free.extend(slots)
 
     def prefetch(
         self, layer: int, experts: list[int], running: set[ExpertKey]

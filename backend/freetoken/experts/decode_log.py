@@ -3,10 +3,13 @@ way to the host.
 
 Each offloaded layer's decode kernel writes its (token, choice) experts into one persistent device
 buffer ``[layers, max decode tokens, top_k]`` (a miss as ``-1 - e``), at addresses fixed for the
-life of the engine, so CUDA graph replays write it too. After each such forward ``collect`` queues
-its copy into pinned host memory on the compute stream (so the next forward cannot overwrite it
-first) with an event; ``ready`` hands the records over in order once their copies landed, without
-waiting: by the time the overlapped loop resolves a step, its records are there.
+life of the engine, so CUDA graph replays write it too; with the read-through fill, also the slot
+each (token, choice) claimed for its miss (-1: none) into a second such buffer. After each such
+forward ``collect`` queues their copy into pinned host memory on the compute stream (so the next
+forward cannot overwrite them first) with an event, then clears the claims (a forward writes only
+its own rows: rows past them must not repeat an older forward's claims); ``ready`` hands the
+records over in order once their copies landed, without waiting: by the time the overlapped loop
+resolves a step, its records are there.
 """
 
 from __future__ import annotations
@@ -23,7 +26,16 @@ class RoutedRecord:
     ids: torch.Tensor  # host [layers, max tokens, top_k] int32; rows past num_tokens are stale
     num_tokens: int  # the forward's real tokens (a graph's padding rows are not uses)
     event: torch.cuda.Event | None
+    fills: torch.Tensor | None = None  # host [layers, max tokens, top_k] int32: slots claimed, -1 elsewhere
     _rows: list[list[int]] | None = None
+
+    def claims(self) -> list[tuple[int, int, int]]:
+        """``(layer, expert, slot)`` of each read-through fill of the forward, padding rows' too
+        (their kernels filled those slots alike)."""
+        if self.fills is None:
+            return []
+        where = (self.fills >= 0).nonzero().tolist()
+        return [(layer, -1 - int(self.ids[layer, t, j]), int(self.fills[layer, t, j])) for layer, t, j in where]
 
     def layer(self, layer: int) -> tuple[list[int], list[bool]]:
         """Layer ``layer``'s routed experts, distinct in routing order, and whether each was read
@@ -42,10 +54,15 @@ class RoutedRecord:
 
 
 class RoutedLog:
-    def __init__(self, num_layers: int, max_tokens: int, top_k: int, device: torch.device) -> None:
+    def __init__(self, num_layers: int, max_tokens: int, top_k: int, device: torch.device,
+                 read_through: bool = False) -> None:
         self.max_tokens = max_tokens
         self.device = device
-        self.buffer = torch.full((num_layers, max_tokens, top_k), -1, dtype=torch.int32, device=device)
+        # [0]: the routed ids; [1] (read-through fill only): the slots claimed.
+        self._both = torch.full((2 if read_through else 1, num_layers, max_tokens, top_k), -1, dtype=torch.int32,
+                                device=device)
+        self.buffer = self._both[0]
+        self.fills = self._both[1] if read_through else None
         self._records: deque[RoutedRecord] = deque()
 
     def out(self, layer: int, num_tokens: int) -> torch.Tensor:
@@ -54,17 +71,25 @@ class RoutedLog:
             raise ValueError(f"a zero-copy decode forward has at most {self.max_tokens} tokens, got {num_tokens}")
         return self.buffer[layer, :num_tokens]
 
+    def fills_out(self, layer: int, num_tokens: int) -> torch.Tensor:
+        """Where layer ``layer``'s kernel writes the slots its misses claimed (read-through fill)."""
+        assert self.fills is not None, "the log was made without the read-through fill"
+        self.out(layer, num_tokens)  # the same bound
+        return self.fills[layer, :num_tokens]
+
     def collect(self, num_tokens: int) -> None:
         """After a forward that ran the decode kernels: queue its routed ids (the first
         ``num_tokens`` rows of every layer) to the host."""
         cuda = self.device.type == "cuda"
-        host = torch.empty(self.buffer.shape, dtype=torch.int32, pin_memory=cuda)
-        host.copy_(self.buffer, non_blocking=cuda)
+        host = torch.empty(self._both.shape, dtype=torch.int32, pin_memory=cuda)
+        host.copy_(self._both, non_blocking=cuda)
         event = None
         if cuda:
             event = torch.cuda.Event()
             event.record()
-        self._records.append(RoutedRecord(host, num_tokens, event))
+        if self.fills is not None:
+            self.fills.fill_(-1)  # after the copy, on the same stream
+        self._records.append(RoutedRecord(host[0], num_tokens, event, host[1] if self.fills is not None else None))
 
     def ready(self, wait: bool = False) -> Iterator[RoutedRecord]:
         """The records whose copies landed, oldest first; stops at the first still in flight

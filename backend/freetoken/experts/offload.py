@@ -9,15 +9,20 @@ sized, ``allocate`` makes the device cache.
 Two paths run an offloaded layer. Decode forwards of at most ``decode_tokens`` tokens run the
 zero-copy decode kernel (dense or NVFP4 experts, the shared expert stored alike): a miss is read from pinned host memory, nothing syncs,
 so the step can be a CUDA graph; their routed ids reach the host after the step
-(``experts.decode_log``) and ``settle`` counts them and copies the missed experts in for the next
-steps (``experts.slots`` has the ordering argument). Larger forwards read the routed ids on the
-host in each layer and copy the misses in before the layer runs (``begin``).
+(``experts.decode_log``) and ``settle`` counts them. Dense experts are filled read-through: the
+kernel that reads a miss writes it into a slot the host lent it before the step
+(``experts.lend``) and maps it, so the miss crosses PCIe once and the next step hits; ``settle``
+only books those claims, and ``between_steps`` lends slots for the next ones. NVFP4 experts are
+copied in by ``settle`` for the next steps (``experts.slots`` has the ordering argument). Larger
+forwards read the routed ids on the host in each layer and copy the misses in before the layer
+runs (``begin``), after taking back the slots lent and not claimed.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -25,12 +30,15 @@ from typing import Protocol
 
 import torch
 
-from freetoken.experts.cache import CacheCounters, SlotTable
+from freetoken.experts.cache import RESERVE_DIVISOR, CacheCounters, SlotTable
 from freetoken.experts.decode_log import RoutedLog, RoutedRecord
 from freetoken.experts.eviction import make_policy
+from freetoken.experts.lend import SlotLender
 from freetoken.experts.slots import DeviceSlots
 
 logger = logging.getLogger(__name__)
+
+DEMAND_WINDOW = 16  # decode forwards whose misses size the slots lent (``ExpertOffload._lend``)
 
 
 class HostExperts(Protocol):
@@ -61,6 +69,9 @@ class ExpertOffload:
         self.table: SlotTable | None = None
         self.slots: DeviceSlots | None = None
         self.log: RoutedLog | None = None  # the zero-copy decode forwards' routed ids
+        self.lender: SlotLender | None = None  # with the read-through fill (dense experts)
+        # Distinct misses of the last settled decode forwards: how many slots to keep lent.
+        self._demand: deque[int] = deque(maxlen=DEMAND_WINDOW)
         self.nvfp4 = False
         self._parts: list[list[torch.Tensor]] = []
 
@@ -104,7 +115,10 @@ class ExpertOffload:
         self.table = SlotTable(num_slots, make_policy(self.policy), self.expert_bytes)
         self.slots = DeviceSlots(self._parts[0], num_slots, len(self.layers), device)
         if decode_tokens > 0 and all(layer.zero_copy_ready() for layer in self.layers):
-            self.log = RoutedLog(len(self.layers), decode_tokens, self.layers[0].top_k, device)
+            read_through = not self.nvfp4
+            self.log = RoutedLog(len(self.layers), decode_tokens, self.layers[0].top_k, device, read_through)
+            if read_through:
+                self.lender = SlotLender(max(1, num_slots // RESERVE_DIVISOR), device)
         else:
             logger.info("moe_offload: no zero-copy decode (a layer's shared expert is stored unlike its "
                         "experts): every forward reads its routed ids on the host, without CUDA graphs")
@@ -128,6 +142,14 @@ class ExpertOffload:
         assert self.log is not None
         return self.log.out(layer, num_tokens)
 
+    def fill_args(self, layer: int, num_tokens: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The read-through fill's ``(fills, lend)`` for layer ``layer``'s decode kernel, or
+        ``(None, None)`` without it (NVFP4 experts: ``settle`` copies their misses in)."""
+        if self.lender is None:
+            return None, None
+        assert self.log is not None
+        return self.log.fills_out(layer, num_tokens), self.lender.lend
+
     def collect(self, num_tokens: int) -> None:
         """After a forward that ran the decode kernels (``decodes``): its routed ids of its first
         ``num_tokens`` (real) tokens go to the host, for ``settle``."""
@@ -150,8 +172,20 @@ class ExpertOffload:
         assert slots is not None
         counters = table.counters
         hits_before, misses_before = counters.hits, counters.misses
-        fills, evicted = table.settle((layer, *record.layer(layer)) for layer in range(len(self.layers)))
-        slots.fill_deferred(fills, evicted, self._parts)
+        if self.lender is None:
+            fills, evicted = table.settle((layer, *record.layer(layer)) for layer in range(len(self.layers)))
+            slots.fill_deferred(fills, evicted, self._parts)
+        else:
+            fills = []
+            for layer in range(len(self.layers)):
+                table.observe(layer, *record.layer(layer), place=False)
+            claims = record.claims()
+            self.lender.claimed(len(claims))
+            for layer, expert, slot in claims:
+                if table.claim((layer, expert), slot):
+                    slots.adopt((layer, expert), slot)
+                    counters.read_through_fills += 1
+            self._demand.append(counters.misses - misses_before)
         counters.decode_forwards += 1
         counters.decode_hits += counters.hits - hits_before
         counters.decode_misses += counters.misses - misses_before
@@ -165,14 +199,39 @@ class ExpertOffload:
             return
         self.settle()
         assert self.slots is not None
+        self._lend()
         counters = self._table().counters
         counters.fills_waited_on += self.slots.commit()
         counters.copy_wait_seconds += self.slots.waited_seconds()
 
+    def _lend(self) -> None:
+        """Keep lent, for the next decode forwards' misses, twice the most distinct misses of the
+        last ones (at most the lender's capacity), evicting ahead for them: none while the decode
+        forwards miss nothing (a cache that holds what they route gives nothing up)."""
+        if self.lender is None:
+            return
+        want = min(self.lender.capacity, 2 * max(self._demand, default=0)) - self.lender.outstanding
+        if want <= 0:
+            return
+        lent, evicted = self._table().lend(want)
+        assert self.slots is not None
+        self.slots.unmap(evicted)  # queued before the lend: no forward claims a slot still mapped
+        self.lender.give(lent)
+
+    def _revoke(self) -> None:
+        """Before a forward that reads the map on the host: every decode record settled, and the
+        slots lent and not claimed back in the table (which the eager path hands out)."""
+        if self.lender is None:
+            return
+        self.settle(wait=True)
+        self._table().give_back(self.lender.revoke())
+
     def begin(self, layer: int, experts: list[int]) -> list[list[int]]:
         """A layer's routed experts: their passes (``SlotTable.passes``), the first one's copies
-        queued (after the deferred fills are mapped: this path reads the map)."""
+        queued (after the deferred fills are mapped and the lent slots taken back: this path reads
+        the map)."""
         assert self.slots is not None
+        self._revoke()
         self.slots.commit(wait=True)
         groups = self._table().passes(layer, experts)
         self.bring_in(layer, groups[0])

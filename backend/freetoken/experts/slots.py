@@ -220,6 +220,18 @@ class DeviceSlots:
             return self._pending[key][0]
         return self._mapped.get(key)
 
+    def unmap(self, evicted: list[ExpertKey]) -> None:
+        """``slot_map[key] = -1`` for each key evicted ahead of the read-through fill, queued on the
+        compute stream: the forwards queued later claim their slots (``experts.lend``)."""
+        for key in evicted:
+            self._pending.pop(key, None)
+        self._write_map(evicted, [-1] * len(evicted))
+
+    def adopt(self, key: ExpertKey, slot: int) -> None:
+        """A decode kernel filled ``slot`` with ``key`` and mapped it (the read-through fill): the
+        host's copy of the map follows."""
+        self._mapped[key] = slot
+
     def is_pending(self, key: ExpertKey) -> bool:
         """``key`` was given a slot whose copy is not mapped yet."""
         return key in self._pending

@@ -107,9 +107,10 @@ class OffloadedExperts(nn.Module):
                 *_parts(shared_down), top_k, renormalize, routed,
             )
         assert isinstance(shared_gate_up, torch.Tensor) and isinstance(shared_down, torch.Tensor)
+        fills, lend = self.offload.fill_args(self.layer, x.shape[0])
         return kernels.sparse_moe_decode_offload(
             x, gate_logits, slot_map, slots.tensors[0], slots.tensors[1], self.w13, self.w2,
-            shared_gate_up, shared_down, top_k, renormalize, routed,
+            shared_gate_up, shared_down, top_k, renormalize, routed, fills=fills, lend=lend,
         )
 
     def prepare(self, x: torch.Tensor, topk_ids: torch.Tensor) -> _Passes:

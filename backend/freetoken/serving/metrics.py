@@ -93,8 +93,13 @@ PREFIX_CACHE_FAMILIES: dict[str, tuple[str, str, None]] = {
 # With moe_offload only: the expert cache's counters (RuntimeStats.expert_cache), as counters.
 EXPERT_CACHE_FAMILIES: dict[str, tuple[str, str, None]] = {
     "freetoken_expert_cache_hits_total": ("COUNTER", "Routed expert uses found in the device expert cache.", None),
-    "freetoken_expert_cache_misses_total": ("COUNTER", "Routed expert uses whose expert was copied in from host "
-                                                       "memory.", None),
+    "freetoken_expert_cache_misses_total": ("COUNTER", "Routed expert uses whose expert was not in the device "
+                                                       "cache (copied in, or read from host memory by a decode "
+                                                       "kernel).", None),
+    "freetoken_expert_cache_zero_copy_bytes_total": ("COUNTER", "Expert bytes decode kernels read straight from "
+                                                                "host memory (their misses).", None),
+    "freetoken_expert_cache_read_through_fills_total": ("COUNTER", "Decode misses the kernel that read them wrote "
+                                                                   "into a cache slot (no copy).", None),
     "freetoken_expert_cache_bytes_copied_total": ("COUNTER", "Expert bytes copied from host memory to the device.",
                                                   None),
     "freetoken_expert_cache_prefetched_total": ("COUNTER", "Experts copied ahead of their layer's routing.", None),
@@ -108,6 +113,8 @@ EXPERT_CACHE_COUNTERS = {
     "freetoken_expert_cache_bytes_copied_total": "bytes_copied",
     "freetoken_expert_cache_prefetched_total": "prefetched",
     "freetoken_expert_cache_prefetch_hits_total": "prefetch_hits",
+    "freetoken_expert_cache_zero_copy_bytes_total": "zero_copy_bytes",
+    "freetoken_expert_cache_read_through_fills_total": "read_through_fills",
 }
 FINISH_REASONS = ("stop", "length", "abort", "error")
 SUCCESS = "vllm:request_success_total"
