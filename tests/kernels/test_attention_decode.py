@@ -110,6 +110,23 @@ def test_qwen_shape_default_tiles(rng, dtype, prefetch):
     assert _counters_zero()
 
 
+def test_many_request_tiles(rng):
+    """Launches of MANY_PROGRAMS (request, KV head) pairs and more take MANY_TILES (8 warps, page
+    numbers prefetched, 2,048 keys a split): the Qwen shape's compiled variant at batch 64, and a
+    2,100-key context that still splits in two, against the reference."""
+    from freetoken.kernels.triton.attention_decode import MANY_PROGRAMS, MANY_TILES, TILES, decode_tiles
+    from freetoken.kernels.triton.attention_decode import paged_decode_attention
+
+    assert decode_tiles(MANY_PROGRAMS) is MANY_TILES and decode_tiles(MANY_PROGRAMS - 1) is TILES
+    q, k_cache, v_cache, table, cu, seq_lens, gate = _batch(
+        rng, [2100, 1, 45], [1, 1, 1], 1, (16, 2), torch.bfloat16, head_dim=256, page_size=16
+    )
+    args = (q, k_cache, v_cache, table, cu, seq_lens, 256**-0.5, 1)
+    got = paged_decode_attention(*args, gate=gate, max_splits=4, tiles=MANY_TILES)
+    assert_close(got, ref.paged_attention_reference(*args, gate=gate))
+    assert _counters_zero()
+
+
 @PREFETCH
 def test_multi_token_steps(rng, prefetch):
     """Requests of 0, 1 and 2 new tokens (a verify step): causal masks inside the splits, and rows
