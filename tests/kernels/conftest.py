@@ -8,6 +8,7 @@ wrappers allocate is poisoned (NaN / -1) so elements a kernel leaves unwritten f
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -23,6 +24,16 @@ if COMPILE_CHECK_ARCH:
     collect_ignore = ["test_engine_triton.py", "test_engine_triton_nvfp4.py", "test_expert_offload_triton.py",
                       "test_prefix_snapshots_triton.py", "test_prefill_graphs_triton.py"]
 elif not torch.cuda.is_available():
+    # Triton reads TRITON_INTERPRET when a kernel is decorated: a kernel module imported before this
+    # point (a test module of another folder importing one at collection) would stay compiled, and
+    # every interpreted test here would fail far from the cause. Name the cause instead.
+    _early = sorted(m for m in sys.modules if m.startswith("freetoken.kernels.triton."))
+    if _early:
+        raise pytest.UsageError(
+            f"{', '.join(_early)} imported before tests/kernels turned Triton's interpreter on: a test "
+            "module collected earlier imports a Triton kernel module at module level; import it inside "
+            "the test instead"
+        )
     os.environ["TRITON_INTERPRET"] = "1"
 
 
