@@ -43,10 +43,16 @@ SCALE_MEAN_SQUARE = _mean_square(
 
 
 def fill_nvfp4(weight: NVFP4Weight, generator: torch.Generator) -> None:
-    """Random codes and block scales, and the row scale that makes ``std(w) = 1 / sqrt(fan_in)``."""
+    """Random codes and block scales, and the row scale that makes ``std(w) = 1 / sqrt(fan_in)``.
+    Drawn on the generator's device and copied where the weight lives (offloaded experts sit in
+    host memory, where drawing gigabytes of bytes one by one takes minutes)."""
     fan_in = weight.shape[-1]
-    weight.packed.random_(0, 256, generator=generator)
-    weight.scales.view(torch.uint8).random_(SCALE_CODES.start, SCALE_CODES.stop, generator=generator)
+    draw_on = generator.device
+    for dst, low, high in ((weight.packed, 0, 256), (weight.scales.view(torch.uint8), SCALE_CODES.start, SCALE_CODES.stop)):
+        if dst.device == draw_on:
+            dst.random_(low, high, generator=generator)
+        else:
+            dst.copy_(torch.empty(dst.shape, dtype=dst.dtype, device=draw_on).random_(low, high, generator=generator))
     weight.row_scales.fill_(1.0 / math.sqrt(fan_in * E2M1_MEAN_SQUARE * SCALE_MEAN_SQUARE))
 
 
@@ -88,7 +94,7 @@ def randomize_weights(
     filled: dict[int, int] = {}
     for module in model.modules():
         if isinstance(module, NVFP4Weight):
-            fill_nvfp4(module, generator(module.packed.device))
+            fill_nvfp4(module, generator(_indexed(device) if device is not None else module.packed.device))
             filled.update({id(p): p.numel() for p in module.parameters()})
     # Whole-parameter targets first: fused expert tensors fill all experts at once, and the
     # per-expert names that alias them are then skipped.
