@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -201,8 +202,8 @@ class Engine:
         if prefill is not None and prefill.supports(staged.batch, len(plan.snapshots)):
             logits = prefill.run(staged.batch, self._snapshot_entries(plan))
         else:
-            if plan.snapshots:
-                staged.batch.snapshots = self._prefill_snapshots(plan)
+            if plan.snapshots:  # built when the first Gated DeltaNet layer asks, behind its in_proj
+                staged.batch.snapshots = functools.partial(self._prefill_snapshots, plan)
             decode_logits = sum(1 for row in plan.rows[: plan.num_decodes] if row.samples)
             logits = self._forward(staged.batch, decode_logits)
         # Behind the forward's launches: the host stages the admissions while the device computes,
