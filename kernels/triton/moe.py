@@ -637,15 +637,24 @@ def fused_experts_shared_pairs(
     return y[:num_pairs].view(num_tokens, top_k, hidden), y[num_pairs:]
 
 
+# Programmatic dependent launch for ``_combine_add_norm_kernel`` (sm_90 on), as the RMSNorm launch it
+# replaces had.
+COMBINE_PDL = True
+
+
 @triton.jit
 def _combine_add_norm_kernel(
     pairs_ptr, p_st, p_sk, shared_ptr, s_st, gate_ptr, g_st, res_ptr, r_st, rows_ptr, w_ptr,
     out_ptr, sum_ptr, num_rows, dim, eps,
     TOP_K: tl.constexpr, HAS_GATE: tl.constexpr, HAS_ROWS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     """Rows of the MoE output, summed from its parts, added to the residual and normalized; rounded
-    where ``sum_choices``, ``shared_expert_combine`` and ``add_rms_norm`` round."""
+    where ``sum_choices``, ``shared_expert_combine`` and ``add_rms_norm`` round. ``PDL`` as the
+    RMSNorm it replaces: every input is an earlier launch's output, so wait before any load."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r < num_rows
     if HAS_ROWS:
@@ -712,8 +721,8 @@ def moe_combine_add_rms_norm(
             residual, residual.stride(0), rows if rows is not None else out, weight.contiguous(),
             out, summed, num_rows, dim, eps,
             TOP_K=top_k, HAS_GATE=shared_gate_logit is not None, HAS_ROWS=rows is not None,
-            ZERO_CENTERED=zero_centered, BLOCK_R=block_r, BLOCK_D=block_d,
-            num_warps=4 if block_r * block_d <= 1024 else 8,
+            ZERO_CENTERED=zero_centered, BLOCK_R=block_r, BLOCK_D=block_d, PDL=COMBINE_PDL and _pdl_available(),
+            num_warps=4 if block_r * block_d <= 1024 else 8, launch_pdl=COMBINE_PDL and _pdl_available(),
         )
     return out, summed
 
