@@ -85,10 +85,15 @@ def test_moe_parts_at_real_sizes(rng, check, dtype, tokens):
     check(f"rows_{tokens}", picked[0], normed[last], dtype)
 
 
+@pytest.mark.parametrize("pdl", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [16, 64])
-def test_moe_parts_layers_in_a_cuda_graph(rng, check, dtype, tokens):
+def test_moe_parts_layers_in_a_cuda_graph(rng, check, monkeypatch, pdl, dtype, tokens):
+    """With programmatic dependent launch (``COMBINE_PDL``) the combine starts while the down pass
+    drains: a read before its wait would see the previous layer's pair outputs (same addresses)."""
     from freetoken.kernels.triton import moe
+
+    monkeypatch.setattr(moe, "COMBINE_PDL", pdl)
 
     layers = [_layer(rng, dtype, tokens) for _ in range(LAYERS)]
     wants = [_fused(moe, layer) for layer in layers]
