@@ -13,7 +13,16 @@ from freetoken.kernels.attention import paged_attention, store_kv
 from freetoken.kernels.attention_prologue import norm_rotary_store_kv
 from freetoken.kernels.conv1d import causal_conv1d_decode, causal_conv1d_prefill
 from freetoken.kernels.gated_delta_rule import gated_delta_rule_decode, gated_delta_rule_prefill
-from freetoken.kernels.moe import fused_experts, moe_sort_tokens, moe_topk_softmax, shared_expert_combine, silu_and_mul
+from freetoken.kernels.moe import (
+    fused_experts,
+    fused_experts_pairs,
+    fused_experts_shared_pairs,
+    moe_combine_add_rms_norm,
+    moe_sort_tokens,
+    moe_topk_softmax,
+    shared_expert_combine,
+    silu_and_mul,
+)
 from freetoken.kernels.gemv import gemv
 from freetoken.kernels.normed_gemv import add_rms_norm_gemv
 from freetoken.kernels.nvfp4 import fused_experts_nvfp4, nvfp4_linear, sparse_moe_decode_nvfp4
@@ -46,6 +55,9 @@ __all__ = [
     "moe_topk_softmax",
     "moe_sort_tokens",
     "fused_experts",
+    "fused_experts_pairs",
+    "fused_experts_shared_pairs",
+    "moe_combine_add_rms_norm",
     "silu_and_mul",
     "shared_expert_combine",
     "gemv",

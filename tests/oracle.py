@@ -83,13 +83,14 @@ SHAPES: dict[str, dict[str, dict]] = {
             **text_only_tied_sharded("100KB"),
         ),
         # Both layer kinds, GQA, partial rotary, more GDN value heads than key heads, top-2 of 4
-        # experts in two layers: short enough for Triton's interpreter.
+        # experts in two layers: short enough for Triton's interpreter. The shared expert as wide
+        # as a routed one (as Qwen3.6's): past 8 tokens it runs in the grouped expert GEMMs.
         "two_layers": dict(
             text_config=dict(
                 hidden_size=48, num_hidden_layers=2, layer_types=[LINEAR, FULL],
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                 linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
-                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=32,
+                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=24,
             ),
         ),
     },

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -34,8 +35,10 @@ class ForwardBatch:
     max_seq_len: int
     query_lens: list[int]  # new tokens per request (host copy)
     # States the forward writes into snapshot slots at boundaries inside the prefill rows, indexed
-    # like ``prefill_part()`` (its rows and tokens); None: none this step.
-    snapshots: PrefillSnapshots | None = None
+    # like ``prefill_part()`` (its rows and tokens); None: none this step. A function builds them
+    # when the first layer asks (``prefill_snapshots``): the engine defers the tables' host work
+    # behind the forward's first launches.
+    snapshots: PrefillSnapshots | Callable[[], PrefillSnapshots] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -48,6 +51,12 @@ class ForwardBatch:
     @property
     def has_prefill(self) -> bool:
         return self.num_decodes < self.num_requests
+
+    def prefill_snapshots(self) -> PrefillSnapshots | None:
+        """``snapshots``, built on first use when deferred."""
+        if callable(self.snapshots):
+            self.snapshots = self.snapshots()
+        return self.snapshots
 
     def prefill_part(self) -> tuple[int, torch.Tensor, torch.Tensor]:
         """``(first token, cu_seqlens, state_slots)`` of the prefill requests, offsets rebased to 0

@@ -26,7 +26,7 @@ from freetoken.engine.engine import Engine
 from freetoken.engine.outputs import StepOutput
 from freetoken.output import OutputText, append_token, make_output
 from freetoken.scheduler.cache import PagePool, SlotPool
-from freetoken.scheduler.prefix_cache import PrefixCache, page_hashes
+from freetoken.scheduler.prefix_cache import PageHashChain, PrefixCache
 from freetoken.scheduler.request import Request
 from freetoken.scheduler.scheduler import ScheduledStep, Scheduler
 from freetoken.tokenizer import IncrementalDetokenizer, load_tokenizer
@@ -155,13 +155,14 @@ class Runtime:
         admitted once the first computed the prompt, and hit its pages and snapshot: the prompt is
         prefilled once (bar its last page); without, each prefills it on its own.
 
-        With prefix caching the prompt's page hashes are computed here, once for all samples: on
-        the caller's thread (the server's tokenizer thread), not the engine thread's schedule."""
+        With prefix caching the samples share one ``PageHashChain`` of the prompt: each page's hash
+        is computed once, when first asked for (the lookup hashes up to the prompt's first miss, the
+        rest is hashed when its pages join the index, after the forward is queued)."""
         ids = self._prompt_ids(prompt)
         token_ids = ids.tolist()
         hashes = None
         if self.config.enable_prefix_caching:
-            hashes = page_hashes(ids, self.config.page_size)
+            hashes = PageHashChain(ids, self.config.page_size)
         if params.n == 1:
             return [self._make_request(request_id, token_ids, ids, hashes, params)]
         requests = []
@@ -184,7 +185,7 @@ class Runtime:
         request_id: str,
         token_ids: list[int],
         ids: np.ndarray,
-        hashes: list[bytes] | None,
+        hashes: PageHashChain | None,
         params: SamplingParams,
     ) -> Request:
         params.validate()

@@ -20,6 +20,8 @@ Rounding follows the reference (the projections, SiLU and products rounded to th
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -317,67 +319,139 @@ def _grouped_tile(num_row_tiles, num_col_blocks, GROUP_M: tl.constexpr):
     return first + (pid % per_group) % size, (pid % per_group) // size
 
 
-@triton.jit
-def _gate_up_kernel(
-    x_ptr, x_st, w_ptr, w_se, w_sn, order_ptr, offsets_ptr, h_ptr,
-    hidden, inter, num_experts, num_row_tiles,
-    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+@device_function
+def _gate_up_block(
+    x_ptr, x_st, token, row_ok, w_base, w_sn, h_ptr, h_rows, col_block, hidden, inter,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    tile, col_block = _grouped_tile(num_row_tiles, tl.cdiv(inter, BLOCK_N), GROUP_M)
+    """``h[h_rows] = silu(x[token] w_gateᵀ) · (x[token] w_upᵀ)`` for one column block of the weight
+    at ``w_base`` (gate rows, then up rows, ``inter`` each)."""
+    n = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < inter
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = (k < hidden) | EVEN_K  # constant true when the tiles divide the dim: no column mask
+        a = tl.load(x_ptr + token[:, None] * x_st + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_mask = n_ok[:, None] & k_ok[None, :]
+        w_gate = tl.load(w_base + n[:, None] * w_sn + k[None, :], mask=w_mask, other=0.0)
+        w_up = tl.load(w_base + (inter + n)[:, None] * w_sn + k[None, :], mask=w_mask, other=0.0)
+        acc_gate += dot(a, tl.trans(w_gate), PRECISION)
+        acc_up += dot(a, tl.trans(w_up), PRECISION)
+    dtype = h_ptr.dtype.element_ty
+    gate = round_as(acc_gate, dtype)
+    h = round_as(gate * tl.sigmoid(gate), dtype) * round_as(acc_up, dtype)
+    tl.store(h_ptr + h_rows[:, None] * inter + n[None, :], cast(h, dtype), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@device_function
+def _gate_up_routed(
+    tile, col_block, x_ptr, x_st, w_ptr, w_se, w_sn, order_ptr, offsets_ptr, h_ptr, hidden, inter, num_experts,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+):
     expert, first, end = _tile_of(tile, offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
     if expert < num_experts:
         rows = first + tl.arange(0, BLOCK_M)
         row_ok = rows < end
         token = tl.load(order_ptr + rows, mask=row_ok, other=0) // TOP_K
-        n = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = n < inter
-        w_base = w_ptr + expert.to(tl.int64) * w_se
-        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, hidden, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = (k < hidden) | EVEN_K  # constant true when the tiles divide the dim: no column mask
-            a = tl.load(x_ptr + token[:, None] * x_st + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w_mask = n_ok[:, None] & k_ok[None, :]
-            w_gate = tl.load(w_base + n[:, None] * w_sn + k[None, :], mask=w_mask, other=0.0)
-            w_up = tl.load(w_base + (inter + n)[:, None] * w_sn + k[None, :], mask=w_mask, other=0.0)
-            acc_gate += dot(a, tl.trans(w_gate), PRECISION)
-            acc_up += dot(a, tl.trans(w_up), PRECISION)
-        dtype = h_ptr.dtype.element_ty
-        gate = round_as(acc_gate, dtype)
-        h = round_as(gate * tl.sigmoid(gate), dtype) * round_as(acc_up, dtype)
-        tl.store(h_ptr + rows[:, None] * inter + n[None, :], cast(h, dtype), mask=row_ok[:, None] & n_ok[None, :])
+        _gate_up_block(x_ptr, x_st, token, row_ok, w_ptr + expert.to(tl.int64) * w_se, w_sn, h_ptr, rows, col_block,
+                       hidden, inter, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, x_st, w_ptr, w_se, w_sn, order_ptr, offsets_ptr, h_ptr,
+    hidden, inter, num_experts, num_row_tiles,
+    ws_ptr, ws_sn, num_tokens, num_pairs, shared_tiles,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    SHARED: tl.constexpr,
+):
+    """``SHARED``: the first ``shared_tiles`` row tiles are the shared expert's (weight ``ws``,
+    every token in order, ``h`` rows from ``num_pairs``), the rest the routed pairs' tiles."""
+    tile, col_block = _grouped_tile(num_row_tiles + shared_tiles, tl.cdiv(inter, BLOCK_N), GROUP_M)
+    if SHARED:
+        if tile < shared_tiles:
+            tokens = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+            _gate_up_block(x_ptr, x_st, tokens, tokens < num_tokens, ws_ptr, ws_sn, h_ptr, num_pairs + tokens,
+                           col_block, hidden, inter, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
+        else:
+            _gate_up_routed(tile - shared_tiles, col_block, x_ptr, x_st, w_ptr, w_se, w_sn, order_ptr, offsets_ptr,
+                            h_ptr, hidden, inter, num_experts, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, EVEN_K,
+                            PRECISION)
+    else:
+        _gate_up_routed(tile, col_block, x_ptr, x_st, w_ptr, w_se, w_sn, order_ptr, offsets_ptr, h_ptr, hidden,
+                        inter, num_experts, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, EVEN_K, PRECISION)
+
+
+@device_function
+def _down_block(
+    h_ptr, rows, row_ok, w_base, w_sn, weight, y_ptr, y_rows, col_block, hidden, inter,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """``y[y_rows] = weight · (h[rows] w_downᵀ)`` for one column block of the weight at ``w_base``;
+    ``weight`` float32 ``[BLOCK_M]``."""
+    n = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < hidden
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = (k < inter) | EVEN_K
+        a = tl.load(h_ptr + rows[:, None] * inter + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_base + n[:, None] * w_sn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += dot(a, tl.trans(w), PRECISION)
+    dtype = y_ptr.dtype.element_ty
+    y = round_as(acc, dtype) * weight[:, None]
+    tl.store(y_ptr + y_rows.to(tl.int64)[:, None] * hidden + n[None, :], cast(y, dtype),
+             mask=row_ok[:, None] & n_ok[None, :])
+
+
+@device_function
+def _down_routed(
+    tile, col_block, h_ptr, w_ptr, w_se, w_sn, order_ptr, offsets_ptr, topk_w_ptr, y_ptr, hidden, inter, num_experts,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    expert, first, end = _tile_of(tile, offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
+    if expert < num_experts:
+        rows = first + tl.arange(0, BLOCK_M)
+        row_ok = rows < end
+        pair = tl.load(order_ptr + rows, mask=row_ok, other=0)
+        weight = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
+        _down_block(h_ptr, rows, row_ok, w_ptr + expert.to(tl.int64) * w_se, w_sn, weight, y_ptr, pair, col_block,
+                    hidden, inter, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
 
 
 @triton.jit
 def _down_kernel(
     h_ptr, w_ptr, w_se, w_sn, order_ptr, offsets_ptr, topk_w_ptr, y_ptr,
     hidden, inter, num_experts, num_row_tiles,
+    ws_ptr, ws_sn, gate_ptr, g_st, num_tokens, num_pairs, shared_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    SHARED: tl.constexpr,
 ):
-    tile, col_block = _grouped_tile(num_row_tiles, tl.cdiv(hidden, BLOCK_N), GROUP_M)
-    expert, first, end = _tile_of(tile, offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
-    if expert < num_experts:
-        rows = first + tl.arange(0, BLOCK_M)
-        row_ok = rows < end
-        pair = tl.load(order_ptr + rows, mask=row_ok, other=0)
-        n = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = n < hidden
-        w_base = w_ptr + expert.to(tl.int64) * w_se
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, inter, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = (k < inter) | EVEN_K
-            a = tl.load(h_ptr + rows[:, None] * inter + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_base + n[:, None] * w_sn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += dot(a, tl.trans(w), PRECISION)
-        dtype = y_ptr.dtype.element_ty
-        weight = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
-        y = round_as(acc, dtype) * weight[:, None]
-        tl.store(y_ptr + pair.to(tl.int64)[:, None] * hidden + n[None, :], cast(y, dtype),
-                 mask=row_ok[:, None] & n_ok[None, :])
+    """``SHARED``: the first ``shared_tiles`` row tiles are the shared expert's (weight ``ws``, ``h``
+    and ``y`` rows from ``num_pairs``), scaled by ``sigmoid(gate)`` rounded to the activations' dtype."""
+    tile, col_block = _grouped_tile(num_row_tiles + shared_tiles, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+    if SHARED:
+        if tile < shared_tiles:
+            tokens = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+            t_ok = tokens < num_tokens
+            logit = tl.load(gate_ptr + tokens * g_st, mask=t_ok, other=0.0).to(tl.float32)
+            weight = round_as(tl.sigmoid(logit), y_ptr.dtype.element_ty)
+            _down_block(h_ptr, num_pairs + tokens, t_ok, ws_ptr, ws_sn, weight, y_ptr, num_pairs + tokens, col_block,
+                        hidden, inter, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
+        else:
+            _down_routed(tile - shared_tiles, col_block, h_ptr, w_ptr, w_se, w_sn, order_ptr, offsets_ptr, topk_w_ptr,
+                         y_ptr, hidden, inter, num_experts, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, EVEN_K, PRECISION)
+    else:
+        _down_routed(tile, col_block, h_ptr, w_ptr, w_se, w_sn, order_ptr, offsets_ptr, topk_w_ptr, y_ptr, hidden,
+                     inter, num_experts, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, EVEN_K, PRECISION)
 
 
 @triton.jit
@@ -408,36 +482,64 @@ def _row_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(num_pairs, block_m) + num_experts
 
 
+@dataclass(frozen=True)
+class SharedTiles:
+    """The shared expert run as the first row tiles of the grouped GEMMs (``fused_experts_shared_pairs``):
+    its ``gate_up [2I, H]`` and ``down [H, I]`` (the routed experts' ``I``), and its gate logits ``[T, 1]``.
+    Its ``h`` and ``y`` rows follow the pairs' rows."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    gate_logit: torch.Tensor
+
+    def tiles(self, num_tokens: int, block_m: int) -> int:
+        return triton.cdiv(num_tokens, block_m)
+
+
 def gate_up(
     x: torch.Tensor, w13: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, h: torch.Tensor, top_k: int,
-    config: GemmConfig,
+    config: GemmConfig, shared: SharedTiles | None = None,
 ) -> None:
-    """``h[sorted pair] = silu(x w_gateᵀ) · (x w_upᵀ)`` of the pair's expert (the tuner launches it too)."""
+    """``h[sorted pair] = silu(x w_gateᵀ) · (x w_upᵀ)`` of the pair's expert (the tuner launches it
+    too); with ``shared``, ``h[pairs + t]`` the shared expert's of token ``t``."""
     num_experts, two_inter, hidden = w13.shape
     inter = two_inter // 2
-    tiles = _row_tiles(h.shape[0], num_experts, config.block_m)
-    _gate_up_kernel[(tiles * triton.cdiv(inter, config.block_n),)](
+    num_pairs = order.shape[0]
+    tiles = _row_tiles(num_pairs, num_experts, config.block_m)
+    shared_tiles = shared.tiles(x.shape[0], config.block_m) if shared is not None else 0
+    ws = shared.gate_up if shared is not None else w13
+    _gate_up_kernel[((tiles + shared_tiles) * triton.cdiv(inter, config.block_n),)](
         x, x.stride(0), w13, w13.stride(0), w13.stride(1), order, offsets, h,
         hidden, inter, num_experts, tiles,
+        ws, ws.stride(-2), x.shape[0], num_pairs, shared_tiles,
         TOP_K=top_k, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, BLOCK_E=pow2(num_experts), EVEN_K=hidden % config.block_k == 0,
-        PRECISION=dot_precision(x.dtype), num_warps=config.num_warps, num_stages=config.num_stages,
+        PRECISION=dot_precision(x.dtype), SHARED=shared is not None,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
 
 def down(
     h: torch.Tensor, w2: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, topk_weights: torch.Tensor,
-    y: torch.Tensor, config: GemmConfig,
+    y: torch.Tensor, config: GemmConfig, shared: SharedTiles | None = None,
 ) -> None:
-    """``y[pair] = weight · (h w_downᵀ)`` of the pair's expert, in pair order (the tuner launches it too)."""
+    """``y[pair] = weight · (h w_downᵀ)`` of the pair's expert, in pair order (the tuner launches it
+    too); with ``shared``, ``y[pairs + t] = sigmoid(gate_t) · (h[pairs + t] w_sharedᵀ)``."""
     num_experts, hidden, inter = w2.shape
-    tiles = _row_tiles(h.shape[0], num_experts, config.block_m)
-    _down_kernel[(tiles * triton.cdiv(hidden, config.block_n),)](
+    num_pairs = order.shape[0]
+    tiles = _row_tiles(num_pairs, num_experts, config.block_m)
+    num_tokens = h.shape[0] - num_pairs
+    shared_tiles = shared.tiles(num_tokens, config.block_m) if shared is not None else 0
+    ws = shared.down if shared is not None else w2
+    gate = shared.gate_logit if shared is not None else topk_weights
+    _down_kernel[((tiles + shared_tiles) * triton.cdiv(hidden, config.block_n),)](
         h, w2, w2.stride(0), w2.stride(1), order, offsets, topk_weights, y,
         hidden, inter, num_experts, tiles,
+        ws, ws.stride(-2), gate, gate.stride(0), num_tokens, num_pairs, shared_tiles,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, BLOCK_E=pow2(num_experts), EVEN_K=inter % config.block_k == 0,
-        PRECISION=dot_precision(h.dtype), num_warps=config.num_warps, num_stages=config.num_stages,
+        PRECISION=dot_precision(h.dtype), SHARED=shared is not None,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
 
@@ -451,35 +553,178 @@ def _check_experts(name: str, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
 
 def _pair_outputs(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, order: torch.Tensor,
-    offsets: torch.Tensor,
+    offsets: torch.Tensor, shared: SharedTiles | None = None,
 ) -> torch.Tensor:
-    """``y [T·k, H]``: each pair's weighted expert output, in pair order (gate/up, then down)."""
+    """``y [T·k, H]``: each pair's weighted expert output, in pair order (gate/up, then down); with
+    ``shared``, ``y [T·k + T, H]``: then each token's gated shared expert output."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
     top_k = topk_weights.shape[1]
     num_pairs = num_tokens * top_k
-    h = new_empty((num_pairs, inter), x.dtype, x.device)
-    gate_up(x, w13, order, offsets, h, top_k, moe_gemm_config("gate_up", x.dtype, num_pairs, num_experts, hidden, inter))
-    y = new_empty((num_pairs, hidden), x.dtype, x.device)
-    down(h, w2, order, offsets, topk_weights, y, moe_gemm_config("down", x.dtype, num_pairs, num_experts, hidden, inter))
+    rows = num_pairs + (num_tokens if shared is not None else 0)
+    h = new_empty((rows, inter), x.dtype, x.device)
+    config = moe_gemm_config("gate_up", x.dtype, num_pairs, num_experts, hidden, inter)
+    gate_up(x, w13, order, offsets, h, top_k, config, shared)
+    y = new_empty((rows, hidden), x.dtype, x.device)
+    config = moe_gemm_config("down", x.dtype, num_pairs, num_experts, hidden, inter)
+    down(h, w2, order, offsets, topk_weights, y, config, shared)
     return y
+
+
+def _routed_inputs(
+    name: str, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The checked, unit-stride inputs of the grouped path and the pairs sorted by expert:
+    ``(x, w13, w2, topk_weights, order, offsets)``."""
+    _check_experts(name, x, w13, w2, topk_ids.numel())
+    if topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"{name}: weights {tuple(topk_weights.shape)}, ids {tuple(topk_ids.shape)} disagree")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    order, offsets = moe_sort_tokens(topk_ids, w13.shape[0])
+    return x, w13.contiguous(), w2.contiguous(), topk_weights.contiguous(), order, offsets
 
 
 def fused_experts(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
 ) -> torch.Tensor:
     _check_experts("fused_experts", x, w13, w2, topk_ids.numel())
-    if topk_weights.shape != topk_ids.shape:
-        raise ValueError(f"fused_experts: weights {tuple(topk_weights.shape)}, ids {tuple(topk_ids.shape)} disagree")
     out = new_empty(x.shape, x.dtype, x.device)
     if x.shape[0] == 0:
         return out
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    order, offsets = moe_sort_tokens(topk_ids, w13.shape[0])
-    y = _pair_outputs(x, w13.contiguous(), w2.contiguous(), topk_weights.contiguous(), order, offsets)
+    y = _pair_outputs(*_routed_inputs("fused_experts", x, w13, w2, topk_weights, topk_ids))
     sum_choices(y, out, topk_ids.shape[1])
     return out
+
+
+def fused_experts_pairs(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    num_tokens, top_k = topk_ids.shape
+    if num_tokens == 0:
+        _check_experts("fused_experts_pairs", x, w13, w2, 0)
+        return new_empty((0, top_k, x.shape[1]), x.dtype, x.device)
+    y = _pair_outputs(*_routed_inputs("fused_experts_pairs", x, w13, w2, topk_weights, topk_ids))
+    return y.view(num_tokens, top_k, x.shape[1])
+
+
+def fused_experts_shared_pairs(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    shared_gate_up: torch.Tensor,
+    shared_down: torch.Tensor,
+    shared_gate_logit: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    num_tokens, top_k = topk_ids.shape
+    two_inter, hidden = w13.shape[1:]
+    if shared_gate_up.shape != (two_inter, hidden) or shared_down.shape != (hidden, two_inter // 2) \
+            or shared_gate_logit.shape != (num_tokens, 1):
+        raise ValueError(
+            f"fused_experts_shared_pairs: shared_gate_up {tuple(shared_gate_up.shape)}, shared_down "
+            f"{tuple(shared_down.shape)}, shared_gate_logit {tuple(shared_gate_logit.shape)} do not match the routed "
+            f"experts' w13 {tuple(w13.shape)} and {num_tokens} tokens"
+        )
+    if num_tokens == 0:
+        _check_experts("fused_experts_shared_pairs", x, w13, w2, 0)
+        return new_empty((0, top_k, hidden), x.dtype, x.device), new_empty((0, hidden), x.dtype, x.device)
+    shared = SharedTiles(shared_gate_up.contiguous(), shared_down.contiguous(), shared_gate_logit)
+    inputs = _routed_inputs("fused_experts_shared_pairs", x, w13, w2, topk_weights, topk_ids)
+    y = _pair_outputs(*inputs, shared=shared)
+    num_pairs = num_tokens * top_k
+    return y[:num_pairs].view(num_tokens, top_k, hidden), y[num_pairs:]
+
+
+# Programmatic dependent launch for ``_combine_add_norm_kernel`` (sm_90 on), as the RMSNorm launch it
+# replaces had.
+COMBINE_PDL = True
+
+
+@triton.jit
+def _combine_add_norm_kernel(
+    pairs_ptr, p_st, p_sk, shared_ptr, s_st, gate_ptr, g_st, res_ptr, r_st, rows_ptr, w_ptr,
+    out_ptr, sum_ptr, num_rows, dim, eps,
+    TOP_K: tl.constexpr, HAS_GATE: tl.constexpr, HAS_ROWS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+):
+    """Rows of the MoE output, summed from its parts, added to the residual and normalized; rounded
+    where ``sum_choices``, ``shared_expert_combine`` and ``add_rms_norm`` round. ``PDL`` as the
+    RMSNorm it replaces: every input is an earlier launch's output, so wait before any load."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r < num_rows
+    if HAS_ROWS:
+        src = tl.load(rows_ptr + r, mask=r_ok, other=0).to(tl.int64)[:, None]
+    else:
+        src = r.to(tl.int64)[:, None]
+    r2 = r[:, None]
+    cols = tl.arange(0, BLOCK_D)[None, :]
+    mask = r_ok[:, None] & (cols < dim)
+    dtype = sum_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(pairs_ptr + src * p_st + j * p_sk + cols, mask=mask, other=0.0).to(tl.float32)
+    shared = tl.load(shared_ptr + src * s_st + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_GATE:
+        logit = tl.load(gate_ptr + src * g_st, mask=r_ok[:, None], other=0.0).to(tl.float32)
+        shared = round_as(round_as(tl.sigmoid(logit), dtype) * shared, dtype)
+    moe = round_as(round_as(acc, dtype) + shared, dtype)
+    xf = round_as(moe + tl.load(res_ptr + src * r_st + cols, mask=mask, other=0.0).to(tl.float32), dtype)
+    tl.store(sum_ptr + r2 * dim + cols, cast(xf, dtype), mask=mask)
+    normed = xf * tl.rsqrt(tl.sum(xf * xf, axis=1) / dim + eps)[:, None]
+    w = tl.load(w_ptr + cols, mask=cols < dim, other=0.0).to(tl.float32)
+    out_dtype = out_ptr.dtype.element_ty
+    if ZERO_CENTERED:
+        y = normed * (1.0 + w)
+    else:
+        y = round_as(w * round_as(normed, dtype), out_dtype)
+    tl.store(out_ptr + r2 * dim + cols, cast(y, out_dtype), mask=mask)
+
+
+def moe_combine_add_rms_norm(
+    pairs: torch.Tensor,
+    shared: torch.Tensor,
+    shared_gate_logit: torch.Tensor | None,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    zero_centered: bool,
+    rows: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One launch for what ``sum_choices``, ``shared_expert_combine`` and the next norm's
+    ``add_rms_norm`` did in three (each a pass over the rows)."""
+    num_tokens, top_k, dim = pairs.shape
+    if shared.shape != (num_tokens, dim) or residual.shape != (num_tokens, dim) or weight.shape != (dim,) \
+            or (shared_gate_logit is not None and shared_gate_logit.shape != (num_tokens, 1)):
+        raise ValueError(
+            f"moe_combine_add_rms_norm: pairs {tuple(pairs.shape)}, shared {tuple(shared.shape)}, residual "
+            f"{tuple(residual.shape)}, weight {tuple(weight.shape)}, gate "
+            f"{None if shared_gate_logit is None else tuple(shared_gate_logit.shape)} disagree"
+        )
+    pairs = pairs if pairs.stride(-1) == 1 else pairs.contiguous()
+    shared = shared if shared.stride(-1) == 1 else shared.contiguous()
+    residual = residual if residual.stride(-1) == 1 else residual.contiguous()
+    num_rows = num_tokens if rows is None else rows.shape[0]
+    out_dtype = pairs.dtype if zero_centered else torch.promote_types(pairs.dtype, weight.dtype)
+    out = new_empty((num_rows, dim), out_dtype, pairs.device)
+    summed = new_empty((num_rows, dim), pairs.dtype, pairs.device)
+    if num_rows:
+        block_d = pow2(dim)
+        block_r = rows_per_program(num_rows, block_d)
+        gate = shared_gate_logit if shared_gate_logit is not None else shared
+        _combine_add_norm_kernel[(triton.cdiv(num_rows, block_r),)](
+            pairs, pairs.stride(0), pairs.stride(1), shared, shared.stride(0), gate, gate.stride(0),
+            residual, residual.stride(0), rows if rows is not None else out, weight.contiguous(),
+            out, summed, num_rows, dim, eps,
+            TOP_K=top_k, HAS_GATE=shared_gate_logit is not None, HAS_ROWS=rows is not None,
+            ZERO_CENTERED=zero_centered, BLOCK_R=block_r, BLOCK_D=block_d, PDL=COMBINE_PDL and _pdl_available(),
+            num_warps=4 if block_r * block_d <= 1024 else 8, launch_pdl=COMBINE_PDL and _pdl_available(),
+        )
+    return out, summed
 
 
 @triton.jit

@@ -53,3 +53,35 @@ def test_float32_greedy_tokens_with_norms_fused_into_the_gemvs(monkeypatch):
               max_prefill_length=16, page_size=PAGE_SIZE, num_pages=64)
     assert_greedy_batch(llm, case, [llm.runtime.tokenize(p) for p in PROMPTS], max_tokens=8)
     assert calls, "the fused kernel never ran"
+
+
+@pytest.mark.parametrize("shared_in_grouped", [True, False])
+def test_float32_greedy_tokens_with_the_moe_output_summed_in_the_next_norm(monkeypatch, shared_in_grouped):
+    """Past 8 tokens the MoE block hands its output on in parts, summed with the residual add in the
+    next norm's launch (``layers.moe.COMBINE_IN_NEXT_NORM``), the shared expert inside the grouped
+    GEMMs or (``SHARED_IN_GROUPED_MAX_TOKENS`` 0) apart: still transformers' tokens, and the parts
+    really ran (the prompts' 16-token chunks)."""
+    from freetoken import kernels
+    from freetoken.layers import moe
+
+    case = Case("qwen3_5_moe", "two_layers")
+    if not shared_in_grouped:
+        monkeypatch.setattr(moe, "SHARED_IN_GROUPED_MAX_TOKENS", 0)
+    calls = {"pairs": 0, "shared_pairs": 0}
+
+    def counted(name, fn):
+        def run(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(kernels, "fused_experts_pairs", counted("pairs", kernels.fused_experts_pairs))
+    monkeypatch.setattr(kernels, "fused_experts_shared_pairs", counted("shared_pairs", kernels.fused_experts_shared_pairs))
+    llm = LLM(
+        model=str(checkpoint(case)), dtype="float32", device=DEVICE.type, kernel_backend="triton",
+        max_prefill_length=16, page_size=PAGE_SIZE, num_pages=64,
+    )
+    assert_greedy_batch(llm, case, [llm.runtime.tokenize(p) for p in PROMPTS], max_tokens=4)
+    assert calls["shared_pairs" if shared_in_grouped else "pairs"] > 0
+    assert calls["pairs" if shared_in_grouped else "shared_pairs"] == 0

@@ -133,3 +133,82 @@ def test_shared_expert_combine(rng, dtype):
     gate_logit = torch.randn(t, 9, generator=rng).to(dtype).to(DEVICE)[:, 8:]  # a strided column
     got = _triton().shared_expert_combine(routed, shared, gate_logit)
     assert_close(got, ref.shared_expert_combine_reference(routed, shared, gate_logit))
+
+
+def _experts(rng, dtype, e, hidden, inter):
+    w13 = (torch.randn(e, 2 * inter, hidden, generator=rng) * hidden**-0.5).to(dtype).to(DEVICE)
+    w2 = (torch.randn(e, hidden, inter, generator=rng) * inter**-0.5).to(dtype).to(DEVICE)
+    return w13, w2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 37])
+def test_fused_experts_pairs(rng, dtype, tokens):
+    """The pairs' outputs unsummed ``[T, k, H]``; their float32 sum is ``fused_experts``."""
+    e, k, hidden, inter = 7, 3, 72, 40
+    x = torch.randn(tokens, hidden, generator=rng).to(dtype).to(DEVICE)
+    w13, w2 = _experts(rng, dtype, e, hidden, inter)
+    weights, ids = ref.moe_topk_softmax_reference(torch.randn(tokens, e, generator=rng).to(dtype).to(DEVICE), k, True)
+    got = _triton().fused_experts_pairs(x, w13, w2, weights, ids)
+    assert_close(got, ref.fused_experts_pairs_reference(x, w13, w2, weights, ids))
+    assert_close(got.float().sum(1).to(dtype), ref.fused_experts_reference(x, w13, w2, weights, ids))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,block_m", [(1, 16), (37, 16), (21, 8)])  # one partial shared tile; several
+def test_fused_experts_shared_pairs(rng, monkeypatch, dtype, tokens, block_m):
+    """The shared expert as the grouped GEMMs' first row tiles: the same pairs, and its gated output
+    (gate logits a strided column of the router GEMM's output, as the layer passes them)."""
+    from freetoken.kernels.triton.moe_configs import GemmConfig
+
+    moe = _triton()
+    if block_m != 16:
+        config = GemmConfig(block_m=block_m, block_n=32, block_k=32, group_m=3, num_warps=4, num_stages=1)
+        monkeypatch.setattr(moe, "moe_gemm_config", lambda *args: config)
+    e, k, hidden, inter = 7, 3, 72, 40
+    x = torch.randn(tokens, hidden, generator=rng).to(dtype).to(DEVICE)
+    w13, w2 = _experts(rng, dtype, e, hidden, inter)
+    shared_w13, shared_w2 = (w[0] for w in _experts(rng, dtype, 1, hidden, inter))
+    logits = torch.randn(tokens, e + 1, generator=rng).to(dtype).to(DEVICE)
+    weights, ids = ref.moe_topk_softmax_reference(logits[:, :e], k, True)
+    args = (x, w13, w2, weights, ids, shared_w13, shared_w2, logits[:, e:])
+    pairs, gated = moe.fused_experts_shared_pairs(*args)
+    want_pairs, want_gated = ref.fused_experts_shared_pairs_reference(*args)
+    assert_close(pairs, want_pairs)
+    assert_close(gated, want_gated)
+
+
+def test_fused_experts_shared_pairs_rejects_another_intermediate(rng):
+    e, k, hidden, inter = 5, 2, 32, 16
+    x = torch.randn(3, hidden, generator=rng).to(DEVICE)
+    w13, w2 = _experts(rng, torch.float32, e, hidden, inter)
+    shared_w13, shared_w2 = (w[0] for w in _experts(rng, torch.float32, 1, hidden, 2 * inter))
+    weights, ids = ref.moe_topk_softmax_reference(torch.randn(3, e, generator=rng).to(DEVICE), k, True)
+    with pytest.raises(ValueError, match="shared_gate_up"):
+        _triton().fused_experts_shared_pairs(x, w13, w2, weights, ids, shared_w13, shared_w2, torch.zeros(3, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gated,zero_centered,selected", [(True, True, False), (False, True, True), (True, False, True)])
+def test_moe_combine_add_rms_norm(rng, dtype, gated, zero_centered, selected):
+    """The MoE output's sum, shared term, residual add and norm in one launch: as the three-launch
+    chain (``sum_choices``, ``shared_expert_combine``, ``add_rms_norm``); ``rows``: a subset, out of order."""
+    t, k, hidden = 9, 3, 50
+    pairs = torch.randn(t, k, hidden, generator=rng).to(dtype).to(DEVICE)
+    shared = torch.randn(t, hidden, generator=rng).to(dtype).to(DEVICE)
+    gate = torch.randn(t, 7, generator=rng).to(dtype).to(DEVICE)[:, 6:] if gated else None
+    residual = torch.randn(t, hidden, generator=rng).to(dtype).to(DEVICE)
+    weight = (torch.randn(hidden, generator=rng) * 0.1).to(dtype).to(DEVICE)
+    rows = torch.tensor([7, 2, 8], device=DEVICE) if selected else None
+    args = (pairs, shared, gate, residual, weight, 1e-6, zero_centered, rows)
+    normed, summed = _triton().moe_combine_add_rms_norm(*args)
+    want_normed, want_summed = ref.moe_combine_add_rms_norm_reference(*args)
+    assert_close(normed, want_normed)
+    assert_close(summed, want_summed)
+    from freetoken.kernels.norm import add_rms_norm_reference
+
+    picked = rows if rows is not None else torch.arange(t, device=DEVICE)
+    moe = pairs.float().sum(1).to(dtype)
+    moe = ref.shared_expert_combine_reference(moe, shared, gate) if gated else moe + shared
+    chain = add_rms_norm_reference(moe[picked], residual[picked], weight, 1e-6, zero_centered)
+    assert torch.equal(want_normed, chain[0]) and torch.equal(want_summed, chain[1])

@@ -16,7 +16,9 @@ from freetoken.plan import SlotSampling
 from freetoken.engine.sample import SlotSampler
 from freetoken.layers.slot_state import SlotStates
 from freetoken.scheduler.cache import PagePool
-from freetoken.scheduler.prefix_cache import PrefixCache, page_hashes
+from freetoken import LLM, SamplingParams
+from freetoken.kernels.prefill_snapshots import PrefillSnapshots
+from freetoken.scheduler.prefix_cache import PageHashChain, PrefixCache, page_hashes
 
 
 def _chain_per_page(token_ids: list[int], page_size: int, namespace: bytes = b"") -> list[bytes]:
@@ -39,6 +41,57 @@ def test_page_hashes_are_the_per_page_chain_from_lists_and_arrays():
         assert page_hashes(tokens, page_size, b"ns") == want
         assert page_hashes(np.array(tokens, dtype=np.int64), page_size, b"ns") == want
         assert len(want) == length // page_size
+
+
+def test_the_hash_chain_hashes_each_page_once_when_first_asked_for():
+    rng = random.Random(1)
+    tokens = [rng.randrange(248320) for _ in range(16 * 9 + 5)]
+    want = page_hashes(tokens, 16, b"ns")
+    chain = PageHashChain(tokens, 16, b"ns")
+    assert len(chain) == 9 and chain.num_computed == 0 and chain.computed(0) is None
+    assert chain[2] == want[2] and chain.num_computed == 3  # the pages before it, and it
+    assert chain.computed(1) == want[1] and chain.computed(3) is None
+    assert chain[1:4] == want[1:4] and chain.num_computed == 4
+    assert chain[-2:] == want[-2:] and chain[-1] == want[-1] and chain.num_computed == 9
+    assert chain[::3] == want[::3] and list(chain) == want and chain[5:2] == []
+    for index in (9, -10):
+        try:
+            chain[index]
+        except IndexError:
+            continue
+        raise AssertionError(f"index {index} of 9 pages did not raise")
+
+
+def test_a_fresh_prompt_is_hashed_and_its_snapshot_tables_built_behind_the_forward_launch(demo_checkpoint):
+    """Before the forward of a prompt nothing shares, its lookup hashes one page (its first miss),
+    and the in-forward snapshot's tables are still a function when the forward starts (the first
+    Gated DeltaNet layer builds them); the rest of the pages are hashed once the step is queued,
+    so a repeat hits them, with the same tokens."""
+    llm = LLM(model=str(demo_checkpoint), dtype="float32", device="cpu", page_size=4, max_prefill_length=128)
+    runtime, engine = llm.runtime, llm.runtime.engine
+    hashed_at_launch: list[int] = []
+    deferred: list[tuple[bool, bool]] = []
+    launch, forward = engine.launch, engine.model.forward
+
+    def spy_launch(plan):
+        hashed_at_launch.extend(r.page_hashes.num_computed for r in runtime.scheduler.running if r.num_computed == 0)
+        return launch(plan)
+
+    def spy_forward(batch):
+        before = callable(batch.snapshots)
+        logits = forward(batch)
+        deferred.append((before, isinstance(batch.snapshots, PrefillSnapshots)))
+        return logits
+
+    engine.launch, engine.model.forward = spy_launch, spy_forward
+    prompt = [random.Random(2).randrange(300) for _ in range(70)]
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    (first,) = llm.generate([{"prompt_token_ids": prompt}], params)
+    assert hashed_at_launch == [1]
+    assert deferred[0] == (True, True)  # the snapshot at the last full page (68), inside the chunk
+    (repeat,) = llm.generate([{"prompt_token_ids": prompt}], params)
+    assert repeat.num_cached_tokens == 68
+    assert repeat.token_ids == first.token_ids and len(first.token_ids) == 3
 
 
 class _Layer:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
 from freetoken import kernels
 from freetoken.experts.store import OffloadedExperts, ResidentExperts, make_store
 from freetoken.layers.linear import Weight, linear, sparse_moe_decode
+from freetoken.layers.norm import RMSNorm
 from freetoken.layers.weights import WeightTarget, new_param, packed_targets
 
 # Up to this many tokens the block after the router GEMM runs as one fused op (``kernels.sparse_moe_decode``):
@@ -15,8 +18,36 @@ from freetoken.layers.weights import WeightTarget, new_param, packed_targets
 # expert, so past a few tokens the duplicate expert reads (about 11% more expert bytes at 8 tokens
 # under uniform routing) outweigh the launches saved and the grouped path runs.
 DECODE_MAX_TOKENS = 8
+# Past DECODE_MAX_TOKENS, the grouped path hands its output on in parts (``MoEPartial``) when its
+# caller asks: the pairs' outputs, unsummed, and the shared expert's, which the next norm sums, adds
+# to the residual and normalizes in one launch (``kernels.moe_combine_add_rms_norm``), instead of
+# three (``sum_choices``, ``shared_expert_combine``, ``add_rms_norm``). False: the block's output
+# is summed here as before (for A/B runs).
+COMBINE_IN_NEXT_NORM = True
+# Up to this many tokens (and with the routed experts' intermediate size) the shared expert runs as
+# more row tiles of the grouped expert GEMMs (``kernels.fused_experts_shared_pairs``), saving its two
+# GEMMs and its SiLU launch; past it (prefill) cuBLAS's dense GEMMs are faster than the grouped
+# kernel's tiles. 0: never.
+SHARED_IN_GROUPED_MAX_TOKENS = 128
 # The router + shared-gate weight's rows are a multiple of this (8 rows: 16 bytes of bf16 output a row).
 GATE_ROW_ALIGN = 8
+
+
+class MoEPartial(NamedTuple):
+    """The grouped path's output before its sum: ``moe = Σ_j pairs[:, j] + g · shared``, with
+    ``g = sigmoid(gate_logit)``, or 1 when ``gate_logit`` is ``None`` (``shared`` already gated)."""
+
+    pairs: torch.Tensor  # [T, k, H]: each (token, choice) pair's weighted expert output
+    shared: torch.Tensor  # [T, H]
+    gate_logit: torch.Tensor | None  # [T, 1]
+
+    def add_rms_norm(
+        self, norm: RMSNorm, residual: torch.Tensor, rows: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(moe + residual), moe + residual)``, of ``rows`` only when given."""
+        return kernels.moe_combine_add_rms_norm(
+            self.pairs, self.shared, self.gate_logit, residual, norm.weight, norm.eps, norm.zero_centered, rows
+        )
 
 
 class SparseMoE(nn.Module):
@@ -106,9 +137,13 @@ class SparseMoE(nn.Module):
             gate_logits[:, : self.num_experts] += self.router_bias
         return gate_logits
 
-    def forward(self, x: torch.Tensor, projected: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, projected: torch.Tensor | None = None, partial: bool = False
+    ) -> torch.Tensor | MoEPartial:
         """The block on ``x``; ``projected``: the ``gate_weight`` GEMM of ``x`` where the caller ran it
-        already (with the norm that made ``x``: ``layers.normed_linear``)."""
+        already (with the norm that made ``x``: ``layers.normed_linear``). ``partial``: the caller
+        takes a ``MoEPartial`` (it adds the residual and normalizes next), which the grouped path of
+        dense resident experts returns under ``COMBINE_IN_NEXT_NORM``."""
         if projected is None:
             projected = linear(x, self.gate_weight)
         gate_logits = self._finish_gate_logits(projected)
@@ -122,7 +157,24 @@ class SparseMoE(nn.Module):
             return self.experts.decode(x, gate_logits, self.top_k, self.renormalize)
         router_logits, shared_gate = gate_logits[:, : self.num_experts], gate_logits[:, self.num_experts :]
         weights, ids = kernels.moe_topk_softmax(router_logits, self.top_k, self.renormalize)
+        if partial and COMBINE_IN_NEXT_NORM and self._dense_resident():
+            return self._partial(x, weights, ids, shared_gate)
         routing = self.experts.prepare(x, ids)  # offloaded: the missing experts' copies start
         shared = linear(kernels.silu_and_mul(linear(x, self.shared_gate_up)), self.shared_down)
         routed = self.experts.compute(x, weights, routing)
         return kernels.shared_expert_combine(routed, shared, shared_gate)
+
+    def _dense_resident(self) -> bool:
+        weights = (self.w13, self.w2, self.shared_gate_up, self.shared_down)
+        return isinstance(self.experts, ResidentExperts) and all(isinstance(w, torch.Tensor) for w in weights)
+
+    def _partial(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared_gate: torch.Tensor
+    ) -> MoEPartial:
+        if x.shape[0] <= SHARED_IN_GROUPED_MAX_TOKENS and self.shared_intermediate == self.intermediate:
+            pairs, shared = kernels.fused_experts_shared_pairs(
+                x, self.w13, self.w2, weights, ids, self.shared_gate_up, self.shared_down, shared_gate
+            )
+            return MoEPartial(pairs, shared, None)
+        shared = linear(kernels.silu_and_mul(linear(x, self.shared_gate_up)), self.shared_down)
+        return MoEPartial(kernels.fused_experts_pairs(x, self.w13, self.w2, weights, ids), shared, shared_gate)

@@ -16,6 +16,7 @@ import torch
 from freetoken import kernels
 from freetoken.kernels.gemv_configs import prefers_normed_gemv
 from freetoken.layers.linear import Weight, linear, takes_gemv
+from freetoken.layers.moe import MoEPartial
 from freetoken.layers.norm import RMSNorm
 
 
@@ -26,11 +27,16 @@ class NormedProjection(NamedTuple):
 
 
 def normed_linear(
-    norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, weight: Weight, return_normed: bool = False
+    norm: RMSNorm, x: torch.Tensor | MoEPartial, residual: torch.Tensor | None, weight: Weight, return_normed: bool = False
 ) -> NormedProjection:
     """``linear(norm(x + residual), weight)``, the new residual, and the normalized rows when
     ``return_normed`` (the MoE block reads them besides its router). ``residual=None``: the stream
-    starts at ``x`` (the first layer)."""
+    starts at ``x`` (the first layer); ``x`` a ``MoEPartial``: the MoE block's output in parts,
+    summed in the norm's launch."""
+    if isinstance(x, MoEPartial):
+        assert residual is not None, "a MoE block's output always has a residual stream before it"
+        normed, residual = x.add_rms_norm(norm, residual)
+        return NormedProjection(linear(normed, weight), normed if return_normed else None, residual)
     if fuses(norm, x, weight):
         return NormedProjection(
             *kernels.add_rms_norm_gemv(x, residual, norm.weight, norm.eps, norm.zero_centered, weight, return_normed)

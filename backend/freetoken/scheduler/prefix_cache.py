@@ -32,18 +32,59 @@ from freetoken.scheduler.cache import PagePool
 PageHash = bytes
 
 
+class PageHashChain(Sequence[PageHash]):
+    """The chain hash of each full page of a prompt (a trailing partial page has none), computed on
+    demand, in order, each once: blake2b-128 of the previous page's hash and the page's ids as
+    native int64 bytes, seeded with the namespace's hash. The ids become bytes once, so a page
+    costs one hash of 16 + 8 * page_size bytes and no per-token work (an 8k-token prompt: 512).
+
+    On demand because the lookup before a prompt's first forward needs only the hashes up to its
+    first miss (one, for a prompt nothing shares); the rest are needed when the computed pages join
+    the index (``Scheduler.launched``), after the forward is queued, so they cost the host time the
+    device spends on that forward rather than time to first token."""
+
+    def __init__(self, token_ids: Sequence[int] | np.ndarray, page_size: int, namespace: bytes = b"") -> None:
+        self._data = np.ascontiguousarray(token_ids, dtype=np.int64).tobytes()
+        self._step = page_size * 8
+        self._count = len(self._data) // self._step
+        self._hashes: list[PageHash] = []
+        self._last = blake2b(namespace, digest_size=16, person=b"freetoken-pc").digest()
+
+    def __len__(self) -> int:
+        return self._count
+
+    @property
+    def num_computed(self) -> int:
+        return len(self._hashes)
+
+    def computed(self, index: int) -> PageHash | None:
+        """Page ``index``'s hash if it was computed already, else None (nothing is computed)."""
+        return self._hashes[index] if 0 <= index < len(self._hashes) else None
+
+    def _extend(self, count: int) -> None:
+        data, step, hashes, previous = self._data, self._step, self._hashes, self._last
+        for start in range(len(hashes) * step, min(count, self._count) * step, step):
+            previous = blake2b(previous + data[start : start + step], digest_size=16).digest()
+            hashes.append(previous)
+        self._last = previous
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            positions = range(self._count)[index]
+            self._extend(max(positions, default=-1) + 1)
+            return [self._hashes[i] for i in positions]
+        position = range(self._count)[index]  # IndexError past either end
+        self._extend(position + 1)
+        return self._hashes[position]
+
+    def __iter__(self):
+        for index in range(self._count):
+            yield self[index]
+
+
 def page_hashes(token_ids: Sequence[int] | np.ndarray, page_size: int, namespace: bytes = b"") -> list[PageHash]:
-    """The chain hash of each full page of ``token_ids`` (a trailing partial page has none):
-    blake2b-128 of the previous page's hash and the page's ids as native int64 bytes, seeded with
-    the namespace's hash. The ids become bytes once, so a page costs one hash of 16 + 8 * page_size
-    bytes and no per-token work (an 8k-token prompt: 512 hashes)."""
-    data = np.ascontiguousarray(token_ids, dtype=np.int64).tobytes()
-    step = page_size * 8
-    previous = blake2b(namespace, digest_size=16, person=b"freetoken-pc").digest()
-    return [
-        previous := blake2b(previous + data[start : start + step], digest_size=16).digest()
-        for start in range(0, len(data) // step * step, step)
-    ]
+    """Every full page's chain hash at once (``PageHashChain``)."""
+    return list(PageHashChain(token_ids, page_size, namespace))
 
 
 @dataclass(frozen=True)

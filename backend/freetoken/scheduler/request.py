@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from freetoken.core import FinishReason, RequestTimes, ResolvedSampling, SamplingParams, TokenLogprobs
+
+if TYPE_CHECKING:
+    from freetoken.scheduler.prefix_cache import PageHashChain
 
 
 class RequestStatus(enum.Enum):
@@ -46,7 +50,7 @@ class Request:
     num_preemptions: int = 0
     # Prefix caching. What besides the tokens changes the KV (seeds the page hashes).
     prefix_namespace: bytes = b""
-    page_hashes: list[bytes] | None = None  # of the prompt's full pages, computed at first lookup
+    page_hashes: PageHashChain | None = None  # of the prompt's full pages, each computed when first asked for
     num_cached_tokens: int = 0  # prompt tokens the first admission found cached (vLLM's name)
     num_indexed_pages: int = 0  # of its pages, those the prefix index names already
     snapshot_at: list[int] = field(default_factory=list)  # boundaries still to snapshot, ascending

@@ -31,8 +31,21 @@ import numpy as np
 
 from freetoken.plan import PageUpdate, PlanRow, RowSnapshot, SlotSampling, StepPlan
 from freetoken.scheduler.cache import PagePool, SlotPool
-from freetoken.scheduler.prefix_cache import PageHash, PrefixCache, PrefixHit, page_hashes
+from freetoken.scheduler.prefix_cache import PageHash, PageHashChain, PrefixCache, PrefixHit
 from freetoken.scheduler.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class PageRef:
+    """Page ``index`` of a prompt, whose chain hash is computed when it is asked for: a snapshot's
+    page is named at ``Scheduler.launched``, after the forward is queued, not while the plan is built."""
+
+    hashes: PageHashChain
+    index: int
+
+    @property
+    def hash(self) -> PageHash:
+        return self.hashes[self.index]
 
 
 @dataclass
@@ -41,7 +54,7 @@ class ScheduledStep:
 
     plan: StepPlan
     requests: list[Request] = field(default_factory=list)  # one per plan row
-    snapshots: list[tuple[PageHash, int]] = field(default_factory=list)  # written into these slots by the plan
+    snapshots: list[tuple[PageRef, int]] = field(default_factory=list)  # written into these slots by the plan
 
     @property
     def sampling_requests(self) -> list[Request]:
@@ -104,7 +117,7 @@ class Scheduler:
         self.num_preemptions = 0
         # (request slot, page hash) of boundaries reached by the last launched step, to snapshot
         # in the next plan (before anything else touches the slot).
-        self._pending_snapshots: list[tuple[int, PageHash]] = []
+        self._pending_snapshots: list[tuple[int, PageRef]] = []
 
     # ----- pages, through the prefix cache when there is one -----
 
@@ -260,7 +273,7 @@ class Scheduler:
         if self.prefix_cache is None:
             return PrefixHit()
         if req.page_hashes is None:
-            req.page_hashes = page_hashes(req.prompt_array, self.pages.page_size, req.prefix_namespace)
+            req.page_hashes = PageHashChain(req.prompt_array, self.pages.page_size, req.prefix_namespace)
         return self.prefix_cache.lookup(req.page_hashes, len(req.token_ids) - 1)
 
     def _take_hit(self, req: Request, hit: PrefixHit) -> None:
@@ -301,41 +314,47 @@ class Scheduler:
         req: Request,
         num_tokens: int,
         inside: dict[Request, list[tuple[int, int]]],
-        snapshots: list[tuple[PageHash, int]],
+        snapshots: list[tuple[PageRef, int]],
     ) -> None:
         """The boundaries strictly inside ``req``'s chunk of ``num_tokens``, each into a snapshot
         slot the forward writes (the least recently used snapshot evicted if none is free; it may
         be one this plan restores: the restore's copy runs before the forward). A boundary that
-        ends the chunk is left to the next plan's copy (``launched``)."""
+        ends the chunk is left to the next plan's copy (``launched``).
+
+        Whether the boundary is snapshotted already is asked only where the lookup hashed its page:
+        a page past the prompt's first miss is not cached (bar a chain the index broke), so hashing
+        the prompt up to it here would put that work before the forward for nothing; should the
+        snapshot exist after all, ``PrefixCache.insert_snapshot`` gives the new slot back."""
         cache = self.prefix_cache
         end = req.num_computed + num_tokens
         while req.snapshot_at and req.snapshot_at[0] < end:
             boundary = req.snapshot_at.pop(0)
             assert self.snapshots_in_forward and boundary > req.num_computed, "a chunk passed a snapshot boundary"
-            page_hash = req.page_hashes[boundary // self.pages.page_size - 1]
-            if cache.has_snapshot(page_hash):
+            page = PageRef(req.page_hashes, boundary // self.pages.page_size - 1)
+            known = req.page_hashes.computed(page.index)
+            if known is not None and cache.has_snapshot(known):
                 continue
             snapshot = cache.allocate_snapshot()
             if snapshot is None:
                 continue
             inside.setdefault(req, []).append((boundary - req.num_computed, snapshot))
-            snapshots.append((page_hash, snapshot))
+            snapshots.append((page, snapshot))
 
-    def _snapshot_copies(self) -> tuple[list[tuple[int, int]], list[tuple[PageHash, int]]]:
+    def _snapshot_copies(self) -> tuple[list[tuple[int, int]], list[tuple[PageRef, int]]]:
         """The copies of the boundaries the last launched step reached, each into a snapshot slot
         (the least recently used snapshot evicted if none is free); they run before this plan's
         forward and resets, so a slot freed meanwhile is still read as that step left it."""
         copies: list[tuple[int, int]] = []
-        snapshots: list[tuple[PageHash, int]] = []
+        snapshots: list[tuple[PageRef, int]] = []
         cache = self.prefix_cache
-        for slot, page_hash in self._pending_snapshots:
-            if cache is None or cache.has_snapshot(page_hash) or not cache.is_cached(page_hash):
+        for slot, page in self._pending_snapshots:
+            if cache is None or cache.has_snapshot(page.hash) or not cache.is_cached(page.hash):
                 continue
             snapshot = cache.allocate_snapshot()
             if snapshot is None:
                 continue
             copies.append((slot, snapshot))
-            snapshots.append((page_hash, snapshot))
+            snapshots.append((page, snapshot))
         return copies, snapshots
 
     def failed(self, step: ScheduledStep) -> None:
@@ -408,10 +427,10 @@ class Scheduler:
             req.num_indexed_pages = max(req.num_indexed_pages, full)
             if req.snapshot_at and req.snapshot_at[0] == req.num_computed:
                 boundary = req.snapshot_at.pop(0)
-                self._pending_snapshots.append((req.slot, req.page_hashes[boundary // self.pages.page_size - 1]))
+                self._pending_snapshots.append((req.slot, PageRef(req.page_hashes, boundary // self.pages.page_size - 1)))
         if cache is not None:  # after the pages: a snapshot taken inside this step ends at one of them
-            for page_hash, snapshot in step.snapshots:
-                cache.insert_snapshot(page_hash, snapshot)
+            for page, snapshot in step.snapshots:
+                cache.insert_snapshot(page.hash, snapshot)
 
     def landed(self, step: ScheduledStep) -> None:
         """The step's sampled tokens reached the host (appended by the caller right after)."""

@@ -13,7 +13,8 @@ from freetoken.batch import ForwardBatch
 from freetoken.kernels.prefill_snapshots import PrefillSnapshots, prefill_snapshots
 from freetoken.layers.attention import GatedAttention
 from freetoken.layers.gated_deltanet import GatedDeltaNet
-from freetoken.layers.moe import SparseMoE
+from freetoken.layers.linear import linear
+from freetoken.layers.moe import MoEPartial, SparseMoE
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.normed_linear import normed_linear
 from freetoken.layers.slot_state import SlotStates
@@ -45,13 +46,14 @@ class DecoderLayer(nn.Module):
         return targets
 
     def forward(
-        self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # Each norm runs with the projection after it (one launch at decode: layers.normed_linear).
+        self, hidden: torch.Tensor | MoEPartial, residual: torch.Tensor | None, batch: ForwardBatch
+    ) -> tuple[torch.Tensor | MoEPartial, torch.Tensor]:
+        # Each norm runs with the projection after it (one launch at decode: layers.normed_linear),
+        # and past a few rows sums the previous MoE block's output in its launch (``MoEPartial``).
         mixer_in = normed_linear(self.input_layernorm, hidden, residual, self.mixer.input_weight)
         hidden = self.mixer.forward_projected(mixer_in.out, batch)
         mlp_in = normed_linear(self.post_attention_layernorm, hidden, mixer_in.residual, self.mlp.gate_weight, True)
-        return self.mlp(mlp_in.normed, mlp_in.out), mlp_in.residual
+        return self.mlp(mlp_in.normed, mlp_in.out, partial=True), mlp_in.residual
 
 
 class Qwen3_5MoeModel(CausalLM):
@@ -133,4 +135,6 @@ class Qwen3_5MoeModel(CausalLM):
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, batch)
         last = batch.logits_indices
+        if isinstance(hidden, MoEPartial):  # the sum, residual add and norm of the last rows only
+            return linear(hidden.add_rms_norm(self.norm, residual, last)[0], self.lm_head).float()
         return normed_linear(self.norm, hidden[last], residual[last], self.lm_head).out.float()
