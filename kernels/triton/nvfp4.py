@@ -6,20 +6,29 @@ hardware fp8 conversion, ``_decode_tile``) and multiplies it with
 the activations on the tensor cores (``tl.dot``, float32 accumulation); the per-row scale is applied
 to the accumulator. Decode-sized batches (a few rows) read each packed byte once and are bound by
 those bytes: up to ``nvfp4_rows.GEMV_MAX_ROWS`` rows without tensor cores (``nvfp4_gemv``, whole
-packed rows a program), up to 16 in narrow tensor-core tiles; prefill-sized ones run large bf16 tiles.
+packed rows a program), up to 16 in narrow tensor-core tiles; prefill-sized ones run large bf16
+tiles, and past ``nvfp4_configs.LINEAR_DEQUANT_MIN_ROWS`` rows the weight is dequantized once
+(``dequantize_nvfp4``) and multiplied by cuBLAS: the tiles would decode each weight once per row tile.
 
 ``fused_experts_nvfp4`` is ``fused_experts`` (``kernels/triton/moe.py``: sort pairs by expert,
-grouped gate/up GEMM with SiLU-and-mul, grouped down GEMM, per-token sum) with these weight tiles.
+grouped gate/up GEMM with SiLU-and-mul, grouped down GEMM, per-token sum) with these weight tiles,
+their sizes from ``nvfp4_configs`` by pairs per expert; where that table says ``DEQUANT`` (an 8k
+prefill's hundreds of pairs an expert) the experts are dequantized a group at a time and run through
+the bf16 grouped GEMMs instead.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from freetoken.kernels.triton import moe, nvfp4_configs
 from freetoken.kernels.triton._common import _INTERPRETED, INTERPRETED, cast, device_function, dot, dot_precision, new_empty, pow2, round_as
-from freetoken.kernels.triton.moe import _tile_of, moe_sort_tokens, sum_choices
+from freetoken.kernels.triton.moe import _grouped_tile, _tile_of, moe_sort_tokens, sum_choices
+from freetoken.kernels.triton.moe_configs import GemmConfig, moe_gemm_config
+from freetoken.kernels.triton.nvfp4_configs import nvfp4_moe_config
 from freetoken.kernels.triton.nvfp4_rows import GEMV_MAX_ROWS, _code_bf16, _e4m3_codes, nvfp4_gemv
 
 GROUP = 16
@@ -111,6 +120,8 @@ def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ro
         rows = rows.contiguous()
     num_rows = rows.shape[0]
     out = new_empty((num_rows, n_out), x.dtype, x.device)
+    if num_rows >= nvfp4_configs.LINEAR_DEQUANT_MIN_ROWS:
+        return F.linear(x, dequantize_nvfp4(packed, scales, row_scales, x.dtype))
     if 0 < num_rows <= GEMV_MAX_ROWS:
         nvfp4_gemv(rows, packed.contiguous(), scales.contiguous().view(torch.uint8), row_scales.contiguous(), out)
     elif num_rows:
@@ -124,31 +135,60 @@ def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ro
     return out.reshape(*x.shape[:-1], n_out)
 
 
+@device_function
+def _packed_tile(w_ptr, rows, rows_ok, k0, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """uint8 codes ``[BLOCK_N, BLOCK_K / 2]`` of input columns ``k0 ...`` of weight rows ``rows``."""
+    half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    return tl.load(w_ptr + rows[:, None].to(tl.int64) * (K // 2) + half[None, :],
+                   mask=rows_ok[:, None] & ((half < K // 2) | EVEN_K)[None, :], other=0)
+
+
+@device_function
+def _scale_tile(s_ptr, rows, rows_ok, k0, K, BLOCK_K: tl.constexpr):
+    """e4m3 bytes ``[BLOCK_N, BLOCK_K / 16]`` of input columns ``k0 ...`` (zero past ``K``: the
+    grouped kernels load the step after the last one)."""
+    group = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+    return tl.load(s_ptr + rows[:, None].to(tl.int64) * (K // 16) + group[None, :],
+                   mask=rows_ok[:, None] & (group < K // 16)[None, :], other=0)
+
+
+# The grouped kernels load each K step's scale bytes one step ahead, into registers carried by the
+# loop: Triton's pipeliner streams the packed codes and the activations through shared memory
+# (cp.async) but leaves these 8-16-byte rows as a synchronous load in the step that uses them, and
+# with a few programs an SM that load's latency was paid every step (seen in the TTGIR, sm_90).
 @triton.jit
 def _gate_up_kernel(
     x_ptr, x_st, w_ptr, s_ptr, r_ptr, order_ptr, offsets_ptr, h_ptr,
-    hidden, inter, num_experts,
+    hidden, inter, num_experts, num_row_tiles,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_E: tl.constexpr, PRECISION: tl.constexpr,
+    GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    expert, first, end = _tile_of(tl.program_id(0), offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
+    tile, col_block = _grouped_tile(num_row_tiles, tl.cdiv(inter, BLOCK_N), GROUP_M)
+    expert, first, end = _tile_of(tile, offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
     if expert < num_experts:
         rows = first + tl.arange(0, BLOCK_M)
         row_ok = rows < end
         token = tl.load(order_ptr + rows, mask=row_ok, other=0) // TOP_K
-        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < inter
         dtype = h_ptr.dtype.element_ty
         gate_rows = expert * 2 * inter + n  # rows of the flattened [E * 2I, H] weight
         up_rows = gate_rows + inter
         acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        s_gate = _scale_tile(s_ptr, gate_rows, n_ok, 0, hidden, BLOCK_K)
+        s_up = _scale_tile(s_ptr, up_rows, n_ok, 0, hidden, BLOCK_K)
         for k0 in range(0, hidden, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = (k < hidden) | EVEN_K  # constant true when the tiles divide the dim: no column mask
             a = tl.load(x_ptr + token[:, None].to(tl.int64) * x_st + k[None, :],
-                        mask=row_ok[:, None] & (k < hidden)[None, :], other=0.0)
-            w_gate = _load_tile(w_ptr, s_ptr, gate_rows, n_ok, k0, hidden, dtype, BLOCK_N, BLOCK_K)
-            w_up = _load_tile(w_ptr, s_ptr, up_rows, n_ok, k0, hidden, dtype, BLOCK_N, BLOCK_K)
+                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w_gate = _decode_tile(_packed_tile(w_ptr, gate_rows, n_ok, k0, hidden, BLOCK_K, EVEN_K), s_gate,
+                                  dtype, BLOCK_N, BLOCK_K)
+            w_up = _decode_tile(_packed_tile(w_ptr, up_rows, n_ok, k0, hidden, BLOCK_K, EVEN_K), s_up,
+                                dtype, BLOCK_N, BLOCK_K)
+            s_gate = _scale_tile(s_ptr, gate_rows, n_ok, k0 + BLOCK_K, hidden, BLOCK_K)
+            s_up = _scale_tile(s_ptr, up_rows, n_ok, k0 + BLOCK_K, hidden, BLOCK_K)
             acc_gate += dot(a, tl.trans(w_gate), PRECISION)
             acc_up += dot(a, tl.trans(w_up), PRECISION)
         gate = round_as(acc_gate * tl.load(r_ptr + gate_rows, mask=n_ok, other=0.0)[None, :], dtype)
@@ -160,25 +200,29 @@ def _gate_up_kernel(
 @triton.jit
 def _down_kernel(
     h_ptr, w_ptr, s_ptr, r_ptr, order_ptr, offsets_ptr, topk_w_ptr, y_ptr,
-    hidden, inter, num_experts,
+    hidden, inter, num_experts, num_row_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_E: tl.constexpr, PRECISION: tl.constexpr,
+    GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    expert, first, end = _tile_of(tl.program_id(0), offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
+    tile, col_block = _grouped_tile(num_row_tiles, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+    expert, first, end = _tile_of(tile, offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
     if expert < num_experts:
         rows = first + tl.arange(0, BLOCK_M)
         row_ok = rows < end
         pair = tl.load(order_ptr + rows, mask=row_ok, other=0)
-        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < hidden
         dtype = y_ptr.dtype.element_ty
         w_rows = expert * hidden + n  # rows of the flattened [E * H, I] weight
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        s = _scale_tile(s_ptr, w_rows, n_ok, 0, inter, BLOCK_K)
         for k0 in range(0, inter, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = (k < inter) | EVEN_K
             a = tl.load(h_ptr + rows[:, None].to(tl.int64) * inter + k[None, :],
-                        mask=row_ok[:, None] & (k < inter)[None, :], other=0.0)
-            w = _load_tile(w_ptr, s_ptr, w_rows, n_ok, k0, inter, dtype, BLOCK_N, BLOCK_K)
+                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = _decode_tile(_packed_tile(w_ptr, w_rows, n_ok, k0, inter, BLOCK_K, EVEN_K), s, dtype, BLOCK_N, BLOCK_K)
+            s = _scale_tile(s_ptr, w_rows, n_ok, k0 + BLOCK_K, inter, BLOCK_K)
             acc += dot(a, tl.trans(w), PRECISION)
         weight = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
         y = round_as(acc * tl.load(r_ptr + w_rows, mask=n_ok, other=0.0)[None, :], dtype) * weight[:, None]
@@ -186,17 +230,113 @@ def _down_kernel(
                  mask=row_ok[:, None] & n_ok[None, :])
 
 
-def _expert_tiles(dtype: torch.dtype, num_pairs: int, num_experts: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) from the mean pairs per expert."""
-    mean_rows = num_pairs / max(num_experts, 1)
-    block_m = 16 if mean_rows <= 16 else 32 if mean_rows <= 48 else 64
-    if INTERPRETED:
-        return block_m, 64, 128, 4, 1
-    if dtype == torch.float32:
-        return block_m, 64, 32, 4, 2
-    if block_m == 16:  # decode: a few rows per expert, bound by the packed bytes
-        return 16, 32, 256, 4, 4
-    return block_m, 64, 128, 4, 3
+@triton.jit
+def _dequant_kernel(w_ptr, s_ptr, r_ptr, out_ptr, num_rows, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows ``[BLOCK_R]`` x columns ``[BLOCK_K]`` of the dense weight: ``e2m1 · e4m3`` (exact in the
+    output dtype) times the row scale in float32, rounded once, as ``dequantize_nvfp4``."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows_ok = rows < num_rows
+    k0 = tl.program_id(1) * BLOCK_K
+    dtype = out_ptr.dtype.element_ty
+    w = _load_tile(w_ptr, s_ptr, rows, rows_ok, k0, K, dtype, BLOCK_R, BLOCK_K)
+    out = w.to(tl.float32) * tl.load(r_ptr + rows, mask=rows_ok, other=0.0)[:, None]
+    k = k0 + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * K + k[None, :], cast(out, dtype),
+             mask=rows_ok[:, None] & (k < K)[None, :])
+
+
+def dequantize_nvfp4_into(packed: torch.Tensor, scale_bytes: torch.Tensor, row_scales: torch.Tensor,
+                          out: torch.Tensor) -> None:
+    """``out [*, N, K] = dequantize_nvfp4(...)`` in ``out``'s dtype (contiguous inputs, scales as uint8)."""
+    k_in = out.shape[-1]
+    num_rows = out.numel() // max(k_in, 1)
+    if not num_rows:
+        return
+    block_r, block_k = (64, 128) if INTERPRETED else (16, 256)
+    _dequant_kernel[(triton.cdiv(num_rows, block_r), triton.cdiv(k_in, block_k))](
+        packed, scale_bytes, row_scales, out, num_rows, k_in, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4,
+    )
+
+
+def dequantize_nvfp4(packed: torch.Tensor, scales: torch.Tensor, row_scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``kernels.nvfp4.dequantize_nvfp4`` in one launch (bit-identical): the weight ``[*, out, in]``."""
+    *lead, rows, half = packed.shape
+    out = new_empty((*lead, rows, 2 * half), dtype, packed.device)
+    dequantize_nvfp4_into(packed.contiguous(), scales.contiguous().view(torch.uint8), row_scales.contiguous(), out)
+    return out
+
+
+def _row_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Upper bound of the grouped GEMM's row tiles: every expert may end in a partial tile."""
+    return triton.cdiv(num_pairs, block_m) + num_experts
+
+
+Packed = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # packed codes, scale bytes (uint8), row scales
+
+
+def _expert_groups(num_experts: int, rows: int, cols: int, dtype: torch.dtype) -> int:
+    """Experts dequantized at a time by the dequantize-then-bf16 path (``DEQUANT_GROUP_BYTES``)."""
+    per_expert = rows * cols * torch.tensor([], dtype=dtype).element_size()
+    return max(1, min(num_experts, nvfp4_configs.DEQUANT_GROUP_BYTES // per_expert))
+
+
+def gate_up_nvfp4(x: torch.Tensor, w13: Packed, order: torch.Tensor, offsets: torch.Tensor, h: torch.Tensor,
+                  top_k: int, config: GemmConfig | None) -> None:
+    """``h[sorted pair] = silu(x w_gateᵀ) · (x w_upᵀ)`` of the pair's expert over NVFP4 ``w13``
+    (contiguous, ``[E, 2I, H / 2]`` codes): the W4A16 kernel with ``config``'s tiles, or with
+    ``None`` the experts dequantized a group at a time and the bf16 grouped GEMM (the tuner
+    launches both)."""
+    packed, scale_bytes, row_scales = w13
+    num_experts, two_inter, half = packed.shape
+    hidden, inter = 2 * half, two_inter // 2
+    if config is None:
+        group = _expert_groups(num_experts, two_inter, hidden, x.dtype)
+        scratch = new_empty((group, two_inter, hidden), x.dtype, x.device)
+        bf16_config = moe_gemm_config("gate_up", x.dtype, h.shape[0], num_experts, hidden, inter)
+        for e0 in range(0, num_experts, group):
+            weights = scratch[: min(group, num_experts - e0)]
+            dequantize_nvfp4_into(packed[e0:], scale_bytes[e0:], row_scales[e0:], weights)
+            moe.gate_up(x, weights, order, offsets[e0:], h, top_k, bf16_config)
+        return
+    tiles = _row_tiles(h.shape[0], num_experts, config.block_m)
+    _gate_up_kernel[(tiles * triton.cdiv(inter, config.block_n),)](
+        x, x.stride(0), packed, scale_bytes, row_scales, order, offsets, h, hidden, inter, num_experts, tiles,
+        TOP_K=top_k, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        GROUP_M=config.group_m, BLOCK_E=pow2(num_experts), EVEN_K=hidden % config.block_k == 0,
+        PRECISION=dot_precision(x.dtype), num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+
+
+def down_nvfp4(h: torch.Tensor, w2: Packed, order: torch.Tensor, offsets: torch.Tensor, topk_weights: torch.Tensor,
+               y: torch.Tensor, config: GemmConfig | None) -> None:
+    """``y[pair] = weight · (h w_downᵀ)`` of the pair's expert over NVFP4 ``w2`` (``[E, H, I / 2]``
+    codes), in pair order; ``config`` as in ``gate_up_nvfp4``."""
+    packed, scale_bytes, row_scales = w2
+    num_experts, hidden, half = packed.shape
+    inter = 2 * half
+    if config is None:
+        group = _expert_groups(num_experts, hidden, inter, h.dtype)
+        scratch = new_empty((group, hidden, inter), h.dtype, h.device)
+        bf16_config = moe_gemm_config("down", h.dtype, h.shape[0], num_experts, hidden, inter)
+        for e0 in range(0, num_experts, group):
+            weights = scratch[: min(group, num_experts - e0)]
+            dequantize_nvfp4_into(packed[e0:], scale_bytes[e0:], row_scales[e0:], weights)
+            moe.down(h, weights, order, offsets[e0:], topk_weights, y, bf16_config)
+        return
+    tiles = _row_tiles(h.shape[0], num_experts, config.block_m)
+    _down_kernel[(tiles * triton.cdiv(hidden, config.block_n),)](
+        h, packed, scale_bytes, row_scales, order, offsets, topk_weights, y, hidden, inter, num_experts, tiles,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        GROUP_M=config.group_m, BLOCK_E=pow2(num_experts), EVEN_K=inter % config.block_k == 0,
+        PRECISION=dot_precision(h.dtype), num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+
+
+def expert_configs(dtype: torch.dtype, num_pairs: int, num_experts: int, hidden: int,
+                   inter: int) -> tuple[GemmConfig | None, GemmConfig | None]:
+    """The (gate/up, down) launch configurations of ``fused_experts_nvfp4`` (``nvfp4_configs``)."""
+    return (nvfp4_moe_config("gate_up", dtype, num_pairs, num_experts, hidden, inter),
+            nvfp4_moe_config("down", dtype, num_pairs, num_experts, hidden, inter))
 
 
 def fused_experts_nvfp4(
@@ -210,6 +350,28 @@ def fused_experts_nvfp4(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = w13_packed.shape
+    inter = two_inter // 2
+    return fused_experts_nvfp4_tiled(
+        x, w13_packed, w13_scales, w13_row_scales, w2_packed, w2_scales, w2_row_scales, topk_weights, topk_ids,
+        expert_configs(x.dtype, num_tokens * topk_ids.shape[-1], num_experts, hidden, inter),
+    )
+
+
+def fused_experts_nvfp4_tiled(
+    x: torch.Tensor,
+    w13_packed: torch.Tensor,
+    w13_scales: torch.Tensor,
+    w13_row_scales: torch.Tensor,
+    w2_packed: torch.Tensor,
+    w2_scales: torch.Tensor,
+    w2_row_scales: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    configs: tuple[GemmConfig | None, GemmConfig | None],
+) -> torch.Tensor:
+    """``fused_experts_nvfp4`` with the given (gate/up, down) configurations (tests and the tuner)."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13_packed.shape
     inter = two_inter // 2
@@ -234,22 +396,11 @@ def fused_experts_nvfp4(
     topk_weights = topk_weights.contiguous()
     num_pairs = num_tokens * top_k
     order, offsets = moe_sort_tokens(topk_ids, num_experts)
-    block_m, block_n, block_k, warps, stages = _expert_tiles(x.dtype, num_pairs, num_experts)
-    max_tiles = triton.cdiv(num_pairs, block_m) + num_experts
-    precision = dot_precision(x.dtype)
+    w13 = (w13_packed.contiguous(), w13_scales.contiguous().view(torch.uint8), w13_row_scales.contiguous())
+    w2 = (w2_packed.contiguous(), w2_scales.contiguous().view(torch.uint8), w2_row_scales.contiguous())
     h = new_empty((num_pairs, inter), x.dtype, x.device)
-    _gate_up_kernel[(max_tiles, triton.cdiv(inter, block_n))](
-        x, x.stride(0), w13_packed.contiguous(), w13_scales.contiguous().view(torch.uint8), w13_row_scales.contiguous(),
-        order, offsets, h, hidden, inter, num_experts,
-        TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        BLOCK_E=pow2(num_experts), PRECISION=precision, num_warps=warps, num_stages=stages,
-    )
+    gate_up_nvfp4(x, w13, order, offsets, h, top_k, configs[0])
     y = new_empty((num_pairs, hidden), x.dtype, x.device)
-    _down_kernel[(max_tiles, triton.cdiv(hidden, block_n))](
-        h, w2_packed.contiguous(), w2_scales.contiguous().view(torch.uint8), w2_row_scales.contiguous(),
-        order, offsets, topk_weights, y, hidden, inter, num_experts,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        BLOCK_E=pow2(num_experts), PRECISION=precision, num_warps=warps, num_stages=stages,
-    )
+    down_nvfp4(h, w2, order, offsets, topk_weights, y, configs[1])
     sum_choices(y, out, top_k)
     return out

@@ -1,0 +1,87 @@
+"""Launch configurations of the NVFP4 (W4A16) prefill GEMMs: the grouped MoE GEMMs' tiles per
+GEMM and expert shape, chosen by the mean (token, choice) pairs per expert, and the sizes past which
+a GEMM dequantizes its weights to the activation dtype and runs the bf16 GEMM instead.
+
+Why buckets by pairs per expert: every row tile decodes its expert's whole weight tile in registers,
+so at a prefix hit's tail (8-64 pairs an expert) one row tile an expert (``block_m`` >= the pairs)
+decodes each weight once and the GEMM is bound by the packed bytes; at an 8k prefill (256 pairs an
+expert) the decode is repeated per row tile and wide row tiles (or dequantizing once, ``dequant``)
+pay it fewer times.
+
+``TUNED`` holds what ``benchmarks/tune_nvfp4_moe.py`` measured on the H200; it writes the block
+between the ``TUNED`` markers itself (``--apply``), so a tuning run patches this file in one step.
+Shapes it does not list use ``DEFAULT``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from freetoken.kernels.triton._common import INTERPRETED
+from freetoken.kernels.triton.moe_configs import GemmConfig
+
+C = GemmConfig
+# (largest mean pairs per expert, config), increasing; the last bucket has no upper bound. A config
+# of ``None`` (``DEQUANT``): dequantize the experts to the activation dtype, in groups of
+# ``DEQUANT_GROUP_BYTES``, and run the bf16 grouped GEMM (``kernels/triton/moe.py``) on each group.
+DEQUANT = None
+Buckets = tuple[tuple[float, GemmConfig | None], ...]
+
+DEFAULT: dict[str, Buckets] = {
+    # gate/up decodes two weight tiles (gate and up, 2 x block_n rows) per K step.
+    "gate_up": (
+        (12, C(16, 64, 128, 8, 4, 3)),
+        (48, C(32, 64, 128, 8, 4, 3)),
+        (96, C(64, 64, 128, 8, 4, 3)),
+        (float("inf"), DEQUANT),
+    ),
+    "down": (
+        (12, C(16, 64, 128, 8, 4, 3)),
+        (48, C(32, 64, 128, 8, 4, 3)),
+        (96, C(64, 64, 128, 8, 4, 3)),
+        (float("inf"), DEQUANT),
+    ),
+}
+
+# BEGIN TUNED (written by benchmarks/tune_nvfp4_moe.py --apply)
+TUNED: dict[tuple[str, int, int, int], Buckets] = {}
+# END TUNED
+
+# The dequantize-then-bf16 path's scratch: experts are dequantized this many bytes at a time (a
+# group's weights in the activation dtype), so the extra memory of a prefill step stays bounded.
+DEQUANT_GROUP_BYTES = 256 << 20
+
+# ``nvfp4_linear`` past this many rows dequantizes the weight (``out x in`` in the activation dtype,
+# once a call) and runs cuBLAS: its tensor-core tiles decode every weight once per 128-row tile, 64
+# times at an 8k prefill, against a dequantization that reads the packed bytes once. Tuned by
+# ``benchmarks/tune_nvfp4_moe.py`` (its dense cases); up to 16 rows stays on the W4A16 kernels.
+LINEAR_DEQUANT_MIN_ROWS = 1024
+
+
+def nvfp4_moe_config(
+    gemm: str, dtype: torch.dtype, num_pairs: int, num_experts: int, hidden: int, inter: int
+) -> GemmConfig | None:
+    """The tiles of ``gemm`` (``"gate_up"`` or ``"down"``) for this launch, or ``None`` (``DEQUANT``)."""
+    mean_rows = num_pairs / max(num_experts, 1)
+    buckets = TUNED.get((gemm, hidden, inter, num_experts), DEFAULT[gemm])
+    config = next(c for bound, c in buckets if mean_rows <= bound)
+    if config is DEQUANT:
+        return None
+    if INTERPRETED:  # few, large programs: the interpreter's cost is per program and operation
+        return replace(config, block_m=min(config.block_m, 64), block_n=64, block_k=128, num_stages=1)
+    if dtype == torch.float32:  # float32 activations: narrower tiles to fit shared memory
+        return replace(config, block_m=min(config.block_m, 64), block_n=64, block_k=32, num_warps=4, num_stages=2)
+    return config
+
+
+def format_buckets(buckets: Buckets, comments: dict[float, str] | None = None) -> str:
+    """``buckets`` as the Python source of ``TUNED``'s entries (one bucket a line)."""
+    lines = []
+    for bound, config in buckets:
+        bound_src = 'float("inf")' if bound == float("inf") else f"{bound:g}"
+        config_src = "DEQUANT" if config is None else f"C({', '.join(str(v) for v in vars(config).values())})"
+        comment = f"  # {comments[bound]}" if comments and bound in comments else ""
+        lines.append(f"        ({bound_src}, {config_src}),{comment}")
+    return "\n".join(lines)
