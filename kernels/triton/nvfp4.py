@@ -27,11 +27,40 @@ import triton.language as tl
 from freetoken.kernels.triton import moe, nvfp4_configs
 from freetoken.kernels.triton._common import _INTERPRETED, INTERPRETED, cast, device_function, dot, dot_precision, new_empty, pow2, round_as
 from freetoken.kernels.triton.moe import _grouped_tile, _tile_of, moe_sort_tokens, sum_choices
-from freetoken.kernels.triton.moe_configs import GemmConfig, moe_gemm_config
-from freetoken.kernels.triton.nvfp4_configs import nvfp4_moe_config
-from freetoken.kernels.triton.nvfp4_rows import GEMV_MAX_ROWS, _code_bf16, _e4m3_codes, nvfp4_gemv
+from freetoken.kernels.triton.moe_configs import moe_gemm_config
+from freetoken.kernels.triton.nvfp4_configs import Nvfp4GemmConfig, nvfp4_moe_config
+from freetoken.kernels.triton.nvfp4_rows import GEMV_MAX_ROWS, _e4m3_codes, nvfp4_gemv
 
 GROUP = 16
+
+
+# One 32-bit register of 4 packed bytes (8 codes, columns 0-7) and a bf16x2 register holding their
+# group's scale twice -> 4 bf16x2 registers of exact ``e2m1 · e4m3``, columns (0, 1), (2, 3)
+# (outputs $0, $1) and (4, 5), (6, 7) ($2, $3): each register already holds the two consecutive
+# columns a bf16 MMA operand register takes, so no shuffle follows. For byte j, one prmt puts byte j
+# of ``q << 4`` (the low nibble in bits 7-4) in the low half's high byte and byte j of ``q`` (the high
+# nibble there) in the high half's; the sign then sits at bit 15 of each half and exponent / mantissa
+# at bits 14-12, moved to 8-6: ``e2m1 · 2^-126`` (0.5 a bf16 subnormal); one ``mul.bf16x2`` by 2^126
+# (as Marlin does) and one by the scale. ``SCALED`` 0: the codes alone (inputs $4 only).
+def _pairs_asm(scaled: bool) -> str:
+    lines = ["{", ".reg .b32 q4, t, s, bias;", "mov.b32 bias, 0x7E807E80;", "shl.b32 q4, $4, 4;"]
+    for out, sel in enumerate(("0x0044", "0x1155", "0x2266", "0x3377")):
+        lines += [f"prmt.b32 t, $4, q4, {sel};", "shr.b32 s, t, 6;", "and.b32 s, s, 0x01C001C0;",
+                  "and.b32 t, t, 0x80008000;", "or.b32 t, t, s;"]
+        lines += ["mul.rn.bf16x2 t, t, bias;", f"mul.rn.bf16x2 ${out}, t, $5;"] if scaled else [f"mul.rn.bf16x2 ${out}, t, bias;"]
+    return "\n".join(lines + ["}"])
+
+
+_PAIRS_TO_BF16 = tl.constexpr(_pairs_asm(False))
+_SCALED_PAIRS_TO_BF16 = tl.constexpr(_pairs_asm(True))
+
+
+@device_function
+def _words_to_tile(lo, hi, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The two ``[BLOCK_N, BLOCK_K / 2]`` outputs of the pair decode (columns 0-3 and 4-7 of each
+    word) as the ``[BLOCK_N, BLOCK_K]`` tile; the permute only renames registers."""
+    words = tl.join(tl.reshape(lo, (BLOCK_N, BLOCK_K // 8, 4)), tl.reshape(hi, (BLOCK_N, BLOCK_K // 8, 4)))
+    return tl.reshape(tl.permute(words, (0, 1, 3, 2)), (BLOCK_N, BLOCK_K))
 
 
 @device_function
@@ -39,24 +68,32 @@ def _decode_tile(packed, scale_bytes, dtype: tl.constexpr, BLOCK_N: tl.constexpr
     """uint8 ``[BLOCK_N, BLOCK_K / 2]`` codes and ``[BLOCK_N, BLOCK_K / 16]`` e4m3 bytes -> ``dtype``
     ``[BLOCK_N, BLOCK_K]`` weights ``e2m1 · e4m3`` (the row scale is applied by the caller).
 
-    Each nibble's bits are moved into an e4m3 code (sign to bit 7, exponent and mantissa to bits
-    4-2), which is ``e2m1 · 2^-6`` for all 16 codes (the subnormal 0.5 lands on e4m3's subnormal
-    2^-7), so the hardware fp8 conversion decodes it; ``2^6`` goes into the block scale. Three
-    integer ops a weight instead of an exponent / mantissa decode. ``e2m1 · e4m3`` has at most 6
-    significant bits and lies in [2^-10, 2688]: exact in bf16 and fp16, so the scale multiplies in
-    ``dtype``, with no float32 round trip.
-
-    Compiled, the codes go straight to bf16 ``e2m1`` a 32-bit word at a time in inline PTX
-    (``nvfp4_rows._code_bf16``), no fp8 conversion: Triton's byte-wise ops and e4m3 -> f16 -> bf16
-    conversions took ~11 instructions a weight (docs/benchmarks.md)."""
+    ``e2m1 · e4m3`` has at most 6 significant bits and lies in [2^-10, 2688]: exact in bf16 and fp16,
+    so the scale multiplies in ``dtype``, with no float32 round trip. Compiled, the codes go straight
+    to bf16 a 32-bit word at a time in inline PTX (``_pairs_asm``), in bf16 with the scale multiplied
+    there too, a pair at a time (Triton's own multiply paired elements of different groups and
+    redid half of them one by one); Triton's byte-wise ops and e4m3 -> f16 -> bf16 conversions took
+    ~11 instructions a weight (docs/benchmarks.md). The interpreter, which runs no PTX and no bf16
+    arithmetic, moves each nibble's bits into an e4m3 code (sign to bit 7, exponent and mantissa to
+    bits 4-2: ``e2m1 · 2^-6`` for all 16 codes, the subnormal 0.5 on e4m3's subnormal 2^-7) and forms
+    the same exact product in float32."""
     scales = scale_bytes.to(tl.float8e4nv, bitcast=True)
-    if _INTERPRETED:  # no bf16 arithmetic there: the same exact product, formed in float32
+    if _INTERPRETED:
         codes = tl.reshape(_e4m3_codes(packed), (BLOCK_N, BLOCK_K)).to(tl.float8e4nv, bitcast=True)
-        values, scale = codes.to(tl.float32), scales.to(tl.float32) * 64.0
+        groups = tl.reshape(codes.to(tl.float32), (BLOCK_N, BLOCK_K // 16, 16)) * (scales.to(tl.float32) * 64.0)[:, :, None]
+        return tl.reshape(groups, (BLOCK_N, BLOCK_K)).to(dtype)
+    elif dtype == tl.bfloat16:
+        per_byte = tl.reshape(tl.broadcast_to(scales.to(tl.bfloat16)[:, :, None], (BLOCK_N, BLOCK_K // 16, 8)),
+                              (BLOCK_N, BLOCK_K // 2))
+        lo, hi = tl.inline_asm_elementwise(_SCALED_PAIRS_TO_BF16, "=r,=r,=r,=r,r,r,r", [packed, per_byte],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        return _words_to_tile(lo, hi, BLOCK_N, BLOCK_K)
     else:
-        values, scale = _code_bf16(packed, BLOCK_N, BLOCK_K).to(dtype), scales.to(dtype)
-    groups = tl.reshape(values, (BLOCK_N, BLOCK_K // 16, 16)) * scale[:, :, None]
-    return tl.reshape(groups, (BLOCK_N, BLOCK_K)).to(dtype)
+        lo, hi = tl.inline_asm_elementwise(_PAIRS_TO_BF16, "=r,=r,=r,=r,r", [packed], dtype=(tl.bfloat16, tl.bfloat16),
+                                           is_pure=True, pack=4)
+        values = _words_to_tile(lo, hi, BLOCK_N, BLOCK_K).to(dtype)
+        groups = tl.reshape(values, (BLOCK_N, BLOCK_K // 16, 16)) * scales.to(dtype)[:, :, None]
+        return tl.reshape(groups, (BLOCK_N, BLOCK_K)).to(dtype)
 
 
 @device_function
@@ -145,23 +182,57 @@ def _packed_tile(w_ptr, rows, rows_ok, k0, K, BLOCK_K: tl.constexpr, EVEN_K: tl.
 
 @device_function
 def _scale_tile(s_ptr, rows, rows_ok, k0, K, BLOCK_K: tl.constexpr):
-    """e4m3 bytes ``[BLOCK_N, BLOCK_K / 16]`` of input columns ``k0 ...`` (zero past ``K``: the
-    grouped kernels load the step after the last one)."""
+    """e4m3 bytes ``[BLOCK_N, BLOCK_K / 16]`` of input columns ``k0 ...``.
+
+    Triton's pipeliner streams the packed codes and the activations through shared memory (cp.async)
+    but leaves these 8-16-byte rows a synchronous load in the step that uses them (TTGIR, sm_90).
+    Loading them a step ahead into loop-carried registers hides that latency but moved the decoded
+    tiles' layout off the MMA operand's (a shared-memory round trip a weight): not done."""
     group = k0 // 16 + tl.arange(0, BLOCK_K // 16)
     return tl.load(s_ptr + rows[:, None].to(tl.int64) * (K // 16) + group[None, :],
                    mask=rows_ok[:, None] & (group < K // 16)[None, :], other=0)
 
 
-# The grouped kernels load each K step's scale bytes one step ahead, into registers carried by the
-# loop: Triton's pipeliner streams the packed codes and the activations through shared memory
-# (cp.async) but leaves these 8-16-byte rows as a synchronous load in the step that uses them, and
-# with a few programs an SM that load's latency was paid every step (seen in the TTGIR, sm_90).
+@device_function
+def _zero_acc(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
+    """The float32 accumulator: ``[BLOCK_M, BLOCK_N]``, or transposed with ``SWAP_AB``."""
+    if SWAP_AB:
+        return tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        return tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+
+
+@device_function
+def _mma(acc, a, w, SWAP_AB: tl.constexpr, PRECISION: tl.constexpr):
+    """``acc += a @ wᵀ`` (activations ``a [BLOCK_M, BLOCK_K]``, decoded weights ``w [BLOCK_N,
+    BLOCK_K]``), or with ``SWAP_AB`` the transposed product ``acc += w @ aᵀ``: the weights then are
+    the MMA's first operand, which the tensor cores take from registers (where the decode leaves
+    them; wgmma's second operand must be in shared memory), and a few tokens are its narrow N side
+    (8 on) instead of a 16- or 64-row M side padded with empty rows. With the activations first,
+    mma.sync's A fragments were regathered with 4 moves before every MMA (1.75 a weight at 32 x 64 x
+    128, ``benchmarks/nvfp4_sass.py``)."""
+    if SWAP_AB:
+        return acc + dot(w, tl.trans(a), PRECISION)
+    else:
+        return acc + dot(a, tl.trans(w), PRECISION)
+
+
+@device_function
+def _rows_first(acc, SWAP_AB: tl.constexpr):
+    """The accumulator as ``[BLOCK_M, BLOCK_N]`` for the epilogue."""
+    if SWAP_AB:
+        return tl.trans(acc)
+    else:
+        return acc
+
+
 @triton.jit
 def _gate_up_kernel(
     x_ptr, x_st, w_ptr, s_ptr, r_ptr, order_ptr, offsets_ptr, h_ptr,
     hidden, inter, num_experts, num_row_tiles,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     tile, col_block = _grouped_tile(num_row_tiles, tl.cdiv(inter, BLOCK_N), GROUP_M)
     expert, first, end = _tile_of(tile, offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
@@ -174,23 +245,23 @@ def _gate_up_kernel(
         dtype = h_ptr.dtype.element_ty
         gate_rows = expert * 2 * inter + n  # rows of the flattened [E * 2I, H] weight
         up_rows = gate_rows + inter
-        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        s_gate = _scale_tile(s_ptr, gate_rows, n_ok, 0, hidden, BLOCK_K)
-        s_up = _scale_tile(s_ptr, up_rows, n_ok, 0, hidden, BLOCK_K)
+        acc_gate = _zero_acc(BLOCK_M, BLOCK_N, SWAP_AB)
+        acc_up = _zero_acc(BLOCK_M, BLOCK_N, SWAP_AB)
         for k0 in range(0, hidden, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             k_ok = (k < hidden) | EVEN_K  # constant true when the tiles divide the dim: no column mask
             a = tl.load(x_ptr + token[:, None].to(tl.int64) * x_st + k[None, :],
                         mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            s_gate = _scale_tile(s_ptr, gate_rows, n_ok, k0, hidden, BLOCK_K)
+            s_up = _scale_tile(s_ptr, up_rows, n_ok, k0, hidden, BLOCK_K)
             w_gate = _decode_tile(_packed_tile(w_ptr, gate_rows, n_ok, k0, hidden, BLOCK_K, EVEN_K), s_gate,
                                   dtype, BLOCK_N, BLOCK_K)
             w_up = _decode_tile(_packed_tile(w_ptr, up_rows, n_ok, k0, hidden, BLOCK_K, EVEN_K), s_up,
                                 dtype, BLOCK_N, BLOCK_K)
-            s_gate = _scale_tile(s_ptr, gate_rows, n_ok, k0 + BLOCK_K, hidden, BLOCK_K)
-            s_up = _scale_tile(s_ptr, up_rows, n_ok, k0 + BLOCK_K, hidden, BLOCK_K)
-            acc_gate += dot(a, tl.trans(w_gate), PRECISION)
-            acc_up += dot(a, tl.trans(w_up), PRECISION)
+            acc_gate = _mma(acc_gate, a, w_gate, SWAP_AB, PRECISION)
+            acc_up = _mma(acc_up, a, w_up, SWAP_AB, PRECISION)
+        acc_gate = _rows_first(acc_gate, SWAP_AB)
+        acc_up = _rows_first(acc_up, SWAP_AB)
         gate = round_as(acc_gate * tl.load(r_ptr + gate_rows, mask=n_ok, other=0.0)[None, :], dtype)
         up = round_as(acc_up * tl.load(r_ptr + up_rows, mask=n_ok, other=0.0)[None, :], dtype)
         h = round_as(gate * tl.sigmoid(gate), dtype) * up
@@ -202,7 +273,8 @@ def _down_kernel(
     h_ptr, w_ptr, s_ptr, r_ptr, order_ptr, offsets_ptr, topk_w_ptr, y_ptr,
     hidden, inter, num_experts, num_row_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     tile, col_block = _grouped_tile(num_row_tiles, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     expert, first, end = _tile_of(tile, offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
@@ -214,16 +286,16 @@ def _down_kernel(
         n_ok = n < hidden
         dtype = y_ptr.dtype.element_ty
         w_rows = expert * hidden + n  # rows of the flattened [E * H, I] weight
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        s = _scale_tile(s_ptr, w_rows, n_ok, 0, inter, BLOCK_K)
+        acc = _zero_acc(BLOCK_M, BLOCK_N, SWAP_AB)
         for k0 in range(0, inter, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             k_ok = (k < inter) | EVEN_K
             a = tl.load(h_ptr + rows[:, None].to(tl.int64) * inter + k[None, :],
                         mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w = _decode_tile(_packed_tile(w_ptr, w_rows, n_ok, k0, inter, BLOCK_K, EVEN_K), s, dtype, BLOCK_N, BLOCK_K)
-            s = _scale_tile(s_ptr, w_rows, n_ok, k0 + BLOCK_K, inter, BLOCK_K)
-            acc += dot(a, tl.trans(w), PRECISION)
+            w = _decode_tile(_packed_tile(w_ptr, w_rows, n_ok, k0, inter, BLOCK_K, EVEN_K),
+                             _scale_tile(s_ptr, w_rows, n_ok, k0, inter, BLOCK_K), dtype, BLOCK_N, BLOCK_K)
+            acc = _mma(acc, a, w, SWAP_AB, PRECISION)
+        acc = _rows_first(acc, SWAP_AB)
         weight = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
         y = round_as(acc * tl.load(r_ptr + w_rows, mask=n_ok, other=0.0)[None, :], dtype) * weight[:, None]
         tl.store(y_ptr + pair.to(tl.int64)[:, None] * hidden + n[None, :], cast(y, dtype),
@@ -281,7 +353,7 @@ def _expert_groups(num_experts: int, rows: int, cols: int, dtype: torch.dtype) -
 
 
 def gate_up_nvfp4(x: torch.Tensor, w13: Packed, order: torch.Tensor, offsets: torch.Tensor, h: torch.Tensor,
-                  top_k: int, config: GemmConfig | None) -> None:
+                  top_k: int, config: Nvfp4GemmConfig | None) -> None:
     """``h[sorted pair] = silu(x w_gateᵀ) · (x w_upᵀ)`` of the pair's expert over NVFP4 ``w13``
     (contiguous, ``[E, 2I, H / 2]`` codes): the W4A16 kernel with ``config``'s tiles, or with
     ``None`` the experts dequantized a group at a time and the bf16 grouped GEMM (the tuner
@@ -303,12 +375,13 @@ def gate_up_nvfp4(x: torch.Tensor, w13: Packed, order: torch.Tensor, offsets: to
         x, x.stride(0), packed, scale_bytes, row_scales, order, offsets, h, hidden, inter, num_experts, tiles,
         TOP_K=top_k, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, BLOCK_E=pow2(num_experts), EVEN_K=hidden % config.block_k == 0,
-        PRECISION=dot_precision(x.dtype), num_warps=config.num_warps, num_stages=config.num_stages,
+        SWAP_AB=config.swap_ab, PRECISION=dot_precision(x.dtype), num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
 
 
 def down_nvfp4(h: torch.Tensor, w2: Packed, order: torch.Tensor, offsets: torch.Tensor, topk_weights: torch.Tensor,
-               y: torch.Tensor, config: GemmConfig | None) -> None:
+               y: torch.Tensor, config: Nvfp4GemmConfig | None) -> None:
     """``y[pair] = weight · (h w_downᵀ)`` of the pair's expert over NVFP4 ``w2`` (``[E, H, I / 2]``
     codes), in pair order; ``config`` as in ``gate_up_nvfp4``."""
     packed, scale_bytes, row_scales = w2
@@ -328,12 +401,13 @@ def down_nvfp4(h: torch.Tensor, w2: Packed, order: torch.Tensor, offsets: torch.
         h, packed, scale_bytes, row_scales, order, offsets, topk_weights, y, hidden, inter, num_experts, tiles,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, BLOCK_E=pow2(num_experts), EVEN_K=inter % config.block_k == 0,
-        PRECISION=dot_precision(h.dtype), num_warps=config.num_warps, num_stages=config.num_stages,
+        SWAP_AB=config.swap_ab, PRECISION=dot_precision(h.dtype), num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
 
 
 def expert_configs(dtype: torch.dtype, num_pairs: int, num_experts: int, hidden: int,
-                   inter: int) -> tuple[GemmConfig | None, GemmConfig | None]:
+                   inter: int) -> tuple[Nvfp4GemmConfig | None, Nvfp4GemmConfig | None]:
     """The (gate/up, down) launch configurations of ``fused_experts_nvfp4`` (``nvfp4_configs``)."""
     return (nvfp4_moe_config("gate_up", dtype, num_pairs, num_experts, hidden, inter),
             nvfp4_moe_config("down", dtype, num_pairs, num_experts, hidden, inter))
@@ -369,7 +443,7 @@ def fused_experts_nvfp4_tiled(
     w2_row_scales: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    configs: tuple[GemmConfig | None, GemmConfig | None],
+    configs: tuple[Nvfp4GemmConfig | None, Nvfp4GemmConfig | None],
 ) -> torch.Tensor:
     """``fused_experts_nvfp4`` with the given (gate/up, down) configurations (tests and the tuner)."""
     num_tokens, hidden = x.shape

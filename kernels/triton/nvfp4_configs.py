@@ -15,32 +15,47 @@ Shapes it does not list use ``DEFAULT``.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from freetoken.kernels.triton._common import INTERPRETED
 from freetoken.kernels.triton.moe_configs import GemmConfig
 
-C = GemmConfig
+
+
+@dataclass(frozen=True)
+class Nvfp4GemmConfig(GemmConfig):
+    """``GemmConfig`` (tiles, row-tile groups, warps, stages) and ``swap_ab``: the kernel computes
+    the transposed product, decoded weights as the MMA's first operand (``nvfp4._mma``)."""
+
+    swap_ab: bool = False
+
+
+C = Nvfp4GemmConfig
 # (largest mean pairs per expert, config), increasing; the last bucket has no upper bound. A config
 # of ``None`` (``DEQUANT``): dequantize the experts to the activation dtype, in groups of
 # ``DEQUANT_GROUP_BYTES``, and run the bf16 grouped GEMM (``kernels/triton/moe.py``) on each group.
 DEQUANT = None
-Buckets = tuple[tuple[float, GemmConfig | None], ...]
+Buckets = tuple[tuple[float, Nvfp4GemmConfig | None], ...]
 
+# From the SASS of each tile (``benchmarks/nvfp4_sass.py``, sm_90) until ``tune_nvfp4_moe.py`` has
+# measured them: the transposed product (``swap_ab``, weights as wgmma's register operand, the
+# pairs its N side) at 5.8 instructions a decoded weight against 7.2-7.7, one row tile an expert
+# up to 32 pairs; past 96 pairs an expert (an 8k prefill: 256) the decode would be repeated per
+# row tile, and the dequantized bf16 GEMM runs instead.
 DEFAULT: dict[str, Buckets] = {
     # gate/up decodes two weight tiles (gate and up, 2 x block_n rows) per K step.
     "gate_up": (
-        (12, C(16, 64, 128, 8, 4, 3)),
-        (48, C(32, 64, 128, 8, 4, 3)),
-        (96, C(64, 64, 128, 8, 4, 3)),
+        (12, C(16, 64, 128, 8, 4, 3, True)),
+        (48, C(32, 64, 128, 8, 4, 3, True)),
+        (96, C(64, 64, 128, 8, 4, 3, True)),
         (float("inf"), DEQUANT),
     ),
     "down": (
-        (12, C(16, 64, 128, 8, 4, 3)),
-        (48, C(32, 64, 128, 8, 4, 3)),
-        (96, C(64, 64, 128, 8, 4, 3)),
+        (12, C(16, 64, 128, 8, 4, 3, True)),
+        (48, C(32, 64, 128, 8, 4, 3, True)),
+        (96, C(64, 64, 128, 8, 4, 3, True)),
         (float("inf"), DEQUANT),
     ),
 }
@@ -62,7 +77,7 @@ LINEAR_DEQUANT_MIN_ROWS = 1024
 
 def nvfp4_moe_config(
     gemm: str, dtype: torch.dtype, num_pairs: int, num_experts: int, hidden: int, inter: int
-) -> GemmConfig | None:
+) -> Nvfp4GemmConfig | None:
     """The tiles of ``gemm`` (``"gate_up"`` or ``"down"``) for this launch, or ``None`` (``DEQUANT``)."""
     mean_rows = num_pairs / max(num_experts, 1)
     buckets = TUNED.get((gemm, hidden, inter, num_experts), DEFAULT[gemm])

@@ -44,25 +44,26 @@ def _moe_inputs(rng, dtype, tokens, e=7, k=3, hidden=80, inter=48):
 
 
 def _config(*fields):
-    from freetoken.kernels.triton.moe_configs import GemmConfig
-
-    return None if fields == (None,) else GemmConfig(*fields)
+    return None if fields == (None,) else _configs().Nvfp4GemmConfig(*fields)
 
 
-# (gate/up, down) configurations: block_m, block_n, block_k, group_m, warps, stages. hidden 80 and
-# inter 48: K steps of 64 leave a ragged last step, 16 divide both (no column masks); 16-row tiles
-# give several tiles an expert; None: dequantize and run the bf16 GEMM.
+# (gate/up, down) configurations: block_m, block_n, block_k, group_m, warps, stages, swap_ab. hidden
+# 80 and inter 48: K steps of 64 leave a ragged last step, 16 divide both (no column masks); 16-row
+# tiles give several tiles an expert; swap_ab the transposed product; None: dequantize and run the
+# bf16 GEMM.
 CONFIG_CASES = [
     ((16, 32, 64, 1, 4, 1), (16, 16, 64, 1, 4, 1)),
-    ((32, 64, 16, 4, 4, 1), (32, 64, 16, 8, 4, 1)),
-    ((64, 16, 32, 8, 4, 1), (16, 64, 16, 2, 4, 1)),
+    ((32, 64, 16, 4, 4, 1, True), (32, 64, 16, 8, 4, 1, True)),
+    ((64, 16, 32, 8, 4, 1), (16, 64, 16, 2, 4, 1, True)),
+    ((16, 64, 64, 1, 4, 1, True), (64, 16, 64, 4, 4, 1)),
     ((None,), (None,)),
-    ((16, 64, 64, 8, 4, 1), (None,)),
+    ((16, 64, 64, 8, 4, 1, True), (None,)),
 ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("configs", CONFIG_CASES, ids=lambda c: "-".join("dequant" if f == (None,) else "x".join(map(str, f[:3])) for f in c))
+@pytest.mark.parametrize("configs", CONFIG_CASES,
+                         ids=lambda c: "-".join("dequant" if f == (None,) else "x".join(map(str, f[:3])) + ("s" if f[6:] else "") for f in c))
 def test_fused_experts_nvfp4_in_every_config(rng, dtype, configs, monkeypatch):
     """Each tile shape and the dequantize path (two experts a group: four groups for seven experts)
     give the float32 reference's result; 37 tokens of top-3 over 7 experts: ~16 pairs an expert."""
@@ -97,7 +98,7 @@ def test_nvfp4_linear_dequant_path(rng, dtype, rows, monkeypatch):
 def test_nvfp4_moe_config_buckets_by_pairs_per_expert(monkeypatch):
     """The table is read by mean pairs per expert, a shape's ``TUNED`` entry over ``DEFAULT``."""
     configs = _configs()
-    c = _config(32, 128, 64, 4, 8, 4)
+    c = _config(32, 128, 64, 4, 8, 4, True)
     monkeypatch.setattr(configs, "TUNED", {("down", 2048, 512, 256): ((20, c), (float("inf"), None))})
     assert configs.nvfp4_moe_config("down", torch.bfloat16, 16 * 256, 256, 2048, 512).block_m == 32
     assert configs.nvfp4_moe_config("down", torch.bfloat16, 64 * 256, 256, 2048, 512) is None
@@ -107,7 +108,49 @@ def test_nvfp4_moe_config_buckets_by_pairs_per_expert(monkeypatch):
 def test_format_buckets_is_python_for_the_table():
     """``format_buckets`` (what the tuner writes into ``TUNED``) evaluates back to the buckets."""
     configs = _configs()
-    buckets = ((12.5, _config(16, 64, 128, 8, 4, 3)), (float("inf"), None))
+    buckets = ((12.5, _config(16, 64, 128, 8, 4, 3, True)), (float("inf"), None))
     source = configs.format_buckets(buckets, {12.5: "T=528: 100 us"})
     assert "# T=528: 100 us" in source
     assert eval("(" + source + ")", {"C": configs.C, "DEQUANT": configs.DEQUANT}) == buckets
+
+
+def test_tuner_apply_writes_the_table(tmp_path):
+    """``tune_nvfp4_moe.py --apply``: the best configuration of each tuned size goes into its bucket
+    (the others keep ``DEFAULT``'s), the module still imports, and the dense threshold becomes the
+    smallest tuned row count from which dequantizing won."""
+    import importlib.util
+    import json
+    import os
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.join(root, "benchmarks"))
+    try:
+        import tune_nvfp4_moe as tuner
+    finally:
+        sys.path.pop(0)
+    best = {"block_m": 32, "block_n": 128, "block_k": 64, "group_m": 4, "num_warps": 8, "num_stages": 4, "swap_ab": True}
+
+    def result(tokens, config):
+        gemm = {"results": [{"config": config, "us": 100.0, "gb_s": 4000.0, "current": False}]}
+        return {"tokens": tokens, "pairs_per_expert": tokens * 8 / 256, "gate_up": gemm, "down": gemm}
+
+    run = {"device": "test", "date": "today", "hidden": 2048, "inter": 512, "experts_count": 256,
+           "experts": [result(528, best), result(8192, "DEQUANT")],
+           "dense": {"528": {"qkv": {"w4a16": 1.0, "dequant": 2.0}}, "8192": {"qkv": {"w4a16": 2.0, "dequant": 1.0}}}}
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    target = tmp_path / "nvfp4_configs.py"
+    target.write_text(open(os.path.join(root, "kernels", "triton", "nvfp4_configs.py")).read())
+    tuner.apply(str(tmp_path / "run.json"), str(target))
+    spec = importlib.util.spec_from_file_location("patched_nvfp4_configs", target)
+    patched = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = patched  # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(patched)
+    finally:
+        del sys.modules[spec.name]
+    buckets = patched.TUNED[("down", 2048, 512, 256)]
+    assert [b for b, _ in buckets] == [b for b, _ in patched.DEFAULT["down"]]
+    assert dict(buckets)[48] == patched.C(**best) and dict(buckets)[float("inf")] is None
+    assert dict(buckets)[12] == dict(patched.DEFAULT["down"])[12]
+    assert patched.LINEAR_DEQUANT_MIN_ROWS == 8192
