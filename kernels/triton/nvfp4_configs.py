@@ -82,8 +82,11 @@ def nvfp4_moe_config(
     mean_rows = num_pairs / max(num_experts, 1)
     buckets = TUNED.get((gemm, hidden, inter, num_experts), DEFAULT[gemm])
     config = next(c for bound, c in buckets if mean_rows <= bound)
-    if config is DEQUANT:
-        return None
+    return None if config is DEQUANT else for_dtype(config, dtype)
+
+
+def for_dtype(config: Nvfp4GemmConfig, dtype: torch.dtype) -> Nvfp4GemmConfig:
+    """A bf16 configuration as launched for ``dtype`` (and under the interpreter)."""
     if INTERPRETED:  # few, large programs: the interpreter's cost is per program and operation
         return replace(config, block_m=min(config.block_m, 64), block_n=64, block_k=128, num_stages=1)
     if dtype == torch.float32:  # float32 activations: narrower tiles to fit shared memory
