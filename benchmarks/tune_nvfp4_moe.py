@@ -36,9 +36,11 @@ BF16_FLOP_S = 686e12  # its measured 8k x 8k bf16 GEMM rate
 DENSE = {"attention qkv": (9216, HIDDEN), "attention o": (HIDDEN, 4096)}
 
 
-def candidates(mean_rows: float, full: bool):
+def candidates(mean_rows: float, full: bool, gemm: str = "gate_up"):
     """Tiles around the mean pairs an expert: one row tile an expert where it fits (the weights
-    decoded once), wgmma's register operand (``swap_ab``) or not, wide and narrow K steps."""
+    decoded once), wgmma's register operand (``swap_ab``) or not, wide and narrow K steps; for down
+    (K = 512: four steps of 128) also 256 output columns a program, so fewer programs pay the
+    prologue (finding the tile's expert, the pipeline's fill) for the same bytes."""
     from freetoken.kernels.triton.nvfp4_configs import C
 
     if mean_rows <= 64:
@@ -46,6 +48,8 @@ def candidates(mean_rows: float, full: bool):
     else:
         rows = (64, 128)
     shapes = [(64, 128, 4), (64, 64, 4), (128, 64, 8), (128, 128, 4)] if full else [(64, 128, 4), (128, 64, 8)]
+    if gemm == "down":
+        shapes.append((256, 64, 8))
     out = []
     for m in rows:
         for n, k, warps in shapes:
@@ -106,7 +110,7 @@ def tune_experts(tokens: int, full: bool) -> dict:
     for gemm, (launch, bytes_read, flops) in runs.items():
         current = nvfp4_moe_config(gemm, torch.bfloat16, pairs, EXPERTS, HIDDEN, INTER)
         results = []
-        for config in dict.fromkeys([current, None, *candidates(pairs / EXPERTS, full)]):
+        for config in dict.fromkeys([current, None, *candidates(pairs / EXPERTS, full, gemm)]):
             try:
                 us = _median_us(lambda: launch(config))
             except Exception as exc:  # out of shared memory / registers: not a candidate on this GPU

@@ -43,17 +43,19 @@ Buckets = tuple[tuple[float, Nvfp4GemmConfig | None], ...]
 # measured them: the transposed product (``swap_ab``, weights as wgmma's register operand, the
 # pairs its N side) at 5.8 instructions a decoded weight against 7.2-7.7, one row tile an expert
 # up to 32 pairs; past 96 pairs an expert (an 8k prefill: 256) the decode would be repeated per
-# row tile, and the dequantized bf16 GEMM runs instead.
+# row tile, and the dequantized bf16 GEMM runs instead. Up to 12 pairs (batch-64 decode: 2) the
+# previous decode tile, narrow and deep (more programs and bytes in flight for a byte-bound GEMM),
+# until ``--tokens 64`` has measured the others there.
 DEFAULT: dict[str, Buckets] = {
     # gate/up decodes two weight tiles (gate and up, 2 x block_n rows) per K step.
     "gate_up": (
-        (12, C(16, 64, 128, 8, 4, 3, True)),
+        (12, C(16, 32, 256, 8, 4, 4)),
         (48, C(32, 64, 128, 8, 4, 3, True)),
         (96, C(64, 64, 128, 8, 4, 3, True)),
         (float("inf"), DEQUANT),
     ),
     "down": (
-        (12, C(16, 64, 128, 8, 4, 3, True)),
+        (12, C(16, 32, 256, 8, 4, 4)),
         (48, C(32, 64, 128, 8, 4, 3, True)),
         (96, C(64, 64, 128, 8, 4, 3, True)),
         (float("inf"), DEQUANT),
