@@ -26,7 +26,7 @@ import triton.language as tl
 
 from freetoken.kernels.triton import moe, nvfp4_configs
 from freetoken.kernels.triton._common import _INTERPRETED, INTERPRETED, cast, device_function, dot, dot_precision, new_empty, pow2, round_as
-from freetoken.kernels.triton.moe import _grouped_tile, _tile_of, moe_sort_tokens, sum_choices
+from freetoken.kernels.triton.moe import _grouped_tile, moe_sort_tokens, sum_choices
 from freetoken.kernels.triton.moe_configs import moe_gemm_config
 from freetoken.kernels.triton.nvfp4_configs import Nvfp4GemmConfig, nvfp4_moe_config
 from freetoken.kernels.triton.nvfp4_rows import GEMV_MAX_ROWS, _e4m3_codes, nvfp4_gemv
@@ -228,14 +228,16 @@ def _rows_first(acc, SWAP_AB: tl.constexpr):
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, x_st, w_ptr, s_ptr, r_ptr, order_ptr, offsets_ptr, h_ptr,
+    x_ptr, x_st, w_ptr, s_ptr, r_ptr, order_ptr, tiles_ptr, h_ptr,
     hidden, inter, num_experts, num_row_tiles,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     tile, col_block = _grouped_tile(num_row_tiles, tl.cdiv(inter, BLOCK_N), GROUP_M)
-    expert, first, end = _tile_of(tile, offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
+    expert = tl.load(tiles_ptr + tile)
+    first = tl.load(tiles_ptr + num_row_tiles + tile)
+    end = tl.load(tiles_ptr + 2 * num_row_tiles + tile)
     if expert < num_experts:
         rows = first + tl.arange(0, BLOCK_M)
         row_ok = rows < end
@@ -270,14 +272,16 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    h_ptr, w_ptr, s_ptr, r_ptr, order_ptr, offsets_ptr, topk_w_ptr, y_ptr,
+    h_ptr, w_ptr, s_ptr, r_ptr, order_ptr, tiles_ptr, topk_w_ptr, y_ptr,
     hidden, inter, num_experts, num_row_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     tile, col_block = _grouped_tile(num_row_tiles, tl.cdiv(hidden, BLOCK_N), GROUP_M)
-    expert, first, end = _tile_of(tile, offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
+    expert = tl.load(tiles_ptr + tile)
+    first = tl.load(tiles_ptr + num_row_tiles + tile)
+    end = tl.load(tiles_ptr + 2 * num_row_tiles + tile)
     if expert < num_experts:
         rows = first + tl.arange(0, BLOCK_M)
         row_ok = rows < end
@@ -338,6 +342,44 @@ def dequantize_nvfp4(packed: torch.Tensor, scales: torch.Tensor, row_scales: tor
     return out
 
 
+@triton.jit
+def _tile_map_kernel(offsets_ptr, tiles_ptr, num_experts, num_row_tiles, BLOCK_M: tl.constexpr,
+                     BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
+    """``tiles [3, num_row_tiles]``: each row tile's expert (``num_experts`` past the last tile),
+    first sorted pair and its expert's end, for ``BLOCK_T`` tiles a program (``moe._tile_of`` for
+    many tiles at once). Every grouped-GEMM program then loads its three numbers instead of
+    scanning all experts' offsets itself: down's programs run four K steps, and that scan, with
+    its reductions across the warps, was a large part of each."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    e = tl.arange(0, BLOCK_E)
+    e_ok = e < num_experts
+    starts = tl.load(offsets_ptr + e, mask=e_ok, other=0)
+    ends = tl.load(offsets_ptr + e + 1, mask=e_ok, other=0)
+    tiles_end = tl.cumsum((ends - starts + BLOCK_M - 1) // BLOCK_M, 0)  # tiles of experts <= e
+    tiles_end = tl.where(e_ok, tiles_end, 1 << 30)
+    expert = tl.sum((tiles_end[None, :] <= t[:, None]).to(tl.int32), 1)
+    mine = e[None, :] == expert[:, None]
+    tiles_before = tl.sum(tl.where(e[None, :] == expert[:, None] - 1, tiles_end[None, :], 0), 1)
+    first = tl.sum(tl.where(mine, starts[None, :], 0), 1) + (t - tiles_before) * BLOCK_M
+    end = tl.sum(tl.where(mine, ends[None, :], 0), 1)
+    ok = t < num_row_tiles
+    tl.store(tiles_ptr + t, expert, mask=ok)
+    tl.store(tiles_ptr + num_row_tiles + t, first, mask=ok)
+    tl.store(tiles_ptr + 2 * num_row_tiles + t, end, mask=ok)
+
+
+def tile_map(offsets: torch.Tensor, num_pairs: int, block_m: int) -> tuple[torch.Tensor, int]:
+    """(``_tile_map_kernel``'s ``[3, tiles]``, tiles) for row tiles of ``block_m`` sorted pairs."""
+    num_experts = offsets.shape[0] - 1
+    tiles = _row_tiles(num_pairs, num_experts, block_m)
+    out = new_empty((3, tiles), torch.int32, offsets.device)
+    block_e = pow2(num_experts)
+    block_t = max(1, min(pow2(tiles), 8192 // block_e))
+    _tile_map_kernel[(triton.cdiv(tiles, block_t),)](offsets, out, num_experts, tiles, BLOCK_M=block_m,
+                                                     BLOCK_E=block_e, BLOCK_T=block_t)
+    return out, tiles
+
+
 def _row_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Upper bound of the grouped GEMM's row tiles: every expert may end in a partial tile."""
     return triton.cdiv(num_pairs, block_m) + num_experts
@@ -370,11 +412,11 @@ def gate_up_nvfp4(x: torch.Tensor, w13: Packed, order: torch.Tensor, offsets: to
             dequantize_nvfp4_into(packed[e0:], scale_bytes[e0:], row_scales[e0:], weights)
             moe.gate_up(x, weights, order, offsets[e0:], h, top_k, bf16_config)
         return
-    tiles = _row_tiles(h.shape[0], num_experts, config.block_m)
+    tile_info, tiles = tile_map(offsets, h.shape[0], config.block_m)
     _gate_up_kernel[(tiles * triton.cdiv(inter, config.block_n),)](
-        x, x.stride(0), packed, scale_bytes, row_scales, order, offsets, h, hidden, inter, num_experts, tiles,
+        x, x.stride(0), packed, scale_bytes, row_scales, order, tile_info, h, hidden, inter, num_experts, tiles,
         TOP_K=top_k, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        GROUP_M=config.group_m, BLOCK_E=pow2(num_experts), EVEN_K=hidden % config.block_k == 0,
+        GROUP_M=config.group_m, EVEN_K=hidden % config.block_k == 0,
         SWAP_AB=config.swap_ab, PRECISION=dot_precision(x.dtype), num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -396,11 +438,11 @@ def down_nvfp4(h: torch.Tensor, w2: Packed, order: torch.Tensor, offsets: torch.
             dequantize_nvfp4_into(packed[e0:], scale_bytes[e0:], row_scales[e0:], weights)
             moe.down(h, weights, order, offsets[e0:], topk_weights, y, bf16_config)
         return
-    tiles = _row_tiles(h.shape[0], num_experts, config.block_m)
+    tile_info, tiles = tile_map(offsets, h.shape[0], config.block_m)
     _down_kernel[(tiles * triton.cdiv(hidden, config.block_n),)](
-        h, packed, scale_bytes, row_scales, order, offsets, topk_weights, y, hidden, inter, num_experts, tiles,
+        h, packed, scale_bytes, row_scales, order, tile_info, topk_weights, y, hidden, inter, num_experts, tiles,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        GROUP_M=config.group_m, BLOCK_E=pow2(num_experts), EVEN_K=inter % config.block_k == 0,
+        GROUP_M=config.group_m, EVEN_K=inter % config.block_k == 0,
         SWAP_AB=config.swap_ab, PRECISION=dot_precision(h.dtype), num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
