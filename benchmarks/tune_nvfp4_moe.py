@@ -15,7 +15,8 @@ over the floor: max(packed bytes + scales of the experts the pairs touch / HBM, 
 ``--apply`` rewrites ``TUNED`` (between its markers) with the best configuration of each GEMM in
 the bucket holding each tuned size (the other buckets keep ``DEFAULT``'s), and
 ``LINEAR_DEQUANT_MIN_ROWS`` with the smallest tuned row count where dequantizing won: one GPU call,
-then one command here, then commit.
+then one command here, then commit. (The dense "w4a16 swap" line times one other ``LINEAR_TILES``
+entry; patch that table by hand if it wins.)
 """
 
 from __future__ import annotations
@@ -138,13 +139,17 @@ def tune_dense(tokens: int) -> dict:
         w = (w[0], w[1].view(torch.float8_e4m3fn), w[2])
         bytes_read, flops = _packed_bytes(rows, cols), 2 * tokens * rows * cols
         times = {}
-        for path, threshold in (("w4a16", 1 << 62), ("dequant", 0)):
+        table = nvfp4_configs.LINEAR_TILES
+        paths = [("w4a16", 1 << 62, table), ("dequant", 0, table)]
+        if tokens > 16:  # wgmma's register operand with 256 rows a tile: fewer decodes a weight
+            paths.append(("w4a16 swap 256x128x64", 1 << 62, ((float("inf"), (256, 128, 64, 8, 3, True)),)))
+        for path, threshold, tiles in paths:
             saved = nvfp4_configs.LINEAR_DEQUANT_MIN_ROWS
-            nvfp4_configs.LINEAR_DEQUANT_MIN_ROWS = threshold
+            nvfp4_configs.LINEAR_DEQUANT_MIN_ROWS, nvfp4_configs.LINEAR_TILES = threshold, tiles
             try:
                 times[path] = _median_us(lambda: nvfp4.nvfp4_linear(x, *w))
             finally:
-                nvfp4_configs.LINEAR_DEQUANT_MIN_ROWS = saved
+                nvfp4_configs.LINEAR_DEQUANT_MIN_ROWS, nvfp4_configs.LINEAR_TILES = saved, table
             print(_line(f"T={tokens} {name} {path}", times[path], bytes_read, flops))
         out[name] = times
     return out

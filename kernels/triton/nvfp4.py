@@ -112,36 +112,36 @@ def _load_tile(w_ptr, s_ptr, rows, rows_ok, k0, K, dtype: tl.constexpr, BLOCK_N:
 @triton.jit
 def _linear_kernel(
     x_ptr, x_st, w_ptr, s_ptr, r_ptr, out_ptr, M, N, K,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     n_ok = n < N
     m_ok = m < M
     dtype = out_ptr.dtype.element_ty
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc = _zero_acc(BLOCK_M, BLOCK_N, SWAP_AB)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(x_ptr + m[:, None].to(tl.int64) * x_st + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
         w = _load_tile(w_ptr, s_ptr, n, n_ok, k0, K, dtype, BLOCK_N, BLOCK_K)
-        acc += dot(a, tl.trans(w), PRECISION)
+        acc = _mma(acc, a, w, SWAP_AB, PRECISION)
+    acc = _rows_first(acc, SWAP_AB)
     row_scale = tl.load(r_ptr + n, mask=n_ok, other=0.0)
     out = acc * row_scale[None, :]
     tl.store(out_ptr + m[:, None].to(tl.int64) * N + n[None, :], cast(out, dtype), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _linear_tiles(num_rows: int, n_out: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). Decode (<= 16 rows): weight tiles narrow
-    enough that a few hundred programs stream the packed bytes; prefill: 128x128 bf16 tiles."""
+def _linear_tiles(num_rows: int, n_out: int, dtype: torch.dtype) -> tuple[int, int, int, int, int, bool]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SWAP_AB): past 16 rows from
+    ``nvfp4_configs.LINEAR_TILES`` by rows; float32 and the interpreter narrower."""
     if INTERPRETED:
-        return min(pow2(num_rows, 16), 64), 64, 128, 4, 1
-    if num_rows <= 16:
-        return 16, 16 if n_out <= 4096 else 32, 256, 4, 4
+        return min(pow2(num_rows, 16), 64), 64, 128, 4, 1, num_rows > 32
+    if num_rows <= 16:  # decode: narrow weight tiles, so that a few hundred programs stream the bytes
+        return 16, 16 if n_out <= 4096 else 32, 256, 4, 4, False
     if dtype == torch.float32:
-        return 64, 64, 32, 4, 2
-    if num_rows <= 64:
-        return 64, 128, 64, 4, 4
-    return 128, 128, 64, 8, 3
+        return 64, 64, 32, 4, 2, False
+    return next(tiles for bound, tiles in nvfp4_configs.LINEAR_TILES if num_rows <= bound)
 
 
 def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, row_scales: torch.Tensor) -> torch.Tensor:
@@ -162,11 +162,11 @@ def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ro
     if 0 < num_rows <= GEMV_MAX_ROWS:
         nvfp4_gemv(rows, packed.contiguous(), scales.contiguous().view(torch.uint8), row_scales.contiguous(), out)
     elif num_rows:
-        block_m, block_n, block_k, warps, stages = _linear_tiles(num_rows, n_out, x.dtype)
+        block_m, block_n, block_k, warps, stages, swap = _linear_tiles(num_rows, n_out, x.dtype)
         _linear_kernel[(triton.cdiv(n_out, block_n), triton.cdiv(num_rows, block_m))](
             rows, rows.stride(0), packed.contiguous(), scales.contiguous().view(torch.uint8), row_scales.contiguous(), out,
             num_rows, n_out, k_in,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=dot_precision(x.dtype),
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SWAP_AB=swap, PRECISION=dot_precision(x.dtype),
             num_warps=warps, num_stages=stages,
         )
     return out.reshape(*x.shape[:-1], n_out)

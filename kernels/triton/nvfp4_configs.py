@@ -70,6 +70,14 @@ TUNED: dict[tuple[str, int, int, int], Buckets] = {}
 # group's weights in the activation dtype), so the extra memory of a prefill step stays bounded.
 DEQUANT_GROUP_BYTES = 256 << 20
 
+# ``nvfp4_linear``'s W4A16 tiles from 17 rows to ``LINEAR_DEQUANT_MIN_ROWS``: (largest rows,
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SWAP_AB)); ``swap_ab``: the transposed
+# product, the decoded weights as wgmma's register operand instead of a shared-memory round trip.
+LINEAR_TILES: tuple[tuple[float, tuple[int, int, int, int, int, bool]], ...] = (
+    (64, (64, 128, 64, 4, 4, False)),
+    (float("inf"), (128, 128, 64, 8, 3, False)),
+)
+
 # ``nvfp4_linear`` past this many rows dequantizes the weight (``out x in`` in the activation dtype,
 # once a call) and runs cuBLAS: its tensor-core tiles decode every weight once per 128-row tile, 64
 # times at an 8k prefill, against a dequantization that reads the packed bytes once. Tuned by

@@ -98,8 +98,12 @@ def test_decode_is_bit_exact_at_real_sizes(experts):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("tokens", [528, 1024, 8192])
 @pytest.mark.parametrize("rows,cols", [(9216, 2048), (2048, 4096)])
-def test_nvfp4_linear_prefill_sizes(dtype, tokens, rows, cols):
-    """The W4A16 tiles below ``LINEAR_DEQUANT_MIN_ROWS``, dequantize-then-cuBLAS from it."""
+@pytest.mark.parametrize("swap", [False, True])
+def test_nvfp4_linear_prefill_sizes(dtype, tokens, rows, cols, swap, monkeypatch):
+    """The W4A16 tiles below ``LINEAR_DEQUANT_MIN_ROWS`` (the table's, or the tuner's transposed
+    256-row tile), dequantize-then-cuBLAS from it."""
+    if swap:
+        monkeypatch.setattr(_configs(), "LINEAR_TILES", ((float("inf"), (256, 128, 64, 8, 3, True)),))
     rng = torch.Generator().manual_seed(tokens + rows)
     w = random_nvfp4(rng, rows, cols)
     x = torch.randn(tokens, cols, generator=rng).to(dtype).to(CUDA)
