@@ -89,7 +89,7 @@ def cases():
     yield "MoE block decode B=1 (sparse_moe_decode_nvfp4)", block
     for tiles in STREAM_TILES:
         yield f"MoE block decode B=1 stream {tiles}", lambda tiles=tiles: block(tiles=nvfp4_decode.NVFP4DecodeTiles(**tiles))
-    for tokens, label in ((1, "decode B=1"), (64, "decode B=64"), (8192, "prefill 8k")):
+    for tokens, label in ((1, "decode B=1"), (64, "decode B=64"), (528, "prefix-hit tail 528"), (8192, "prefill 8k")):
         def experts(t=tokens):
             x = torch.zeros(t, HIDDEN, dtype=BF16)
             ids = torch.arange(t * TOP_K, dtype=torch.int32).remainder(EXPERTS).view(t, TOP_K)
@@ -146,7 +146,7 @@ def report(label: str, dump: str | None) -> None:
         counts = {cls: sum(body[op] for op in ops) for cls, ops in CLASSES.items()}
         total = sum(body.values())
         per_weight = total / weights_per_thread(name, config)
-        tiles = {k: config[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages") if k in config}
+        tiles = {k: config[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SWAP_AB", "num_warps", "num_stages") if k in config}
         mix = " ".join(f"{cls}={n}" for cls, n in counts.items())
         print(f"| {label} | {name} | {tiles} | {resources} | {kernel.metadata.shared} | {total} | {mix} | {per_weight:.2f} |")
     compiled.clear()
@@ -155,10 +155,13 @@ def report(label: str, dump: str | None) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dump", default=None, help="write each kernel's SASS to this folder")
+    parser.add_argument("--only", nargs="+", default=None, help="cases whose label contains one of these")
     args = parser.parse_args()
     print("| case | kernel | tiles | resources | dynamic shared | loop instructions | by class | per weight per thread |")
     print("|---|---|---|---|---:|---:|---|---:|")
     for label, launch in cases():
+        if args.only and not any(part in label for part in args.only):
+            continue
         launch()
         report(label, args.dump)
 

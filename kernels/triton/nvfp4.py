@@ -6,23 +6,61 @@ hardware fp8 conversion, ``_decode_tile``) and multiplies it with
 the activations on the tensor cores (``tl.dot``, float32 accumulation); the per-row scale is applied
 to the accumulator. Decode-sized batches (a few rows) read each packed byte once and are bound by
 those bytes: up to ``nvfp4_rows.GEMV_MAX_ROWS`` rows without tensor cores (``nvfp4_gemv``, whole
-packed rows a program), up to 16 in narrow tensor-core tiles; prefill-sized ones run large bf16 tiles.
+packed rows a program), up to 16 in narrow tensor-core tiles; prefill-sized ones run large bf16
+tiles, and past ``nvfp4_configs.LINEAR_DEQUANT_MIN_ROWS`` rows the weight is dequantized once
+(``dequantize_nvfp4``) and multiplied by cuBLAS: the tiles would decode each weight once per row tile.
 
 ``fused_experts_nvfp4`` is ``fused_experts`` (``kernels/triton/moe.py``: sort pairs by expert,
-grouped gate/up GEMM with SiLU-and-mul, grouped down GEMM, per-token sum) with these weight tiles.
+grouped gate/up GEMM with SiLU-and-mul, grouped down GEMM, per-token sum) with these weight tiles,
+their sizes from ``nvfp4_configs`` by pairs per expert; where that table says ``DEQUANT`` (an 8k
+prefill's hundreds of pairs an expert) the experts are dequantized a group at a time and run through
+the bf16 grouped GEMMs instead.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from freetoken.kernels.triton import moe, nvfp4_configs
 from freetoken.kernels.triton._common import _INTERPRETED, INTERPRETED, cast, device_function, dot, dot_precision, new_empty, pow2, round_as
-from freetoken.kernels.triton.moe import _tile_of, moe_sort_tokens, sum_choices
-from freetoken.kernels.triton.nvfp4_rows import GEMV_MAX_ROWS, _code_bf16, _e4m3_codes, nvfp4_gemv
+from freetoken.kernels.triton.moe import _grouped_tile, moe_sort_tokens, sum_choices
+from freetoken.kernels.triton.moe_configs import moe_gemm_config
+from freetoken.kernels.triton.nvfp4_configs import Nvfp4GemmConfig, nvfp4_moe_config
+from freetoken.kernels.triton.nvfp4_rows import GEMV_MAX_ROWS, _e4m3_codes, nvfp4_gemv
 
 GROUP = 16
+
+
+# One 32-bit register of 4 packed bytes (8 codes, columns 0-7) and a bf16x2 register holding their
+# group's scale twice -> 4 bf16x2 registers of exact ``e2m1 · e4m3``, columns (0, 1), (2, 3)
+# (outputs $0, $1) and (4, 5), (6, 7) ($2, $3): each register already holds the two consecutive
+# columns a bf16 MMA operand register takes, so no shuffle follows. For byte j, one prmt puts byte j
+# of ``q << 4`` (the low nibble in bits 7-4) in the low half's high byte and byte j of ``q`` (the high
+# nibble there) in the high half's; the sign then sits at bit 15 of each half and exponent / mantissa
+# at bits 14-12, moved to 8-6: ``e2m1 · 2^-126`` (0.5 a bf16 subnormal); one ``mul.bf16x2`` by 2^126
+# (as Marlin does) and one by the scale. ``SCALED`` 0: the codes alone (inputs $4 only).
+def _pairs_asm(scaled: bool) -> str:
+    lines = ["{", ".reg .b32 q4, t, s, bias;", "mov.b32 bias, 0x7E807E80;", "shl.b32 q4, $4, 4;"]
+    for out, sel in enumerate(("0x0044", "0x1155", "0x2266", "0x3377")):
+        lines += [f"prmt.b32 t, $4, q4, {sel};", "shr.b32 s, t, 6;", "and.b32 s, s, 0x01C001C0;",
+                  "and.b32 t, t, 0x80008000;", "or.b32 t, t, s;"]
+        lines += ["mul.rn.bf16x2 t, t, bias;", f"mul.rn.bf16x2 ${out}, t, $5;"] if scaled else [f"mul.rn.bf16x2 ${out}, t, bias;"]
+    return "\n".join(lines + ["}"])
+
+
+_PAIRS_TO_BF16 = tl.constexpr(_pairs_asm(False))
+_SCALED_PAIRS_TO_BF16 = tl.constexpr(_pairs_asm(True))
+
+
+@device_function
+def _words_to_tile(lo, hi, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The two ``[BLOCK_N, BLOCK_K / 2]`` outputs of the pair decode (columns 0-3 and 4-7 of each
+    word) as the ``[BLOCK_N, BLOCK_K]`` tile; the permute only renames registers."""
+    words = tl.join(tl.reshape(lo, (BLOCK_N, BLOCK_K // 8, 4)), tl.reshape(hi, (BLOCK_N, BLOCK_K // 8, 4)))
+    return tl.reshape(tl.permute(words, (0, 1, 3, 2)), (BLOCK_N, BLOCK_K))
 
 
 @device_function
@@ -30,24 +68,32 @@ def _decode_tile(packed, scale_bytes, dtype: tl.constexpr, BLOCK_N: tl.constexpr
     """uint8 ``[BLOCK_N, BLOCK_K / 2]`` codes and ``[BLOCK_N, BLOCK_K / 16]`` e4m3 bytes -> ``dtype``
     ``[BLOCK_N, BLOCK_K]`` weights ``e2m1 · e4m3`` (the row scale is applied by the caller).
 
-    Each nibble's bits are moved into an e4m3 code (sign to bit 7, exponent and mantissa to bits
-    4-2), which is ``e2m1 · 2^-6`` for all 16 codes (the subnormal 0.5 lands on e4m3's subnormal
-    2^-7), so the hardware fp8 conversion decodes it; ``2^6`` goes into the block scale. Three
-    integer ops a weight instead of an exponent / mantissa decode. ``e2m1 · e4m3`` has at most 6
-    significant bits and lies in [2^-10, 2688]: exact in bf16 and fp16, so the scale multiplies in
-    ``dtype``, with no float32 round trip.
-
-    Compiled, the codes go straight to bf16 ``e2m1`` a 32-bit word at a time in inline PTX
-    (``nvfp4_rows._code_bf16``), no fp8 conversion: Triton's byte-wise ops and e4m3 -> f16 -> bf16
-    conversions took ~11 instructions a weight (docs/benchmarks.md)."""
+    ``e2m1 · e4m3`` has at most 6 significant bits and lies in [2^-10, 2688]: exact in bf16 and fp16,
+    so the scale multiplies in ``dtype``, with no float32 round trip. Compiled, the codes go straight
+    to bf16 a 32-bit word at a time in inline PTX (``_pairs_asm``), in bf16 with the scale multiplied
+    there too, a pair at a time (Triton's own multiply paired elements of different groups and
+    redid half of them one by one); Triton's byte-wise ops and e4m3 -> f16 -> bf16 conversions took
+    ~11 instructions a weight (docs/benchmarks.md). The interpreter, which runs no PTX and no bf16
+    arithmetic, moves each nibble's bits into an e4m3 code (sign to bit 7, exponent and mantissa to
+    bits 4-2: ``e2m1 · 2^-6`` for all 16 codes, the subnormal 0.5 on e4m3's subnormal 2^-7) and forms
+    the same exact product in float32."""
     scales = scale_bytes.to(tl.float8e4nv, bitcast=True)
-    if _INTERPRETED:  # no bf16 arithmetic there: the same exact product, formed in float32
+    if _INTERPRETED:
         codes = tl.reshape(_e4m3_codes(packed), (BLOCK_N, BLOCK_K)).to(tl.float8e4nv, bitcast=True)
-        values, scale = codes.to(tl.float32), scales.to(tl.float32) * 64.0
+        groups = tl.reshape(codes.to(tl.float32), (BLOCK_N, BLOCK_K // 16, 16)) * (scales.to(tl.float32) * 64.0)[:, :, None]
+        return tl.reshape(groups, (BLOCK_N, BLOCK_K)).to(dtype)
+    elif dtype == tl.bfloat16:
+        per_byte = tl.reshape(tl.broadcast_to(scales.to(tl.bfloat16)[:, :, None], (BLOCK_N, BLOCK_K // 16, 8)),
+                              (BLOCK_N, BLOCK_K // 2))
+        lo, hi = tl.inline_asm_elementwise(_SCALED_PAIRS_TO_BF16, "=r,=r,=r,=r,r,r,r", [packed, per_byte],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        return _words_to_tile(lo, hi, BLOCK_N, BLOCK_K)
     else:
-        values, scale = _code_bf16(packed, BLOCK_N, BLOCK_K).to(dtype), scales.to(dtype)
-    groups = tl.reshape(values, (BLOCK_N, BLOCK_K // 16, 16)) * scale[:, :, None]
-    return tl.reshape(groups, (BLOCK_N, BLOCK_K)).to(dtype)
+        lo, hi = tl.inline_asm_elementwise(_PAIRS_TO_BF16, "=r,=r,=r,=r,r", [packed], dtype=(tl.bfloat16, tl.bfloat16),
+                                           is_pure=True, pack=4)
+        values = _words_to_tile(lo, hi, BLOCK_N, BLOCK_K).to(dtype)
+        groups = tl.reshape(values, (BLOCK_N, BLOCK_K // 16, 16)) * scales.to(dtype)[:, :, None]
+        return tl.reshape(groups, (BLOCK_N, BLOCK_K)).to(dtype)
 
 
 @device_function
@@ -66,36 +112,36 @@ def _load_tile(w_ptr, s_ptr, rows, rows_ok, k0, K, dtype: tl.constexpr, BLOCK_N:
 @triton.jit
 def _linear_kernel(
     x_ptr, x_st, w_ptr, s_ptr, r_ptr, out_ptr, M, N, K,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     n_ok = n < N
     m_ok = m < M
     dtype = out_ptr.dtype.element_ty
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc = _zero_acc(BLOCK_M, BLOCK_N, SWAP_AB)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(x_ptr + m[:, None].to(tl.int64) * x_st + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
         w = _load_tile(w_ptr, s_ptr, n, n_ok, k0, K, dtype, BLOCK_N, BLOCK_K)
-        acc += dot(a, tl.trans(w), PRECISION)
+        acc = _mma(acc, a, w, SWAP_AB, PRECISION)
+    acc = _rows_first(acc, SWAP_AB)
     row_scale = tl.load(r_ptr + n, mask=n_ok, other=0.0)
     out = acc * row_scale[None, :]
     tl.store(out_ptr + m[:, None].to(tl.int64) * N + n[None, :], cast(out, dtype), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _linear_tiles(num_rows: int, n_out: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). Decode (<= 16 rows): weight tiles narrow
-    enough that a few hundred programs stream the packed bytes; prefill: 128x128 bf16 tiles."""
+def _linear_tiles(num_rows: int, n_out: int, dtype: torch.dtype) -> tuple[int, int, int, int, int, bool]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SWAP_AB): past 16 rows from
+    ``nvfp4_configs.LINEAR_TILES`` by rows; float32 and the interpreter narrower."""
     if INTERPRETED:
-        return min(pow2(num_rows, 16), 64), 64, 128, 4, 1
-    if num_rows <= 16:
-        return 16, 16 if n_out <= 4096 else 32, 256, 4, 4
+        return min(pow2(num_rows, 16), 64), 64, 128, 4, 1, num_rows > 32
+    if num_rows <= 16:  # decode: narrow weight tiles, so that a few hundred programs stream the bytes
+        return 16, 16 if n_out <= 4096 else 32, 256, 4, 4, False
     if dtype == torch.float32:
-        return 64, 64, 32, 4, 2
-    if num_rows <= 64:
-        return 64, 128, 64, 4, 4
-    return 128, 128, 64, 8, 3
+        return 64, 64, 32, 4, 2, False
+    return next(tiles for bound, tiles in nvfp4_configs.LINEAR_TILES if num_rows <= bound)
 
 
 def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, row_scales: torch.Tensor) -> torch.Tensor:
@@ -111,46 +157,113 @@ def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ro
         rows = rows.contiguous()
     num_rows = rows.shape[0]
     out = new_empty((num_rows, n_out), x.dtype, x.device)
+    if num_rows >= nvfp4_configs.LINEAR_DEQUANT_MIN_ROWS:
+        return F.linear(x, dequantize_nvfp4(packed, scales, row_scales, x.dtype))
     if 0 < num_rows <= GEMV_MAX_ROWS:
         nvfp4_gemv(rows, packed.contiguous(), scales.contiguous().view(torch.uint8), row_scales.contiguous(), out)
     elif num_rows:
-        block_m, block_n, block_k, warps, stages = _linear_tiles(num_rows, n_out, x.dtype)
+        block_m, block_n, block_k, warps, stages, swap = _linear_tiles(num_rows, n_out, x.dtype)
         _linear_kernel[(triton.cdiv(n_out, block_n), triton.cdiv(num_rows, block_m))](
             rows, rows.stride(0), packed.contiguous(), scales.contiguous().view(torch.uint8), row_scales.contiguous(), out,
             num_rows, n_out, k_in,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=dot_precision(x.dtype),
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SWAP_AB=swap, PRECISION=dot_precision(x.dtype),
             num_warps=warps, num_stages=stages,
         )
     return out.reshape(*x.shape[:-1], n_out)
 
 
+@device_function
+def _packed_tile(w_ptr, rows, rows_ok, k0, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """uint8 codes ``[BLOCK_N, BLOCK_K / 2]`` of input columns ``k0 ...`` of weight rows ``rows``."""
+    half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    return tl.load(w_ptr + rows[:, None].to(tl.int64) * (K // 2) + half[None, :],
+                   mask=rows_ok[:, None] & ((half < K // 2) | EVEN_K)[None, :], other=0)
+
+
+@device_function
+def _scale_tile(s_ptr, rows, rows_ok, k0, K, BLOCK_K: tl.constexpr):
+    """e4m3 bytes ``[BLOCK_N, BLOCK_K / 16]`` of input columns ``k0 ...``.
+
+    Triton's pipeliner streams the packed codes and the activations through shared memory (cp.async)
+    but leaves these 8-16-byte rows a synchronous load in the step that uses them (TTGIR, sm_90).
+    Loading them a step ahead into loop-carried registers hides that latency but moved the decoded
+    tiles' layout off the MMA operand's (a shared-memory round trip a weight): not done."""
+    group = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+    return tl.load(s_ptr + rows[:, None].to(tl.int64) * (K // 16) + group[None, :],
+                   mask=rows_ok[:, None] & (group < K // 16)[None, :], other=0)
+
+
+@device_function
+def _zero_acc(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
+    """The float32 accumulator: ``[BLOCK_M, BLOCK_N]``, or transposed with ``SWAP_AB``."""
+    if SWAP_AB:
+        return tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        return tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+
+
+@device_function
+def _mma(acc, a, w, SWAP_AB: tl.constexpr, PRECISION: tl.constexpr):
+    """``acc += a @ wᵀ`` (activations ``a [BLOCK_M, BLOCK_K]``, decoded weights ``w [BLOCK_N,
+    BLOCK_K]``), or with ``SWAP_AB`` the transposed product ``acc += w @ aᵀ``: the weights then are
+    the MMA's first operand, which the tensor cores take from registers (where the decode leaves
+    them; wgmma's second operand must be in shared memory), and a few tokens are its narrow N side
+    (8 on) instead of a 16- or 64-row M side padded with empty rows. With the activations first,
+    mma.sync's A fragments were regathered with 4 moves before every MMA (1.75 a weight at 32 x 64 x
+    128, ``benchmarks/nvfp4_sass.py``)."""
+    if SWAP_AB:
+        return acc + dot(w, tl.trans(a), PRECISION)
+    else:
+        return acc + dot(a, tl.trans(w), PRECISION)
+
+
+@device_function
+def _rows_first(acc, SWAP_AB: tl.constexpr):
+    """The accumulator as ``[BLOCK_M, BLOCK_N]`` for the epilogue."""
+    if SWAP_AB:
+        return tl.trans(acc)
+    else:
+        return acc
+
+
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, x_st, w_ptr, s_ptr, r_ptr, order_ptr, offsets_ptr, h_ptr,
-    hidden, inter, num_experts,
+    x_ptr, x_st, w_ptr, s_ptr, r_ptr, order_ptr, tiles_ptr, h_ptr,
+    hidden, inter, num_experts, num_row_tiles,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_E: tl.constexpr, PRECISION: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    expert, first, end = _tile_of(tl.program_id(0), offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
+    tile, col_block = _grouped_tile(num_row_tiles, tl.cdiv(inter, BLOCK_N), GROUP_M)
+    expert = tl.load(tiles_ptr + tile)
+    first = tl.load(tiles_ptr + num_row_tiles + tile)
+    end = tl.load(tiles_ptr + 2 * num_row_tiles + tile)
     if expert < num_experts:
         rows = first + tl.arange(0, BLOCK_M)
         row_ok = rows < end
         token = tl.load(order_ptr + rows, mask=row_ok, other=0) // TOP_K
-        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < inter
         dtype = h_ptr.dtype.element_ty
         gate_rows = expert * 2 * inter + n  # rows of the flattened [E * 2I, H] weight
         up_rows = gate_rows + inter
-        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_gate = _zero_acc(BLOCK_M, BLOCK_N, SWAP_AB)
+        acc_up = _zero_acc(BLOCK_M, BLOCK_N, SWAP_AB)
         for k0 in range(0, hidden, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = (k < hidden) | EVEN_K  # constant true when the tiles divide the dim: no column mask
             a = tl.load(x_ptr + token[:, None].to(tl.int64) * x_st + k[None, :],
-                        mask=row_ok[:, None] & (k < hidden)[None, :], other=0.0)
-            w_gate = _load_tile(w_ptr, s_ptr, gate_rows, n_ok, k0, hidden, dtype, BLOCK_N, BLOCK_K)
-            w_up = _load_tile(w_ptr, s_ptr, up_rows, n_ok, k0, hidden, dtype, BLOCK_N, BLOCK_K)
-            acc_gate += dot(a, tl.trans(w_gate), PRECISION)
-            acc_up += dot(a, tl.trans(w_up), PRECISION)
+                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            s_gate = _scale_tile(s_ptr, gate_rows, n_ok, k0, hidden, BLOCK_K)
+            s_up = _scale_tile(s_ptr, up_rows, n_ok, k0, hidden, BLOCK_K)
+            w_gate = _decode_tile(_packed_tile(w_ptr, gate_rows, n_ok, k0, hidden, BLOCK_K, EVEN_K), s_gate,
+                                  dtype, BLOCK_N, BLOCK_K)
+            w_up = _decode_tile(_packed_tile(w_ptr, up_rows, n_ok, k0, hidden, BLOCK_K, EVEN_K), s_up,
+                                dtype, BLOCK_N, BLOCK_K)
+            acc_gate = _mma(acc_gate, a, w_gate, SWAP_AB, PRECISION)
+            acc_up = _mma(acc_up, a, w_up, SWAP_AB, PRECISION)
+        acc_gate = _rows_first(acc_gate, SWAP_AB)
+        acc_up = _rows_first(acc_up, SWAP_AB)
         gate = round_as(acc_gate * tl.load(r_ptr + gate_rows, mask=n_ok, other=0.0)[None, :], dtype)
         up = round_as(acc_up * tl.load(r_ptr + up_rows, mask=n_ok, other=0.0)[None, :], dtype)
         h = round_as(gate * tl.sigmoid(gate), dtype) * up
@@ -159,44 +272,187 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    h_ptr, w_ptr, s_ptr, r_ptr, order_ptr, offsets_ptr, topk_w_ptr, y_ptr,
-    hidden, inter, num_experts,
+    h_ptr, w_ptr, s_ptr, r_ptr, order_ptr, tiles_ptr, topk_w_ptr, y_ptr,
+    hidden, inter, num_experts, num_row_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_E: tl.constexpr, PRECISION: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    expert, first, end = _tile_of(tl.program_id(0), offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
+    tile, col_block = _grouped_tile(num_row_tiles, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+    expert = tl.load(tiles_ptr + tile)
+    first = tl.load(tiles_ptr + num_row_tiles + tile)
+    end = tl.load(tiles_ptr + 2 * num_row_tiles + tile)
     if expert < num_experts:
         rows = first + tl.arange(0, BLOCK_M)
         row_ok = rows < end
         pair = tl.load(order_ptr + rows, mask=row_ok, other=0)
-        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < hidden
         dtype = y_ptr.dtype.element_ty
         w_rows = expert * hidden + n  # rows of the flattened [E * H, I] weight
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc = _zero_acc(BLOCK_M, BLOCK_N, SWAP_AB)
         for k0 in range(0, inter, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = (k < inter) | EVEN_K
             a = tl.load(h_ptr + rows[:, None].to(tl.int64) * inter + k[None, :],
-                        mask=row_ok[:, None] & (k < inter)[None, :], other=0.0)
-            w = _load_tile(w_ptr, s_ptr, w_rows, n_ok, k0, inter, dtype, BLOCK_N, BLOCK_K)
-            acc += dot(a, tl.trans(w), PRECISION)
+                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = _decode_tile(_packed_tile(w_ptr, w_rows, n_ok, k0, inter, BLOCK_K, EVEN_K),
+                             _scale_tile(s_ptr, w_rows, n_ok, k0, inter, BLOCK_K), dtype, BLOCK_N, BLOCK_K)
+            acc = _mma(acc, a, w, SWAP_AB, PRECISION)
+        acc = _rows_first(acc, SWAP_AB)
         weight = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
         y = round_as(acc * tl.load(r_ptr + w_rows, mask=n_ok, other=0.0)[None, :], dtype) * weight[:, None]
         tl.store(y_ptr + pair.to(tl.int64)[:, None] * hidden + n[None, :], cast(y, dtype),
                  mask=row_ok[:, None] & n_ok[None, :])
 
 
-def _expert_tiles(dtype: torch.dtype, num_pairs: int, num_experts: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) from the mean pairs per expert."""
-    mean_rows = num_pairs / max(num_experts, 1)
-    block_m = 16 if mean_rows <= 16 else 32 if mean_rows <= 48 else 64
-    if INTERPRETED:
-        return block_m, 64, 128, 4, 1
-    if dtype == torch.float32:
-        return block_m, 64, 32, 4, 2
-    if block_m == 16:  # decode: a few rows per expert, bound by the packed bytes
-        return 16, 32, 256, 4, 4
-    return block_m, 64, 128, 4, 3
+@triton.jit
+def _dequant_kernel(w_ptr, s_ptr, r_ptr, out_ptr, num_rows, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows ``[BLOCK_R]`` x columns ``[BLOCK_K]`` of the dense weight: ``e2m1 · e4m3`` (exact in the
+    output dtype) times the row scale in float32, rounded once, as ``dequantize_nvfp4``."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows_ok = rows < num_rows
+    k0 = tl.program_id(1) * BLOCK_K
+    dtype = out_ptr.dtype.element_ty
+    w = _load_tile(w_ptr, s_ptr, rows, rows_ok, k0, K, dtype, BLOCK_R, BLOCK_K)
+    out = w.to(tl.float32) * tl.load(r_ptr + rows, mask=rows_ok, other=0.0)[:, None]
+    k = k0 + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * K + k[None, :], cast(out, dtype),
+             mask=rows_ok[:, None] & (k < K)[None, :])
+
+
+def dequantize_nvfp4_into(packed: torch.Tensor, scale_bytes: torch.Tensor, row_scales: torch.Tensor,
+                          out: torch.Tensor) -> None:
+    """``out [*, N, K] = dequantize_nvfp4(...)`` in ``out``'s dtype (contiguous inputs, scales as uint8)."""
+    k_in = out.shape[-1]
+    num_rows = out.numel() // max(k_in, 1)
+    if not num_rows:
+        return
+    block_r, block_k = (64, 128) if INTERPRETED else (16, 256)
+    _dequant_kernel[(triton.cdiv(num_rows, block_r), triton.cdiv(k_in, block_k))](
+        packed, scale_bytes, row_scales, out, num_rows, k_in, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4,
+    )
+
+
+def dequantize_nvfp4(packed: torch.Tensor, scales: torch.Tensor, row_scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``kernels.nvfp4.dequantize_nvfp4`` in one launch (bit-identical): the weight ``[*, out, in]``."""
+    *lead, rows, half = packed.shape
+    out = new_empty((*lead, rows, 2 * half), dtype, packed.device)
+    dequantize_nvfp4_into(packed.contiguous(), scales.contiguous().view(torch.uint8), row_scales.contiguous(), out)
+    return out
+
+
+@triton.jit
+def _tile_map_kernel(offsets_ptr, tiles_ptr, num_experts, num_row_tiles, BLOCK_M: tl.constexpr,
+                     BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
+    """``tiles [3, num_row_tiles]``: each row tile's expert (``num_experts`` past the last tile),
+    first sorted pair and its expert's end, for ``BLOCK_T`` tiles a program (``moe._tile_of`` for
+    many tiles at once). Every grouped-GEMM program then loads its three numbers instead of
+    scanning all experts' offsets itself: down's programs run four K steps, and that scan, with
+    its reductions across the warps, was a large part of each."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    e = tl.arange(0, BLOCK_E)
+    e_ok = e < num_experts
+    starts = tl.load(offsets_ptr + e, mask=e_ok, other=0)
+    ends = tl.load(offsets_ptr + e + 1, mask=e_ok, other=0)
+    tiles_end = tl.cumsum((ends - starts + BLOCK_M - 1) // BLOCK_M, 0)  # tiles of experts <= e
+    tiles_end = tl.where(e_ok, tiles_end, 1 << 30)
+    expert = tl.sum((tiles_end[None, :] <= t[:, None]).to(tl.int32), 1)
+    mine = e[None, :] == expert[:, None]
+    tiles_before = tl.sum(tl.where(e[None, :] == expert[:, None] - 1, tiles_end[None, :], 0), 1)
+    first = tl.sum(tl.where(mine, starts[None, :], 0), 1) + (t - tiles_before) * BLOCK_M
+    end = tl.sum(tl.where(mine, ends[None, :], 0), 1)
+    ok = t < num_row_tiles
+    tl.store(tiles_ptr + t, expert, mask=ok)
+    tl.store(tiles_ptr + num_row_tiles + t, first, mask=ok)
+    tl.store(tiles_ptr + 2 * num_row_tiles + t, end, mask=ok)
+
+
+def tile_map(offsets: torch.Tensor, num_pairs: int, block_m: int) -> tuple[torch.Tensor, int]:
+    """(``_tile_map_kernel``'s ``[3, tiles]``, tiles) for row tiles of ``block_m`` sorted pairs."""
+    num_experts = offsets.shape[0] - 1
+    tiles = _row_tiles(num_pairs, num_experts, block_m)
+    out = new_empty((3, tiles), torch.int32, offsets.device)
+    block_e = pow2(num_experts)
+    block_t = max(1, min(pow2(tiles), 8192 // block_e))
+    _tile_map_kernel[(triton.cdiv(tiles, block_t),)](offsets, out, num_experts, tiles, BLOCK_M=block_m,
+                                                     BLOCK_E=block_e, BLOCK_T=block_t)
+    return out, tiles
+
+
+def _row_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Upper bound of the grouped GEMM's row tiles: every expert may end in a partial tile."""
+    return triton.cdiv(num_pairs, block_m) + num_experts
+
+
+Packed = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # packed codes, scale bytes (uint8), row scales
+
+
+def _expert_groups(num_experts: int, rows: int, cols: int, dtype: torch.dtype) -> int:
+    """Experts dequantized at a time by the dequantize-then-bf16 path (``DEQUANT_GROUP_BYTES``)."""
+    per_expert = rows * cols * torch.tensor([], dtype=dtype).element_size()
+    return max(1, min(num_experts, nvfp4_configs.DEQUANT_GROUP_BYTES // per_expert))
+
+
+def gate_up_nvfp4(x: torch.Tensor, w13: Packed, order: torch.Tensor, offsets: torch.Tensor, h: torch.Tensor,
+                  top_k: int, config: Nvfp4GemmConfig | None) -> None:
+    """``h[sorted pair] = silu(x w_gateᵀ) · (x w_upᵀ)`` of the pair's expert over NVFP4 ``w13``
+    (contiguous, ``[E, 2I, H / 2]`` codes): the W4A16 kernel with ``config``'s tiles, or with
+    ``None`` the experts dequantized a group at a time and the bf16 grouped GEMM (the tuner
+    launches both)."""
+    packed, scale_bytes, row_scales = w13
+    num_experts, two_inter, half = packed.shape
+    hidden, inter = 2 * half, two_inter // 2
+    if config is None:
+        group = _expert_groups(num_experts, two_inter, hidden, x.dtype)
+        scratch = new_empty((group, two_inter, hidden), x.dtype, x.device)
+        bf16_config = moe_gemm_config("gate_up", x.dtype, h.shape[0], num_experts, hidden, inter)
+        for e0 in range(0, num_experts, group):
+            weights = scratch[: min(group, num_experts - e0)]
+            dequantize_nvfp4_into(packed[e0:], scale_bytes[e0:], row_scales[e0:], weights)
+            moe.gate_up(x, weights, order, offsets[e0:], h, top_k, bf16_config)
+        return
+    tile_info, tiles = tile_map(offsets, h.shape[0], config.block_m)
+    _gate_up_kernel[(tiles * triton.cdiv(inter, config.block_n),)](
+        x, x.stride(0), packed, scale_bytes, row_scales, order, tile_info, h, hidden, inter, num_experts, tiles,
+        TOP_K=top_k, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        GROUP_M=config.group_m, EVEN_K=hidden % config.block_k == 0,
+        SWAP_AB=config.swap_ab, PRECISION=dot_precision(x.dtype), num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+
+
+def down_nvfp4(h: torch.Tensor, w2: Packed, order: torch.Tensor, offsets: torch.Tensor, topk_weights: torch.Tensor,
+               y: torch.Tensor, config: Nvfp4GemmConfig | None) -> None:
+    """``y[pair] = weight · (h w_downᵀ)`` of the pair's expert over NVFP4 ``w2`` (``[E, H, I / 2]``
+    codes), in pair order; ``config`` as in ``gate_up_nvfp4``."""
+    packed, scale_bytes, row_scales = w2
+    num_experts, hidden, half = packed.shape
+    inter = 2 * half
+    if config is None:
+        group = _expert_groups(num_experts, hidden, inter, h.dtype)
+        scratch = new_empty((group, hidden, inter), h.dtype, h.device)
+        bf16_config = moe_gemm_config("down", h.dtype, h.shape[0], num_experts, hidden, inter)
+        for e0 in range(0, num_experts, group):
+            weights = scratch[: min(group, num_experts - e0)]
+            dequantize_nvfp4_into(packed[e0:], scale_bytes[e0:], row_scales[e0:], weights)
+            moe.down(h, weights, order, offsets[e0:], topk_weights, y, bf16_config)
+        return
+    tile_info, tiles = tile_map(offsets, h.shape[0], config.block_m)
+    _down_kernel[(tiles * triton.cdiv(hidden, config.block_n),)](
+        h, packed, scale_bytes, row_scales, order, tile_info, topk_weights, y, hidden, inter, num_experts, tiles,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        GROUP_M=config.group_m, EVEN_K=inter % config.block_k == 0,
+        SWAP_AB=config.swap_ab, PRECISION=dot_precision(h.dtype), num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+
+
+def expert_configs(dtype: torch.dtype, num_pairs: int, num_experts: int, hidden: int,
+                   inter: int) -> tuple[Nvfp4GemmConfig | None, Nvfp4GemmConfig | None]:
+    """The (gate/up, down) launch configurations of ``fused_experts_nvfp4`` (``nvfp4_configs``)."""
+    return (nvfp4_moe_config("gate_up", dtype, num_pairs, num_experts, hidden, inter),
+            nvfp4_moe_config("down", dtype, num_pairs, num_experts, hidden, inter))
 
 
 def fused_experts_nvfp4(
@@ -210,6 +466,28 @@ def fused_experts_nvfp4(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = w13_packed.shape
+    inter = two_inter // 2
+    return fused_experts_nvfp4_tiled(
+        x, w13_packed, w13_scales, w13_row_scales, w2_packed, w2_scales, w2_row_scales, topk_weights, topk_ids,
+        expert_configs(x.dtype, num_tokens * topk_ids.shape[-1], num_experts, hidden, inter),
+    )
+
+
+def fused_experts_nvfp4_tiled(
+    x: torch.Tensor,
+    w13_packed: torch.Tensor,
+    w13_scales: torch.Tensor,
+    w13_row_scales: torch.Tensor,
+    w2_packed: torch.Tensor,
+    w2_scales: torch.Tensor,
+    w2_row_scales: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    configs: tuple[Nvfp4GemmConfig | None, Nvfp4GemmConfig | None],
+) -> torch.Tensor:
+    """``fused_experts_nvfp4`` with the given (gate/up, down) configurations (tests and the tuner)."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13_packed.shape
     inter = two_inter // 2
@@ -234,22 +512,11 @@ def fused_experts_nvfp4(
     topk_weights = topk_weights.contiguous()
     num_pairs = num_tokens * top_k
     order, offsets = moe_sort_tokens(topk_ids, num_experts)
-    block_m, block_n, block_k, warps, stages = _expert_tiles(x.dtype, num_pairs, num_experts)
-    max_tiles = triton.cdiv(num_pairs, block_m) + num_experts
-    precision = dot_precision(x.dtype)
+    w13 = (w13_packed.contiguous(), w13_scales.contiguous().view(torch.uint8), w13_row_scales.contiguous())
+    w2 = (w2_packed.contiguous(), w2_scales.contiguous().view(torch.uint8), w2_row_scales.contiguous())
     h = new_empty((num_pairs, inter), x.dtype, x.device)
-    _gate_up_kernel[(max_tiles, triton.cdiv(inter, block_n))](
-        x, x.stride(0), w13_packed.contiguous(), w13_scales.contiguous().view(torch.uint8), w13_row_scales.contiguous(),
-        order, offsets, h, hidden, inter, num_experts,
-        TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        BLOCK_E=pow2(num_experts), PRECISION=precision, num_warps=warps, num_stages=stages,
-    )
+    gate_up_nvfp4(x, w13, order, offsets, h, top_k, configs[0])
     y = new_empty((num_pairs, hidden), x.dtype, x.device)
-    _down_kernel[(max_tiles, triton.cdiv(hidden, block_n))](
-        h, w2_packed.contiguous(), w2_scales.contiguous().view(torch.uint8), w2_row_scales.contiguous(),
-        order, offsets, topk_weights, y, hidden, inter, num_experts,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        BLOCK_E=pow2(num_experts), PRECISION=precision, num_warps=warps, num_stages=stages,
-    )
+    down_nvfp4(h, w2, order, offsets, topk_weights, y, configs[1])
     sum_choices(y, out, top_k)
     return out
