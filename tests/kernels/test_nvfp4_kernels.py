@@ -38,8 +38,8 @@ def float32_reference(reference, *args):
     return reference(*(a.float() if isinstance(a, torch.Tensor) and a.dtype in half else a for a in args))
 
 
-def assert_close_to_float32(got, reference, *args):
-    assert_close(got.float(), float32_reference(reference, *args), dtype=got.dtype)
+def assert_close_to_float32(got, reference, *args, scale: float = 1.0):
+    assert_close(got.float(), float32_reference(reference, *args), dtype=got.dtype, scale=scale)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -187,7 +187,9 @@ def test_sparse_moe_decode_nvfp4_tiles(rng, dtype, tiles):
     e, k, hidden, inter, shared_inter = 6, 2, 48, 16, 48
     x, logits, weights = _decode_block_inputs(rng, dtype, 3, e, hidden, inter, shared_inter)
     got = nvfp4_decode.sparse_moe_decode_nvfp4_tiled(x, logits, *weights, k, False, nvfp4_decode.NVFP4DecodeTiles(**tiles))
-    assert_close_to_float32(got, ref.sparse_moe_decode_nvfp4_reference, x, logits, *weights, k, False)
+    # In bf16 the block rounds its gate/up activations and each expert's down output before the sum
+    # (three roundings over 144 outputs): a random draw reached 1.13x the one-rounding bound.
+    assert_close_to_float32(got, ref.sparse_moe_decode_nvfp4_reference, x, logits, *weights, k, False, scale=2.0)
 
 
 def test_nvfp4_decode_tiles_reject_a_step_below_one_group():
