@@ -40,6 +40,10 @@ class CacheCounters:
     fills_waited_on: int = 0  # fills mapped while still copying: the next step waits for them on the device
     copy_wait_seconds: float = 0.0  # device time the compute stream spent waiting for those (CUDA)
     settle_seconds: float = 0.0  # host time the settles took (policy, eviction, queuing the copies)
+    # The eager forwards' copies (prompt chunks, streamed ahead or not), CUDA only: device time the
+    # copy stream spent copying (PCIe busy), and the compute stream spent waiting for them (exposed).
+    eager_copy_seconds: float = 0.0
+    eager_wait_seconds: float = 0.0
 
 
 class SlotTable:
