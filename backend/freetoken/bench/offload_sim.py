@@ -48,14 +48,26 @@ class OffloadReplay:
         self.table = SlotTable(slots, policy, expert_bytes=1)
         self.visible: set[ExpertKey] = set()  # what the slot map holds for the step being launched
 
-    def prefill(self, prompt: np.ndarray) -> None:
+    def prefill(self, prompt: np.ndarray, staged: bool = False) -> int:
         """A prompt chunk, ``[tokens, layers, top_k]`` routed ids, on the eager path (as
-        ``OffloadedExperts.prepare``)."""
+        ``OffloadedExperts.prepare``); returns the experts it copies in. The engine's stream
+        copies a layer's predicted experts into cache slots ahead of it: with a perfect prediction
+        the table ends as admitting each layer's experts leaves it. ``staged``: the alternative of
+        a staging area apart from the cache: the chunk reads what the cache holds and copies every
+        other expert it routes into staging, which it leaves (the cache and its policy untouched).
+        """
+        copied = 0
         for layer in range(prompt.shape[1]):
             experts = list(dict.fromkeys(prompt[:, layer].ravel().tolist()))  # distinct, in routing order
+            if staged:
+                copied += sum(1 for e in experts if self.table.slot_of((layer, e)) is None)
+                continue
+            misses = self.table.counters.misses
             for group in self.table.passes(layer, experts):
                 self.table.admit(layer, group)
+            copied += self.table.counters.misses - misses
         self.visible = set(self.table._slot_of)  # the eager path maps its copies at once
+        return copied
 
     def decode(self, steps: np.ndarray) -> DecodeSteps:
         """Decode steps, ``[steps, layers, top_k]`` routed ids, on the zero-copy path."""
