@@ -65,7 +65,7 @@ def run(scenario: str, routing: str, mode: str, requests: int, prompt: int, deco
     staged = mode == "staged"
     # ``foreign`` needs a second prompt per request: the requests after ``requests`` lend theirs.
     prompts, decodes = traces(2 * requests if scenario == "foreign" else requests, prompt, decode, routing, seed)
-    replay = OffloadReplay(SLOTS - (STAGING if staged else 0), make_policy(DEFAULT_POLICY))
+    replay = OffloadReplay(SLOTS - (STAGING if staged else 0), make_policy(DEFAULT_POLICY), EXPERTS)
     chunk_copies, decode_misses, decode_uses = [], [], []
     for r in range(requests):
         copies = replay.prefill(prompts[r], staged)

@@ -109,4 +109,6 @@ def test_which_forwards_stream():
 
 def test_distinct_experts_counts_on_the_device_most_routed_first():
     ids = [torch.tensor([[3, 1], [3, 0], [1, 3]]), torch.tensor([[2, 0]])]
-    assert distinct_experts(ids, 4) == [[3, 1, 0], [0, 2]]  # ties by id
+    distinct = distinct_experts(ids, 4)
+    assert distinct == [{3: 3, 1: 2, 0: 1}, {0: 1, 2: 1}]
+    assert [list(d) for d in distinct] == [[3, 1, 0], [0, 2]]  # most routed first, ties by id

@@ -20,8 +20,10 @@ also stream the next layer's experts in while a layer computes: at each layer's 
 applies the next layer's router to this layer's MoE input and queues the copies of what it picks
 (``stream_ahead``), behind this layer's own remaining misses, so the copy stream always holds the
 next layer's work; the first layer's are queued at the forward's start from the token embeddings
-(``start_forward``). They go into cache slots (evicted ahead by the policy), so the chunk's experts
-stay cached for its decode (docs/architecture.md has the measured choice against a staging area).
+(``start_forward``). They go into cache slots, so the chunk's experts stay cached for its decode;
+a chunk that routes most experts takes its victims from the layers it has passed
+(``SlotTable.passed``), not from those ahead it still needs (docs/architecture.md has the measured
+choice against a staging area).
 """
 
 from __future__ import annotations
@@ -267,7 +269,7 @@ class ExpertOffload:
         """At the start of an eager forward that ``streams``: queue the copies of the experts the
         first layer's router picks for the token embeddings (``embeddings``, ``[T, H]``; a sync),
         so they cross PCIe during the first layer's attention."""
-        predicted = distinct_experts([self.layers[0].route(embeddings)], self.num_experts)[0]
+        predicted = list(distinct_experts([self.layers[0].route(embeddings)], self.num_experts)[0])
         self._read_map()
         self.stream_ahead(0, predicted, [])
 
@@ -280,6 +282,11 @@ class ExpertOffload:
         placed, evicted = self._table().prefetch(layer, predicted, running_keys)
         assert self.slots is not None
         self.slots.fill(layer, self._parts[layer], placed, evicted, ahead=True)
+
+    def passed(self, layer: int, counts: dict[int, int]) -> None:
+        """An eager forward's layer ``layer`` routed ``counts`` (expert -> tokens) and is queued: its
+        experts become victims for the forward's later layers (``SlotTable.passed``)."""
+        self._table().passed(layer, counts, self.num_experts)
 
     def bring_in(self, layer: int, experts: list[int]) -> None:
         placed, evicted = self._table().admit(layer, experts)
@@ -307,12 +314,14 @@ class ExpertOffload:
         return self.table
 
 
-def distinct_experts(ids: list[torch.Tensor], num_experts: int) -> list[list[int]]:
-    """The distinct experts of each ``[T, k]`` tensor of routed ids, most routed first (ties by id),
-    through one device-to-host copy of their counts: ``num_experts`` numbers each instead of
-    ``T x k`` ids (65,536 at an 8k chunk, top-8: milliseconds of host time a layer)."""
+def distinct_experts(ids: list[torch.Tensor], num_experts: int) -> list[dict[int, int]]:
+    """The distinct experts of each ``[T, k]`` tensor of routed ids with their token counts, most
+    routed first (ties by id), through one device-to-host copy of the counts: ``num_experts``
+    numbers each instead of ``T x k`` ids (65,536 at an 8k chunk, top-8: milliseconds of host time
+    a layer)."""
     counts = torch.stack([torch.bincount(t.flatten(), minlength=num_experts) for t in ids]).tolist()
-    return [sorted((e for e in range(num_experts) if row[e]), key=lambda e: -row[e]) for row in counts]
+    return [{e: row[e] for e in sorted((e for e in range(num_experts) if row[e]), key=lambda e: -row[e])}
+            for row in counts]
 
 
 _BUILDING: ContextVar[ExpertOffload | None] = ContextVar("freetoken_expert_offload", default=None)

@@ -120,10 +120,12 @@ class OffloadedExperts(nn.Module):
         ids = [topk_ids]
         if self.offload.streams(x.shape[0]) and following < len(self.offload.layers):
             ids.append(self.offload.layers[following].route(x))
-        needed, *predicted = distinct_experts(ids, self.num_experts)
-        groups = self.offload.begin(self.layer, needed)
+        routed, *predicted = distinct_experts(ids, self.num_experts)
+        groups = self.offload.begin(self.layer, list(routed))
         if predicted and len(groups) == 1:  # a layer in passes leaves no slot to spare
-            self.offload.stream_ahead(following, predicted[0], groups[0])
+            self.offload.stream_ahead(following, list(predicted[0]), groups[0])
+        # After the stream's evictions, which so never skip this layer's (running) experts.
+        self.offload.passed(self.layer, routed)
         return _Passes(topk_ids, groups)
 
     def compute(self, x: torch.Tensor, topk_weights: torch.Tensor, routing: _Passes) -> torch.Tensor:
