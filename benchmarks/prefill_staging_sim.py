@@ -5,8 +5,10 @@
 Two designs for the copies a prompt chunk makes (``freetoken.bench.offload_sim``, the engine's own
 cache bookkeeping at the Qwen3.6-35B-A3B shape, half of the experts cached):
 
-- ``insert``: into cache slots, evicted by the policy (what the engine does): the chunk's experts
-  stay cached for its decode, and evict what the cache held (an earlier or a running request's);
+- ``insert``: into cache slots (what the engine does: the victims are the chunk's passed layers'
+  experts once it routes half of its layers' experts, ``SlotTable.passed``, else the policy's):
+  the chunk's experts stay cached for its decode, and evict what the cache held (an earlier or a
+  running request's);
 - ``staged``: into a staging area of two layers' experts taken out of the cache (512 slots): the
   cache keeps its content, so every chunk copies all its misses again, and its decode starts from
   the cache as the chunk found it.
