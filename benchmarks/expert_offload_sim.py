@@ -36,7 +36,7 @@ ROUTINGS = {"trace": QWEN3_ROUTING, "bench-fitted": BENCH_ROUTING}
 def run(routing: str, residency: float, policy: str, requests: int, prompt: int, decode: int, seed: int) -> dict:
     model = replace(ROUTINGS[routing], request_tokens=prompt + decode)
     trace = generate_trace(LAYERS, EXPERTS, TOP_K, requests * (prompt + decode), seed=seed, model=model)[:, 0]
-    replay = OffloadReplay(round(residency * LAYERS * EXPERTS), make_policy(policy))
+    replay = OffloadReplay(round(residency * LAYERS * EXPERTS), make_policy(policy), EXPERTS)
     early, late = [], []
     for r in range(requests):
         start = r * (prompt + decode)

@@ -54,9 +54,14 @@ class EngineConfig:
         "lrfu", "with moe_offload: which cached expert gives up its slot, and whether a decode miss is copied "
         "in (experts/eviction.py: lru, lrfu, lrfu-admit, arc)"
     )
+    expert_prefill_stream: bool = option(
+        True, "with moe_offload: prompt chunks (eager forwards of at least 256 tokens) copy in the experts the "
+        "next layer's router picks for this layer's input while this layer computes, the first layer's from the "
+        "token embeddings at the chunk's start"
+    )
     expert_prefetch: bool = option(
-        False, "with moe_offload: while a layer computes, copy in the experts the next layer's router picks for "
-        "this layer's input"
+        False, "with moe_offload: every eager forward (decode batches over 8 too) streams the next layer's "
+        "experts in as prompt chunks do"
     )
     seed: int = option(0, "seed from which unseeded requests draw their sampling seeds")
     overlap_schedule: bool = option(

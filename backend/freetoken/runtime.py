@@ -56,6 +56,10 @@ class ExpertCacheStats:
     slots: int  # device slots of the cache
     zero_copy_bytes: int = 0  # expert bytes the decode kernels read from host memory (their misses)
     read_through_fills: int = 0  # decode misses written into a slot by the kernel that read them (no copy)
+    # Eager forwards (prompt chunks), CUDA only: device seconds the copy stream spent copying experts
+    # in, and the compute stream waiting for those copies (the part the prefill stream did not hide).
+    eager_copy_seconds: float = 0.0
+    eager_copy_wait_seconds: float = 0.0
 
 
 @dataclass
@@ -435,4 +439,5 @@ class Runtime:
         counters, num_slots = cache
         return ExpertCacheStats(counters.hits, counters.misses, counters.bytes_copied, counters.prefetched,
                                 counters.prefetch_hits, num_slots, counters.zero_copy_bytes,
-                                counters.read_through_fills)
+                                counters.read_through_fills, counters.eager_copy_seconds,
+                                counters.eager_wait_seconds)

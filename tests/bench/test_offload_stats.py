@@ -57,10 +57,31 @@ def test_phases_split_prefill_from_zero_copy_decode_and_give_pcie_times_per_step
     assert v["added_ms_per_step"] == pytest.approx(1.0)
     assert v["added_over_miss_floor"] == pytest.approx(1.0 / d["miss_floor_ms_per_step"])
 
+    assert p["pcie_busy_share"] is None and p["copy_wait_ms"] is None  # no copy stream timed (CPU)
+    assert p["needed_floor_ms"] == pytest.approx(p["copy_floor_ms"])
+
     print_phases(1, phases)
     out = capsys.readouterr().out
     assert "zero-copy decode, 4 forwards: expert cache hit rate 81.2%" in out
     assert "prefill, 1 step(s)" in out and "75% of its tok/s" in out
+    assert "overlap not timed (no copy stream: CPU)" in out
+
+
+def test_prefill_stream_overlap_and_needed_floor(capsys):
+    """A streamed prefill: 50 experts copied ahead (40 then used), 10 misses on demand; the copy
+    stream busy 3 of the step's 4 ms, the compute stream waiting 0.6 of them."""
+    prefill = _record(1, hits=50, misses=10, prefetched=50, prefetch_hits=40, bytes_copied=60 * EXPERT,
+                      eager_copy_seconds=0.003, eager_wait_seconds=0.0006)
+    p = expert_cache_phases([prefill], [], [], EXPERT, BW)["prefill"]
+    assert (p["streamed"], p["streamed_used"]) == (50, 40)
+    assert p["copy_floor_ms"] == pytest.approx(60 * EXPERT / BW * 1e3)  # what crossed PCIe
+    assert p["needed_floor_ms"] == pytest.approx(50 * EXPERT / BW * 1e3)  # what the chunk needed
+    assert p["over_needed_floor"] == pytest.approx(4.0 / p["needed_floor_ms"])
+    assert p["pcie_busy_share"] == pytest.approx(0.75) and p["copy_hidden_share"] == pytest.approx(0.8)
+    print_phases(1, {"decode": {"forwards": 0}, "decode_late": {}, "prefill": p})
+    out = capsys.readouterr().out
+    assert "streamed ahead 50, 40 used" in out and "PCIe busy 3.0 ms = 75% of the prefill" in out
+    assert "compute waited 0.6 ms for copies (80% of the copy time hidden)" in out
 
 
 def test_versus_resident_checks_its_input():

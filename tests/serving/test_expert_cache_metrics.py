@@ -65,7 +65,8 @@ def test_expert_cache_counters_follow_the_stats():
         }
         assert all(_PbUtils.kinds[n] == "COUNTER" for n in EXPERT_CACHE_FAMILIES if n.endswith("_total"))
         current[0] = ExpertCacheStats(hits=9, misses=4, bytes_copied=400, prefetched=2, prefetch_hits=1, slots=16,
-                                      zero_copy_bytes=300, read_through_fills=3)
+                                      zero_copy_bytes=300, read_through_fills=3, eager_copy_seconds=0.5,
+                                      eager_copy_wait_seconds=0.25)
         metrics.flush()
         values = {n: _PbUtils.created[n].value for n in EXPERT_CACHE_FAMILIES}
         assert values == {
@@ -76,6 +77,8 @@ def test_expert_cache_counters_follow_the_stats():
             "freetoken_expert_cache_prefetch_hits_total": 1,
             "freetoken_expert_cache_zero_copy_bytes_total": 300,
             "freetoken_expert_cache_read_through_fills_total": 3,
+            "freetoken_expert_cache_eager_copy_seconds_total": 0.5,
+            "freetoken_expert_cache_eager_copy_wait_seconds_total": 0.25,
             "freetoken_expert_cache_slots": 16,
         }
     finally:

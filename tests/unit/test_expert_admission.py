@@ -60,7 +60,7 @@ def test_admission_cuts_copies_without_losing_hits_when_routing_has_no_persisten
     trace = generate_trace(4, 32, 4, 400, seed=0, model=model)[:, 0]
     runs = {}
     for name in ("lrfu", "lrfu-admit"):
-        replay = OffloadReplay(64, make_policy(name))  # half of 4 x 32 experts
+        replay = OffloadReplay(64, make_policy(name), num_experts=32)  # half of 4 x 32 experts
         replay.prefill(trace[:32])
         runs[name] = replay.decode(trace[32:])
     assert sum(runs["lrfu-admit"].fills) < 0.6 * sum(runs["lrfu"].fills)

@@ -44,18 +44,39 @@ class DecodeSteps:
 class OffloadReplay:
     """One cache of ``slots`` slots replaying requests in turn (batch 1)."""
 
-    def __init__(self, slots: int, policy: EvictionPolicy) -> None:
+    def __init__(self, slots: int, policy: EvictionPolicy, num_experts: int | None = None) -> None:
+        """``num_experts``: of one layer, which ``prefill`` needs (its routed share decides whether
+        it evicts behind, ``SlotTable.passed``)."""
         self.table = SlotTable(slots, policy, expert_bytes=1)
+        self.num_experts = num_experts
         self.visible: set[ExpertKey] = set()  # what the slot map holds for the step being launched
 
-    def prefill(self, prompt: np.ndarray) -> None:
+    def prefill(self, prompt: np.ndarray, staged: bool = False) -> int:
         """A prompt chunk, ``[tokens, layers, top_k]`` routed ids, on the eager path (as
-        ``OffloadedExperts.prepare``)."""
+        ``OffloadedExperts.prepare``, evicting behind as it does: ``SlotTable.passed``); returns
+        the experts it copies in. The engine's stream copies a layer's predicted experts into cache
+        slots ahead of it: with a perfect prediction the table ends as admitting each layer's
+        experts leaves it. ``staged``: the alternative of
+        a staging area apart from the cache: the chunk reads what the cache holds and copies every
+        other expert it routes into staging, which it leaves (the cache and its policy untouched).
+        """
+        if self.num_experts is None:
+            raise ValueError("OffloadReplay.prefill needs num_experts (of one layer)")
+        copied = 0
         for layer in range(prompt.shape[1]):
-            experts = list(dict.fromkeys(prompt[:, layer].ravel().tolist()))  # distinct, in routing order
-            for group in self.table.passes(layer, experts):
+            ids, tokens = np.unique(prompt[:, layer].ravel(), return_counts=True)
+            order = np.argsort(-tokens, kind="stable")  # most routed first, ties by id (``distinct_experts``)
+            counts = {int(ids[i]): int(tokens[i]) for i in order}
+            if staged:
+                copied += sum(1 for e in counts if self.table.slot_of((layer, e)) is None)
+                continue
+            misses = self.table.counters.misses
+            for group in self.table.passes(layer, list(counts)):
                 self.table.admit(layer, group)
+            self.table.passed(layer, counts, self.num_experts)
+            copied += self.table.counters.misses - misses
         self.visible = set(self.table._slot_of)  # the eager path maps its copies at once
+        return copied
 
     def decode(self, steps: np.ndarray) -> DecodeSteps:
         """Decode steps, ``[steps, layers, top_k]`` routed ids, on the zero-copy path."""

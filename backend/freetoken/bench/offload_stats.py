@@ -7,7 +7,11 @@ says nothing about either, so ``expert_cache_phases`` splits the cache's counter
 whose ``decode_*`` fields count the zero-copy decode forwards alone) by path:
 
 - ``prefill``: the eager forwards (the prompts' chunks; decode batches over
-  ``layers.moe.DECODE_MAX_TOKENS`` tokens too), with the time of the steps that sampled a first token;
+  ``layers.moe.DECODE_MAX_TOKENS`` tokens too), with the time of the steps that sampled a first token,
+  the experts streamed in ahead of their layer (``experts.offload``), the needed experts' PCIe floor
+  (the experts the chunk used that the cache did not hold: misses plus streamed ones used) and, on
+  CUDA, the copy/compute overlap: the copy stream's busy time over the prefill's (PCIe busy share)
+  and the time the compute stream waited for copies (what the overlap did not hide);
 - ``decode``: the zero-copy decode forwards, per forward (at batch 1, one per decode step), and
   ``decode_late`` those settled in the second half of the steady steps, which says whether the
   cache reached a steady state;
@@ -47,14 +51,29 @@ def _eager(c: dict[str, float], expert_bytes: int, steps: list[StepRecord], pcie
     hits = c.get("hits", 0) - c.get("decode_hits", 0)
     misses = c.get("misses", 0) - c.get("decode_misses", 0)
     copied = c.get("bytes_copied", 0) - c.get("decode_fills", 0) * expert_bytes
+    ms = sum(r.seconds for r in steps) * 1e3
+    streamed, used = int(c.get("prefetched", 0)), int(c.get("prefetch_hits", 0))
+    # The experts the forwards needed and the cache did not hold when they started: the misses
+    # copied on demand and those the stream brought in ahead and the layer then used.
+    floor_ms = (misses + used) * expert_bytes / pcie_bandwidth * 1e3
+    busy_ms, wait_ms = c.get("eager_copy_seconds", 0.0) * 1e3, c.get("eager_wait_seconds", 0.0) * 1e3
+    timed = busy_ms > 0  # CUDA: the copy stream's timing events (none on the CPU)
     return {
         "steps": len(steps),
-        "ms": sum(r.seconds for r in steps) * 1e3,
+        "ms": ms,
         "hits": int(hits),
         "misses": int(misses),
         "hit_rate": hits / (hits + misses) if hits + misses else None,
         "bytes_copied": int(copied),
         "copy_floor_ms": copied / pcie_bandwidth * 1e3,
+        "streamed": streamed,
+        "streamed_used": used,
+        "needed_floor_ms": floor_ms,
+        "over_needed_floor": ms / floor_ms if floor_ms and ms else None,
+        "copy_busy_ms": busy_ms if timed else None,
+        "copy_wait_ms": wait_ms if timed else None,
+        "pcie_busy_share": busy_ms / ms if timed and ms else None,
+        "copy_hidden_share": 1.0 - wait_ms / busy_ms if timed else None,
     }
 
 
@@ -174,10 +193,19 @@ def print_phases(batch_size: int, phases: dict[str, Any]) -> None:
             f"{d['settle_ms_per_step']:.2f} ms/step"
         )
     if p["steps"]:
+        ratio = "-" if p["over_needed_floor"] is None else f"{p['over_needed_floor']:.2f}x"
+        if p["pcie_busy_share"] is None:
+            overlap = "copy/compute overlap not timed (no copy stream: CPU)"
+        else:
+            overlap = (f"PCIe busy {p['copy_busy_ms']:.1f} ms = {100 * p['pcie_busy_share']:.0f}% of the prefill, "
+                       f"compute waited {p['copy_wait_ms']:.1f} ms for copies ({100 * p['copy_hidden_share']:.0f}% "
+                       f"of the copy time hidden)")
         print(
             f"batch {batch_size}: prefill, {p['steps']} step(s), {p['ms']:.1f} ms: expert cache hit rate {rate(p)} "
-            f"(eager forwards: {p['hits']:,} hits, {p['misses']:,} misses), {p['bytes_copied'] / GB:.2f} GB copied "
-            f"(PCIe floor {p['copy_floor_ms']:.1f} ms)"
+            f"(eager forwards: {p['hits']:,} hits, {p['misses']:,} misses; streamed ahead {p['streamed']:,}, "
+            f"{p['streamed_used']:,} used), {p['bytes_copied'] / GB:.2f} GB copied (PCIe floor "
+            f"{p['copy_floor_ms']:.1f} ms; needed experts' floor {p['needed_floor_ms']:.1f} ms, prefill {ratio} it); "
+            f"{overlap}"
         )
     v = phases.get("vs_resident")
     if v:

@@ -6,6 +6,7 @@ import functools
 import logging
 
 import torch
+import torch.nn.functional as F
 
 from freetoken.config import EngineConfig
 from freetoken.batch import ForwardBatch
@@ -62,7 +63,8 @@ class Engine:
         self.offload: ExpertOffload | None = None
         if config.moe_offload:
             self.offload = ExpertOffload(
-                config.expert_cache_policy, pin=self.device.type == "cuda", prefetch=config.expert_prefetch
+                config.expert_cache_policy, pin=self.device.type == "cuda", prefetch=config.expert_prefetch,
+                prefill_stream=config.expert_prefill_stream,
             )
         if config.load_format == "dummy":
             self.loaded: LoadedModel = load_random_model(model_dir, config.dtype, self.device, config.seed, self.offload)
@@ -237,6 +239,9 @@ class Engine:
         return self._eager(batch)
 
     def _eager(self, batch: ForwardBatch) -> torch.Tensor:
+        if self.offload is not None and self.offload.streams(batch.num_tokens):
+            # The first layer's experts cross PCIe during its attention (``experts.offload``).
+            self.offload.start_forward(F.embedding(batch.input_ids, self.model.embed_tokens))
         logits = self.model(batch)
         self._collect_routing(batch.num_tokens, batch.num_tokens)
         return logits

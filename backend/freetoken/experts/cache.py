@@ -1,11 +1,15 @@
 """The expert cache's bookkeeping: which (layer, expert) holds which device slot, who gives a slot
-up (the eviction policy), how a layer's experts are split into passes that fit, and the counters.
+up (the eviction policy; for an eager forward that routes most experts, first its passed layers'
+experts: ``SlotTable.passed``), how a layer's experts are split into passes that fit, and the
+counters.
 
 Pure host state: the device tensors and copies are ``experts.slots``. One table serves all layers.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -13,6 +17,9 @@ from dataclasses import dataclass
 from freetoken.experts.eviction import EvictionPolicy, ExpertKey
 
 RESERVE_DIVISOR = 16  # the zero-copy path keeps at most num_slots / this free ahead of its misses
+# An eager forward whose layers so far routed at least this share of their experts evicts behind
+# (``SlotTable.passed``): it will route most of what is cached for the layers ahead too.
+BEHIND_SHARE = 0.5
 
 
 @dataclass
@@ -40,6 +47,10 @@ class CacheCounters:
     fills_waited_on: int = 0  # fills mapped while still copying: the next step waits for them on the device
     copy_wait_seconds: float = 0.0  # device time the compute stream spent waiting for those (CUDA)
     settle_seconds: float = 0.0  # host time the settles took (policy, eviction, queuing the copies)
+    # The eager forwards' copies (prompt chunks, streamed ahead or not), CUDA only: device time the
+    # copy stream spent copying (PCIe busy), and the compute stream spent waiting for them (exposed).
+    eager_copy_seconds: float = 0.0
+    eager_wait_seconds: float = 0.0
 
 
 class SlotTable:
@@ -59,6 +70,56 @@ class SlotTable:
         # Once the cache was full, even a free slot was some expert's (``reserve``): a policy that
         # can refuse a miss (``admits``) is asked from then on.
         self._evicted = False
+        # The eager forward in progress (``passed``): its layers run so far, their routed share,
+        # and their experts as victims, least routed first: (tokens routed, tie, key).
+        self._forward_layer = -1
+        self._forward_shares: list[float] = []
+        self._behind: list[tuple[int, int, ExpertKey]] = []
+        self._tie = itertools.count()
+
+    def passed(self, layer: int, counts: dict[int, int], num_experts: int) -> None:
+        """An eager forward routed ``counts`` (expert -> tokens) in ``layer`` and queued the layer.
+        Once its layers so far route ``BEHIND_SHARE`` of their experts or more, the slots its later
+        layers' experts need (``admit``, ``prefetch``) are taken first from the experts of its
+        layers before this one, least routed first (evict behind): such a forward will route most
+        of the experts cached for the layers ahead as well, so a policy victim there (which looks
+        oldest: the forward has not reached it) would be copied back in a few layers later. A
+        layer index not above the last one starts a new forward."""
+        if layer <= self._forward_layer:
+            self._behind.clear()
+            self._forward_shares.clear()
+        self._forward_layer = layer
+        self._forward_shares.append(len(counts) / num_experts)
+        for expert, tokens in counts.items():
+            heapq.heappush(self._behind, (tokens, next(self._tie), (layer, expert)))
+
+    def _behind_victim(self, layer: int, protected: set[ExpertKey]) -> ExpertKey | None:
+        """A cached expert of the eager forward's layers before ``layer``, least routed first, not
+        in ``protected``; None when the forward does not evict behind or has none left."""
+        if layer < self._forward_layer:  # a new forward, before its first ``passed``: the pool is stale
+            self._behind.clear()
+            self._forward_shares.clear()
+            self._forward_layer = -1
+        shares = self._forward_shares
+        if not shares or sum(shares) < BEHIND_SHARE * len(shares):
+            return None
+        skipped = []
+        victim = None
+        while self._behind:
+            entry = heapq.heappop(self._behind)
+            key = entry[2]
+            if key not in self._slot_of:
+                continue  # evicted since
+            if key[0] >= layer or key in protected:
+                skipped.append(entry)
+                continue
+            victim = key
+            break
+        for entry in skipped:
+            heapq.heappush(self._behind, entry)
+        if victim is not None:
+            self.policy.discard(victim)
+        return victim
 
     def slot_of(self, key: ExpertKey) -> int | None:
         return self._slot_of.get(key)
@@ -90,7 +151,7 @@ class SlotTable:
                     self.counters.prefetch_hits += 1
                 continue
             self.counters.misses += 1
-            placed.append((expert, self._place(key, protected, evicted)))
+            placed.append((expert, self._place(key, protected, evicted, behind=True)))
         return placed, evicted
 
     def observe(self, layer: int, experts: list[int], hits: list[bool],
@@ -205,18 +266,21 @@ class SlotTable:
         evicted: list[ExpertKey] = []
         for expert in missing:
             key = (layer, expert)
-            placed.append((expert, self._place(key, keep, evicted)))
+            placed.append((expert, self._place(key, keep, evicted, behind=True)))
             self._prefetched.add(key)
             self.counters.prefetched += 1
         return placed, evicted
 
-    def _place(self, key: ExpertKey, protected: set[ExpertKey], evicted: list[ExpertKey]) -> int:
-        """A slot for ``key``: a free one, else the policy's victim outside ``protected``."""
+    def _place(self, key: ExpertKey, protected: set[ExpertKey], evicted: list[ExpertKey], behind: bool = False) -> int:
+        """A slot for ``key``: a free one, else the policy's victim outside ``protected`` (the eager
+        path, ``behind``: first the forward's own passed layers', ``_behind_victim``)."""
         self.counters.bytes_copied += self.expert_bytes
         if self._free:
             slot = self._free.popleft()
         else:
-            victim = self.policy.evict(protected)
+            victim = self._behind_victim(key[0], protected) if behind else None
+            if victim is None:
+                victim = self.policy.evict(protected)
             self._evicted = True
             slot = self._slot_of.pop(victim)
             self._prefetched.discard(victim)

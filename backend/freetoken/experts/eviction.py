@@ -52,6 +52,10 @@ class EvictionPolicy(Protocol):
     def evict(self, protected: Container[ExpertKey]) -> ExpertKey:
         """Choose a resident key not in ``protected``, forget it and return it."""
 
+    def discard(self, key: ExpertKey) -> None:
+        """Resident ``key`` gives up its slot by the cache's choice (``SlotTable``'s evict-behind):
+        forget it as ``evict`` would have."""
+
 
 def _pop_oldest(order: OrderedDict[ExpertKey, None], protected: Container[ExpertKey]) -> ExpertKey | None:
     for key in order:
@@ -81,6 +85,9 @@ class LRUPolicy:
         if key is None:
             raise MemoryError(_ALL_PROTECTED)
         return key
+
+    def discard(self, key: ExpertKey) -> None:
+        self._order.pop(key, None)
 
 
 class LRFUPolicy:
@@ -147,15 +154,20 @@ class LRFUPolicy:
         # cache evicts many times for one layer with the same ``protected``, and the layer's own
         # newly inserted experts have the smallest scores, so re-pushing them every call would cost
         # O(layer's experts x log n) per eviction.
-        held = [entry for entry in self._held if entry[2] in protected]
+        # Entries of keys no longer resident (``discard``; or a key re-inserted since, which pushed a
+        # second entry) are dropped as they come up.
+        resident = self._resident
+        held = [entry for entry in self._held if entry[2] in protected and entry[2] in resident]
         for entry in self._held:
-            if entry[2] not in protected:
+            if entry[2] not in protected and entry[2] in resident:
                 heapq.heappush(self._heap, (self._score[entry[2]], next(self._tie), entry[2]))
         self._held = held
         while self._heap:
             entry = heapq.heappop(self._heap)
             key = entry[2]
             current = self._score[key]
+            if key not in resident:
+                continue
             if entry[0] != current:
                 heapq.heappush(self._heap, (current, next(self._tie), key))
             elif key in protected:
@@ -164,6 +176,9 @@ class LRFUPolicy:
                 self._resident.remove(key)
                 return key
         raise MemoryError(_ALL_PROTECTED)
+
+    def discard(self, key: ExpertKey) -> None:
+        self._resident.discard(key)  # its heap entry is dropped when it comes up
 
 
 class ARCPolicy:
@@ -222,6 +237,11 @@ class ARCPolicy:
                 ghost[key] = None
                 return key
         raise MemoryError(_ALL_PROTECTED)
+
+    def discard(self, key: ExpertKey) -> None:
+        for resident, ghost in ((self._t1, self._b1), (self._t2, self._b2)):
+            if resident.pop(key, 1) is None:  # was resident there: remembered as evict remembers
+                ghost[key] = None
 
 
 class AdmittingLRFUPolicy(LRFUPolicy):

@@ -15,7 +15,15 @@ kernel that reads a miss writes it into a slot the host lent it before the step
 only books those claims, and ``between_steps`` lends slots for the next ones. NVFP4 experts are
 copied in by ``settle`` for the next steps (``experts.slots`` has the ordering argument). Larger
 forwards read the routed ids on the host in each layer and copy the misses in before the layer
-runs (``begin``), after taking back the slots lent and not claimed.
+runs (``begin``), after taking back the slots lent and not claimed. Prompt chunks (``streams``)
+also stream the next layer's experts in while a layer computes: at each layer's routing the host
+applies the next layer's router to this layer's MoE input and queues the copies of what it picks
+(``stream_ahead``), behind this layer's own remaining misses, so the copy stream always holds the
+next layer's work; the first layer's are queued at the forward's start from the token embeddings
+(``start_forward``). They go into cache slots, so the chunk's experts stay cached for its decode;
+a chunk that routes most experts takes its victims from the layers it has passed
+(``SlotTable.passed``), not from those ahead it still needs (docs/architecture.md has the measured
+choice against a staging area).
 """
 
 from __future__ import annotations
@@ -39,14 +47,20 @@ from freetoken.experts.slots import DeviceSlots
 logger = logging.getLogger(__name__)
 
 DEMAND_WINDOW = 16  # decode forwards whose misses size the slots lent (``ExpertOffload._lend``)
+# Eager forwards of at least this many tokens (prompt chunks) stream their experts in ahead of each
+# layer (``ExpertOffload.streams``): their union of routed experts is large and stable, so the next
+# layer's router on this layer's input predicts it well, and a wrong guess costs one expert's copy
+# against the whole layer's. Smaller eager forwards (decode batches over ``DECODE_MAX_TOKENS``)
+# stream only with ``prefetch``.
+STREAM_MIN_TOKENS = 256
 
 
 class HostExperts(Protocol):
     num_experts: int
     top_k: int
 
-    def predict(self, x: torch.Tensor) -> list[int]:
-        """The experts this layer's router would pick for ``x`` (distinct, in routing order)."""
+    def route(self, x: torch.Tensor) -> torch.Tensor:
+        """The top-k expert ids ``[T, k]`` this layer's router picks for ``x``, on the device."""
 
     def host_parts(self) -> list[torch.Tensor]:
         """The layer's expert weights in host memory, each ``[E, ...]``."""
@@ -58,13 +72,16 @@ class HostExperts(Protocol):
 
 
 class ExpertOffload:
-    def __init__(self, policy: str, pin: bool, prefetch: bool = False) -> None:
+    def __init__(self, policy: str, pin: bool, prefetch: bool = False, prefill_stream: bool = True) -> None:
         """``pin``: keep the host weights in page-locked memory (CUDA: asynchronous copies at full
-        PCIe speed, 55 GB/s pinned against 20 GB/s pageable on the H200). ``prefetch``: while a layer
-        computes, copy in the experts the next layer's router picks for this layer's input."""
+        PCIe speed, 55 GB/s pinned against 20 GB/s pageable on the H200). ``prefill_stream``: eager
+        forwards of at least ``STREAM_MIN_TOKENS`` tokens copy in the experts the next layer's
+        router picks for this layer's input while this layer computes, the first layer's from the
+        token embeddings at the forward's start (``streams``); ``prefetch``: every eager forward."""
         self.policy = policy
         self.pin = pin
         self.prefetch = prefetch
+        self.prefill_stream = prefill_stream
         self.layers: list[HostExperts] = []
         self.table: SlotTable | None = None
         self.slots: DeviceSlots | None = None
@@ -226,27 +243,50 @@ class ExpertOffload:
         self.settle(wait=True)
         self._table().give_back(self.lender.revoke())
 
-    def begin(self, layer: int, experts: list[int]) -> list[list[int]]:
-        """A layer's routed experts: their passes (``SlotTable.passes``), the first one's copies
-        queued (after the deferred fills are mapped and the lent slots taken back: this path reads
-        the map)."""
+    def _read_map(self) -> None:
+        """Before the eager path reads or changes the map on the host: the deferred fills mapped
+        and the lent slots taken back."""
         assert self.slots is not None
         self._revoke()
         self.slots.commit(wait=True)
+
+    def begin(self, layer: int, experts: list[int]) -> list[list[int]]:
+        """A layer's routed experts: their passes (``SlotTable.passes``), the first one's copies
+        queued (the misses the stream did not bring in ahead)."""
+        self._read_map()
         groups = self._table().passes(layer, experts)
         self.bring_in(layer, groups[0])
         return groups
 
-    def prefetch_next(self, layer: int, x: torch.Tensor, running: list[int]) -> None:
-        """With ``prefetch``: queue the copies of the experts layer ``layer + 1``'s router picks for
-        ``x`` (this layer's MoE input; a second sync), in slots ``running`` (this layer's) leaves."""
-        following = layer + 1
-        if not self.prefetch or following >= len(self.layers):
-            return
-        predicted = self.layers[following].predict(x)
-        placed, evicted = self._table().prefetch(following, predicted, {(layer, e) for e in running})
+    def streams(self, num_tokens: int) -> bool:
+        """An eager forward of ``num_tokens`` tokens copies each layer's experts in ahead: while the
+        layer before computes, those its router picks for that layer's input (``stream_ahead``)."""
+        if self.decodes(num_tokens):
+            return False
+        return self.prefetch or (self.prefill_stream and num_tokens >= STREAM_MIN_TOKENS)
+
+    def start_forward(self, embeddings: torch.Tensor) -> None:
+        """At the start of an eager forward that ``streams``: queue the copies of the experts the
+        first layer's router picks for the token embeddings (``embeddings``, ``[T, H]``; a sync),
+        so they cross PCIe during the first layer's attention."""
+        predicted = list(distinct_experts([self.layers[0].route(embeddings)], self.num_experts)[0])
+        self._read_map()
+        self.stream_ahead(0, predicted, [])
+
+    def stream_ahead(self, layer: int, predicted: list[int], running: list[int]) -> None:
+        """Queue the copies of ``predicted`` experts of ``layer`` (most wanted first) that are not
+        cached, in the slots the layer being computed (``running``, of ``layer - 1``) and the
+        predicted ones leave; ``layer``'s experts kernel waits for them
+        (``DeviceSlots.wait``), not for the other copies queued."""
+        running_keys = {(layer - 1, e) for e in running}
+        placed, evicted = self._table().prefetch(layer, predicted, running_keys)
         assert self.slots is not None
-        self.slots.fill(following, self._parts[following], placed, evicted, ahead=True)
+        self.slots.fill(layer, self._parts[layer], placed, evicted, ahead=True)
+
+    def passed(self, layer: int, counts: dict[int, int]) -> None:
+        """An eager forward's layer ``layer`` routed ``counts`` (expert -> tokens) and is queued: its
+        experts become victims for the forward's later layers (``SlotTable.passed``)."""
+        self._table().passed(layer, counts, self.num_experts)
 
     def bring_in(self, layer: int, experts: list[int]) -> None:
         placed, evicted = self._table().admit(layer, experts)
@@ -260,12 +300,28 @@ class ExpertOffload:
 
     @property
     def counters(self) -> CacheCounters:
-        return self._table().counters
+        """The cache's counters, with the timings of the eager copies completed so far."""
+        counters = self._table().counters
+        if self.slots is not None:
+            copying, waiting = self.slots.eager_seconds()
+            counters.eager_copy_seconds += copying
+            counters.eager_wait_seconds += waiting
+        return counters
 
     def _table(self) -> SlotTable:
         if self.table is None:
             raise RuntimeError("the expert cache is used before ExpertOffload.allocate")
         return self.table
+
+
+def distinct_experts(ids: list[torch.Tensor], num_experts: int) -> list[dict[int, int]]:
+    """The distinct experts of each ``[T, k]`` tensor of routed ids with their token counts, most
+    routed first (ties by id), through one device-to-host copy of the counts: ``num_experts``
+    numbers each instead of ``T x k`` ids (65,536 at an 8k chunk, top-8: milliseconds of host time
+    a layer)."""
+    counts = torch.stack([torch.bincount(t.flatten(), minlength=num_experts) for t in ids]).tolist()
+    return [{e: row[e] for e in sorted((e for e in range(num_experts) if row[e]), key=lambda e: -row[e])}
+            for row in counts]
 
 
 _BUILDING: ContextVar[ExpertOffload | None] = ContextVar("freetoken_expert_offload", default=None)

@@ -82,6 +82,10 @@ class DeviceSlots:
         # Slots unmapped by the deferred path: the event after which no step in flight reads them.
         self._released: dict[int, torch.cuda.Event | None] = {}
         self._waits: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()  # ``commit``'s timed waits
+        # The eager path's timing events (``eager_seconds``): each batch of copies on the copy
+        # stream, and each wait of the compute stream for them.
+        self._copy_spans: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
+        self._eager_waits: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
 
     @property
     def nbytes(self) -> int:
@@ -113,11 +117,14 @@ class DeviceSlots:
         else:
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream):
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(self._stream)  # once the copies queued before are done: this batch alone
                 for expert, slot in placed:
                     for dst, src in zip(self.tensors, host_parts):
                         dst[slot].copy_(src[expert], non_blocking=True)
-                event = torch.cuda.Event()
+                event = torch.cuda.Event(enable_timing=True)
                 event.record(self._stream)
+            self._copy_spans.append((start, event))
             if ahead:
                 self._ahead.setdefault(layer, []).append(event)
             else:
@@ -208,11 +215,7 @@ class DeviceSlots:
     def waited_seconds(self) -> float:
         """Device time the compute stream spent waiting for copies at the commits whose waits have
         completed since the last call (the copies on the critical path)."""
-        seconds = 0.0
-        while self._waits and self._waits[0][1].query():
-            before, after = self._waits.popleft()
-            seconds += before.elapsed_time(after) * 1e-3
-        return seconds
+        return _drain(self._waits)
 
     def _slot_held(self, key: ExpertKey) -> int | None:
         """The slot ``key`` is mapped to or being copied into (None: neither)."""
@@ -259,9 +262,33 @@ class DeviceSlots:
         if self._ready is not None:
             events.append(self._ready)
             self._ready = None
+        if not events:
+            return
+        stream = torch.cuda.current_stream(self.device)
+        before = torch.cuda.Event(enable_timing=True)
+        before.record(stream)
         for event in events:
-            torch.cuda.current_stream(self.device).wait_event(event)
+            stream.wait_event(event)
+        after = torch.cuda.Event(enable_timing=True)
+        after.record(stream)
+        self._eager_waits.append((before, after))
+
+    def eager_seconds(self) -> tuple[float, float]:
+        """Of the eager path's copies whose events have completed since the last call: device time
+        the copy stream spent copying (PCIe busy: each batch timed from the end of what the copy
+        stream ran before it), and time the compute stream waited for them (the copies not hidden
+        behind compute). Zero on the CPU, which has no copy stream."""
+        return _drain(self._copy_spans), _drain(self._eager_waits)
 
     def slot_ids(self, layer: int, expert_ids: torch.Tensor) -> torch.Tensor:
         """``expert_ids`` (any shape) of ``layer`` -> their slots, int32, on the device."""
         return self.slot_map[layer][expert_ids.long()]
+
+
+def _drain(spans: deque[tuple[torch.cuda.Event, torch.cuda.Event]]) -> float:
+    """Seconds between each pair of timing events, for the pairs completed (oldest first), removed."""
+    seconds = 0.0
+    while spans and spans[0][1].query():
+        before, after = spans.popleft()
+        seconds += before.elapsed_time(after) * 1e-3
+    return seconds

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from freetoken import kernels
-from freetoken.experts.offload import ExpertOffload, offload_being_built
+from freetoken.experts.offload import ExpertOffload, distinct_experts, offload_being_built
 from freetoken.layers.linear import NVFP4Weight, Weight, experts
 from freetoken.layers.weights import new_param
 
@@ -72,9 +72,9 @@ class OffloadedExperts(nn.Module):
         # The MoE block's shared expert (gate_up, down), set by the block: the decode kernel runs it too.
         self.shared: Callable[[], tuple[Weight, Weight]] | None = None
 
-    def predict(self, x: torch.Tensor) -> list[int]:
-        assert self.router is not None, "prefetch needs the MoE block's router (SparseMoE sets it)"
-        return list(dict.fromkeys(self.router(x).flatten().tolist()))
+    def route(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.router is not None, "streaming ahead needs the MoE block's router (SparseMoE sets it)"
+        return self.router(x)
 
     def host_parts(self) -> list[torch.Tensor]:
         return _parts(self.w13) + _parts(self.w2)
@@ -114,11 +114,18 @@ class OffloadedExperts(nn.Module):
         )
 
     def prepare(self, x: torch.Tensor, topk_ids: torch.Tensor) -> _Passes:
-        # The routed ids go to the host (a sync): which experts to copy is decided there.
-        needed = list(dict.fromkeys(topk_ids.flatten().tolist()))  # distinct, in routing order
-        groups = self.offload.begin(self.layer, needed)
-        if len(groups) == 1:  # a layer in passes leaves no slot to spare
-            self.offload.prefetch_next(self.layer, x, groups[0])
+        # The routed experts go to the host (one sync), with those the next layer's router picks
+        # for ``x`` when the forward streams: which experts to copy is decided there.
+        following = self.layer + 1
+        ids = [topk_ids]
+        if self.offload.streams(x.shape[0]) and following < len(self.offload.layers):
+            ids.append(self.offload.layers[following].route(x))
+        routed, *predicted = distinct_experts(ids, self.num_experts)
+        groups = self.offload.begin(self.layer, list(routed))
+        if predicted and len(groups) == 1:  # a layer in passes leaves no slot to spare
+            self.offload.stream_ahead(following, list(predicted[0]), groups[0])
+        # After the stream's evictions, which so never skip this layer's (running) experts.
+        self.offload.passed(self.layer, routed)
         return _Passes(topk_ids, groups)
 
     def compute(self, x: torch.Tensor, topk_weights: torch.Tensor, routing: _Passes) -> torch.Tensor:

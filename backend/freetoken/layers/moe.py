@@ -77,7 +77,7 @@ class SparseMoE(nn.Module):
         self.gate_weight = new_param(-(-(num_experts + 1) // GATE_ROW_ALIGN) * GATE_ROW_ALIGN, hidden_size)
         self.experts = make_store(num_experts, moe_intermediate_size, hidden_size, top_k)
         if isinstance(self.experts, OffloadedExperts):
-            self.experts.router = self._route  # the previous layer's prefetch predicts with it
+            self.experts.router = self._route  # the previous layer streams this one's experts in with it
             self.experts.shared = self._shared_expert  # its zero-copy decode kernel runs the shared expert
         self.shared_gate_up = new_param(2 * shared_intermediate_size, hidden_size)
         self.shared_down = new_param(hidden_size, shared_intermediate_size)

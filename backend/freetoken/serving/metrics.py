@@ -104,6 +104,10 @@ EXPERT_CACHE_FAMILIES: dict[str, tuple[str, str, None]] = {
                                                   None),
     "freetoken_expert_cache_prefetched_total": ("COUNTER", "Experts copied ahead of their layer's routing.", None),
     "freetoken_expert_cache_prefetch_hits_total": ("COUNTER", "Prefetched experts their layer then used.", None),
+    "freetoken_expert_cache_eager_copy_seconds_total": ("COUNTER", "Device seconds the copy stream spent copying "
+                                                                   "experts in for prompt chunks (CUDA).", None),
+    "freetoken_expert_cache_eager_copy_wait_seconds_total": ("COUNTER", "Device seconds prompt chunks waited for "
+                                                                        "their expert copies (CUDA).", None),
     "freetoken_expert_cache_slots": ("GAUGE", "Expert slots of the device expert cache.", None),
 }
 # counter -> the ExpertCacheStats field it follows
@@ -115,6 +119,8 @@ EXPERT_CACHE_COUNTERS = {
     "freetoken_expert_cache_prefetch_hits_total": "prefetch_hits",
     "freetoken_expert_cache_zero_copy_bytes_total": "zero_copy_bytes",
     "freetoken_expert_cache_read_through_fills_total": "read_through_fills",
+    "freetoken_expert_cache_eager_copy_seconds_total": "eager_copy_seconds",
+    "freetoken_expert_cache_eager_copy_wait_seconds_total": "eager_copy_wait_seconds",
 }
 FINISH_REASONS = ("stop", "length", "abort", "error")
 SUCCESS = "vllm:request_success_total"
