@@ -9,9 +9,10 @@ The candidates: the one-program-per-tile kernels (the default) and the stream ke
 (``nvfp4_decode_stream.py``: ``*_per_sm`` programs an SM looping over row tiles, the next tile's
 loads issued before the current one's decode), varying rows a tile, warps, programs an SM (sized
 to the registers each shape compiles to, so that all its programs are resident: ``nvfp4_sass.py``),
-routing fused into the passes or not, prefetch and PDL off as controls. ``--old`` adds the frozen
+routing fused into the passes or not, the shared expert's gate/up tiles first (loaded before
+the wait and the routing) or not, prefetch and PDL off as controls. ``--old`` adds the frozen
 two-launch kernels (``nvfp4_decode_baseline.py``), ``--dense`` the one-row dense GEMVs (attention
-qkv and o) against the frozen tensor-core tile. The default run (17 shapes, two token counts)
+qkv and o) against the frozen tensor-core tile. The default run (21 shapes, two token counts)
 takes about two minutes with a cold Triton cache, most of it compiling.
 
 As ``tune_moe_decode.py`` (whose graph check and profiler breakdown this reuses): each timing runs
@@ -82,6 +83,11 @@ CANDIDATES = [
     stream((8, 4, 3), (8, 4, 3), down_regs=168),  # down capped from 254 registers: 3 programs an SM
     stream((8, 8, 1), (4, 8, 1)),  # fewer programs, more tiles each
     stream((16, 8, 1), D4),  # gate/up 168 registers: one program an SM, half the tiles
+    # The shared expert's tiles first, loaded before the wait and the routing (nvfp4_decode_stream).
+    replace(DEFAULT, shared_first=True),
+    replace(DEFAULT, shared_first=True, fuse_route=True),
+    stream((4, 4, 5), D2, shared_first=True),
+    stream((4, 4, 5), D2, shared_first=True, fuse_route=True),
     stream(G8, D4, prefetch=False),  # controls
     stream(G8, D4, pdl=False),
 ]
@@ -100,7 +106,7 @@ def label(tiles: NVFP4DecodeTiles) -> str:
                if t.gate_up_per_sm else f"gate/up {t.gate_up_block_n}x{t.gate_up_block_k} p{t.gate_up_pairs} w{t.gate_up_warps}")
     down = (f"down stream {t.down_block_n} rows w{t.down_warps} x{t.down_per_sm}/SM"
             if t.down_per_sm else f"down {t.down_block_n}x{t.down_block_k} w{t.down_warps}")
-    flags = [name for name, on in (("pdl", t.pdl), ("fused route", t.fuse_route),
+    flags = [name for name, on in (("pdl", t.pdl), ("fused route", t.fuse_route), ("shared first", t.shared_first),
                                    ("no prefetch", (t.gate_up_per_sm or t.down_per_sm) and not t.prefetch)) if on]
     regs = [f"{name} {getattr(t, name)}" for name in ("gate_up_regs", "down_regs") if getattr(t, name)]
     return ", ".join([gate_up, down, *flags, *regs])

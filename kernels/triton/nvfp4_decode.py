@@ -56,6 +56,8 @@ class NVFP4DecodeTiles(DecodeTiles):
     above 0, as ``nvfp4_decode_stream``'s kernels, that many programs an SM (split over the tokens)
     each looping over tiles of ``*_block_n`` rows with the whole reduced dim in one load (``*_block_k``
     unused), the next tile's loads issued before the current one's decode where ``prefetch``.
+    ``shared_first`` (gate/up a stream): the shared expert's tiles first, the first of them loaded
+    before the wait for the previous launch and the routing.
     ``fuse_route`` (both passes streams): the routing computed in both passes' programs, no routing
     launch. ``gate_up_regs`` / ``down_regs``: a register cap per thread (Triton's ``maxnreg``; 0: the
     compiler's choice), for more resident programs an SM."""
@@ -76,6 +78,7 @@ class NVFP4DecodeTiles(DecodeTiles):
     fuse_route: bool = False
     gate_up_regs: int = 0
     down_regs: int = 0
+    shared_first: bool = False
 
     def __post_init__(self) -> None:
         counts = ("gate_up_per_sm", "down_per_sm", "gate_up_regs", "down_regs")
@@ -93,6 +96,8 @@ class NVFP4DecodeTiles(DecodeTiles):
                 raise ValueError(f"NVFP4DecodeTiles.{name} must be at least {GROUP}, got {getattr(self, name)}")
         if self.fuse_route and not (self.gate_up_per_sm and self.down_per_sm):
             raise ValueError("NVFP4DecodeTiles.fuse_route needs both passes as streams (gate_up_per_sm, down_per_sm > 0)")
+        if self.shared_first and not self.gate_up_per_sm:
+            raise ValueError("NVFP4DecodeTiles.shared_first needs gate/up as a stream (gate_up_per_sm > 0)")
 
 
 TILES = NVFP4DecodeTiles()
@@ -315,7 +320,7 @@ def sparse_moe_decode_nvfp4_tiled(
             x, x.stride(0), *words(w13), *words(shared_gate_up), top_w, top_i, gate_logits, gate_logits.stride(0),
             h, h_width, hidden, hidden // 8, hidden // GROUP, inter, shared_inter, num_experts,
             BLOCK_N=tiles.gate_up_block_n, NB=triton.cdiv(h_width, tiles.gate_up_block_n), BLOCK_K=pow2(hidden),
-            num_warps=tiles.gate_up_warps, **routing, **_regs(tiles.gate_up_regs),
+            SHARED_FIRST=tiles.shared_first, num_warps=tiles.gate_up_warps, **routing, **_regs(tiles.gate_up_regs),
         )
     else:
         _gate_up_kernel[(triton.cdiv(pairs, tiles.gate_up_pairs), triton.cdiv(h_width, tiles.gate_up_block_n))](

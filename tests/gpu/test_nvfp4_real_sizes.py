@@ -100,6 +100,8 @@ STREAM_TILES = [
     dict(gate_up_per_sm=2, down_per_sm=2, down_block_n=4, down_warps=8),
     dict(gate_up_per_sm=4, gate_up_block_n=4, gate_up_warps=4, down_per_sm=4, down_block_n=2, fuse_route=True),
     dict(gate_up_per_sm=3, gate_up_warps=4, down_per_sm=3, down_regs=168, prefetch=False, pdl=False),
+    dict(gate_up_per_sm=4, gate_up_block_n=4, gate_up_warps=4, shared_first=True),
+    dict(gate_up_per_sm=4, gate_up_block_n=4, gate_up_warps=4, shared_first=True, fuse_route=True),
 ]
 
 

@@ -174,6 +174,11 @@ NVFP4_TILE_CASES = [
     dict(gate_up_per_sm=1, down_per_sm=1, prefetch=False, fuse_route=True, gate_up_block_n=32, down_block_n=32),
     dict(gate_up_per_sm=7, down_per_sm=5, fuse_route=True, pdl=False, gate_up_block_n=8, down_block_n=4),
     dict(gate_up_per_sm=2, gate_up_block_n=16, down_block_n=8, gate_up_regs=128),
+    # The shared expert's tiles first, some programs' first tile loaded before the routing: programs
+    # fewer than, equal to and more than its tiles, routing launched or in the programs.
+    dict(gate_up_per_sm=2, gate_up_block_n=16, down_block_n=8, shared_first=True),
+    dict(gate_up_per_sm=3, gate_up_block_n=16, shared_first=True, fuse_route=True, down_per_sm=2, prefetch=False),
+    dict(gate_up_per_sm=9, gate_up_block_n=4, shared_first=True, fuse_route=True, down_per_sm=2, down_block_n=4),
 ]
 
 
@@ -206,3 +211,5 @@ def test_nvfp4_decode_tiles_reject_bad_stream_fields():
         NVFP4DecodeTiles(down_regs=300)
     with pytest.raises(ValueError, match="gate_up_per_sm"):
         NVFP4DecodeTiles(gate_up_per_sm=-1)
+    with pytest.raises(ValueError, match="shared_first"):
+        NVFP4DecodeTiles(gate_up_per_sm=0, shared_first=True)
