@@ -13,7 +13,8 @@ routing fused into the passes or not, the shared expert's gate/up tiles first (l
 the wait and the routing) or not, both passes as one persistent launch (``nvfp4_decode_fused.py``;
 ``--only fused`` times those alone), prefetch and PDL off as controls. ``--old`` adds the frozen
 two-launch kernels (``nvfp4_decode_baseline.py``), ``--dense`` the one-row dense GEMVs (attention
-qkv and o) against the frozen tensor-core tile. The default run (29 shapes, two token counts)
+qkv and o) against the frozen tensor-core tile, and the attention input norm + qkv GEMV as two
+launches against the fused one (``normed_nvfp4_gemv.py``). The default run (29 shapes, two token counts)
 takes about three minutes with a cold Triton cache, most of it compiling.
 
 As ``tune_moe_decode.py`` (whose graph check and profiler breakdown this reuses): each timing runs
@@ -182,6 +183,46 @@ def time_dense() -> list[dict]:
     return rows
 
 
+def time_normed_dense() -> list[dict]:
+    """The attention layer's input norm + packed q/k/v NVFP4 GEMV at one row: the two launches (the
+    Triton add + RMSNorm, then ``nvfp4_linear``) against the fused launch (``normed_nvfp4_gemv``),
+    with and without PDL, checked first; us per call over distinct weights and residual streams."""
+    from freetoken.kernels.normed_nvfp4_gemv import add_rms_norm_nvfp4_gemv_reference
+    from freetoken.kernels.triton import norm, normed_nvfp4_gemv
+
+    n_out, k_in = DENSE["attention qkv"]
+    weights = [random_nvfp4(n_out, k_in) for _ in range(DENSE_COPIES)]
+    x = torch.randn(1, k_in, dtype=BF16, device=CUDA)
+    res = torch.randn(1, k_in, dtype=BF16, device=CUDA)
+    nw = (torch.randn(k_in, device=CUDA) * 0.2).to(BF16)
+    wants = [add_rms_norm_nvfp4_gemv_reference(x.float(), res.float(), nw.float(), 1e-6, True, *w)[0] for w in weights]
+
+    def two_launches(w):
+        normed, _ = norm.add_rms_norm(x, res, nw, 1e-6, True)
+        return nvfp4.nvfp4_linear(normed, *w)
+
+    def fused(w):
+        return normed_nvfp4_gemv.add_rms_norm_nvfp4_gemv(x, res, nw, 1e-6, True, *w)[0]
+
+    rows, line = [], []
+    for path, call, pdl in (("norm + GEMV", two_launches, True), ("fused", fused, True), ("fused, no PDL", fused, False)):
+        normed_nvfp4_gemv.PDL = pdl
+
+        def run(call=call) -> list[torch.Tensor]:
+            return [call(w) for w in weights]
+
+        run()  # compiles
+        err = graph_error(run, wants)
+        if not err <= 1e-2:
+            raise AssertionError(f"normed qkv {path}: relative error {err:.3g} to the reference")
+        us = do_bench_cudagraph(run, rep=20, return_mode="median") * 1e3 / DENSE_COPIES
+        rows.append({"dense": "attention qkv with its norm", "path": path, "us": us, "rel_err": err})
+        line.append(f"{path} {us:.1f} us")
+    normed_nvfp4_gemv.PDL = True
+    print(f"attention input norm + qkv {n_out}x{k_in} at 1 row: " + ", ".join(line), flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8])
@@ -243,7 +284,7 @@ def main() -> None:
                 print(f"  per kernel (us, no PDL): {breakdown}  [{name}]", flush=True)
         results += rows
     if args.dense:
-        results += time_dense()
+        results += time_dense() + time_normed_dense()
     print(f"({time.perf_counter() - start:.0f} s)", flush=True)
     if args.json:
         with open(args.json, "w") as f:

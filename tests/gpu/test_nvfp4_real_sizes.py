@@ -169,3 +169,39 @@ def test_fused_block_layers_replay_from_a_cuda_graph(rng, fuse_route):
         for out, g, w in zip(outs, logits, layers):
             assert_close(out, ref.sparse_moe_decode_nvfp4_reference(x, g, *w, TOP_K, True))
     assert not nvfp4_decode_fused._counters(CUDA).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("residual", [True, False], ids=["add", "first"])
+def test_normed_nvfp4_gemv_real_sizes(rng, dtype, rows, residual):
+    """The attention layer's input norm + packed q/k/v NVFP4 GEMV (9216 x 2048) in one launch against
+    the two launches it replaces (bit for bit) and the reference, eager and replayed from a CUDA graph
+    on new activations."""
+    from freetoken.kernels.normed_nvfp4_gemv import add_rms_norm_nvfp4_gemv_reference
+    from freetoken.kernels.triton import norm, normed_nvfp4_gemv, nvfp4_rows
+
+    w = random_nvfp4(rng, 9216, HIDDEN)
+    nw = (torch.randn(HIDDEN, generator=rng) * 0.2).to(dtype).to(CUDA)
+    x = torch.randn(rows, HIDDEN, generator=rng).to(dtype).to(CUDA)
+    res = torch.randn(rows, HIDDEN, generator=rng).to(dtype).to(CUDA) if residual else None
+
+    def fused():
+        return normed_nvfp4_gemv.add_rms_norm_nvfp4_gemv(x, res, nw, 1e-6, True, *w, True)
+
+    def check(out, normed, summed):
+        want_normed, _ = norm.add_rms_norm(x, res, nw, 1e-6, True) if residual else (norm.rms_norm(x, nw, 1e-6, True), x)
+        want = torch.empty_like(out)
+        nvfp4_rows.nvfp4_gemv(want_normed, w[0], w[1].view(torch.uint8), w[2], want)
+        assert torch.equal(normed, want_normed) and torch.equal(out, want)
+        ref_out, _, ref_summed = add_rms_norm_nvfp4_gemv_reference(x, res, nw, 1e-6, True, *w)
+        assert torch.equal(summed, ref_summed)
+        assert_close(out, ref_out)
+
+    check(*fused())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = fused()
+    x.copy_(torch.randn(rows, HIDDEN, generator=rng).to(dtype))
+    graph.replay()
+    check(*outs)
