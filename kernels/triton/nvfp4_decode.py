@@ -35,6 +35,7 @@ count (and the GPU's SM count), so the launches are capture-safe.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 
 import torch
@@ -110,7 +111,34 @@ class NVFP4DecodeTiles(DecodeTiles):
             raise ValueError("NVFP4DecodeTiles.shared_first needs gate/up as a stream (gate_up_per_sm > 0)")
 
 
-TILES = NVFP4DecodeTiles()
+TILES_ENV = "FREETOKEN_NVFP4_DECODE_TILES"
+
+
+def tiles_from_text(text: str) -> NVFP4DecodeTiles:
+    """``NVFP4DecodeTiles`` from ``"field=value,..."`` (the sweep's "apply:" line, e.g.
+    ``fused_per_sm=2,fuse_route=True``; booleans as true/false or 1/0), the other fields default."""
+    kinds = {f.name: f.type for f in fields(NVFP4DecodeTiles)}
+    values: dict[str, int | bool] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, value = item.partition("=")
+        name, value = name.strip(), value.strip()
+        if name not in kinds:
+            raise ValueError(f"{TILES_ENV}: {name!r} is not an NVFP4DecodeTiles field ({', '.join(kinds)})")
+        if kinds[name] in (bool, "bool"):
+            if value.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(f"{TILES_ENV}: {name} must be true or false, got {value!r}")
+            values[name] = value.lower() in ("true", "1")
+        else:
+            try:
+                values[name] = int(value)
+            except ValueError:
+                raise ValueError(f"{TILES_ENV}: {name} must be an integer, got {value!r}") from None
+    return NVFP4DecodeTiles(**values)
+
+
+# The launch shapes the engine runs: the defaults, or those set in $FREETOKEN_NVFP4_DECODE_TILES (an
+# A/B of the sweep's best end to end without a code change).
+TILES = tiles_from_text(os.environ.get(TILES_ENV, ""))
 
 
 @triton.jit

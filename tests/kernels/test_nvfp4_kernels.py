@@ -225,6 +225,20 @@ def test_fused_block_rejects_more_tokens_than_its_counters():
         nvfp4_decode.sparse_moe_decode_nvfp4_tiled(x, logits, *weights, 2, True, nvfp4_decode.NVFP4DecodeTiles(fused_per_sm=1))
 
 
+def test_decode_tiles_from_the_environment_text():
+    from freetoken.kernels.triton.nvfp4_decode import NVFP4DecodeTiles, tiles_from_text
+
+    assert tiles_from_text("") == NVFP4DecodeTiles()
+    assert tiles_from_text(" fused_per_sm=2, fuse_route=True,pdl=0") == NVFP4DecodeTiles(fused_per_sm=2, fuse_route=True,
+                                                                                        pdl=False)
+    with pytest.raises(ValueError, match="not an NVFP4DecodeTiles field"):
+        tiles_from_text("fused=2")
+    with pytest.raises(ValueError, match="fuse_route must be true or false"):
+        tiles_from_text("fused_per_sm=1,fuse_route=yes")
+    with pytest.raises(ValueError, match="down_block_n must be an integer"):
+        tiles_from_text("down_block_n=four")
+
+
 def test_nvfp4_decode_tiles_reject_a_step_below_one_group():
     from freetoken.kernels.triton.nvfp4_decode import NVFP4DecodeTiles
 
