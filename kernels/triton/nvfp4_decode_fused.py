@@ -8,13 +8,14 @@ as soon as its token's gate/up tiles are stored, not when the whole gate/up laun
 
 Work is handed out by tickets, two int32 counters claimed with ``atomic_add``: first the gate/up
 counter, whose tickets are (``FUSE_ROUTE``) one routing task a token (done by the program that
-draws it before it draws a tile), then every token's shared expert tiles, then the routed tiles; a program that draws a gate/up ticket past the last one moves
-on to the down counter. So every gate/up tile has been claimed by a running program before any
-program waits for one, and a waiting program never holds up the work it waits for: no deadlock,
-whatever the residency, and under the interpreter (whose programs run one after another) the first
-program does all the work. A program claims its next ticket and issues that tile's loads before
-it decodes the current one (``PREFETCH``), so the claim's round trip and the next DRAM loads
-overlap the current tile.
+draws it, before it draws a tile), then every token's shared expert tiles, then the routed tiles;
+a program that draws a gate/up ticket past the last one moves on to the down counter. So every
+gate/up tile has been claimed by a running program before any program waits for one, and a
+waiting program never holds up the work it waits for: no deadlock, whatever the residency, and
+under the interpreter (whose programs run one after another) the first program does all the work.
+With ``PREFETCH`` a program takes two tiles an iteration: it draws the second ticket and issues
+that tile's loads before it decodes the first, so the claim's round trip and the second tile's
+DRAM loads overlap the first tile.
 
 Completion is counted per token: a gate/up tile stores its ``h`` columns, then (all the program's
 threads past a barrier) adds one to its token's counter with release semantics; a down tile loads
