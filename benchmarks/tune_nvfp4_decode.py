@@ -11,10 +11,10 @@ loads issued before the current one's decode), varying rows a tile, warps, progr
 to the registers each shape compiles to, so that all its programs are resident: ``nvfp4_sass.py``),
 routing fused into the passes or not, the shared expert's gate/up tiles first (loaded before
 the wait and the routing) or not, both passes as one persistent launch (``nvfp4_decode_fused.py``;
-``--only fused`` times those alone), prefetch and PDL off as controls. ``--old`` adds the frozen
+``--only "fused gate/up"`` times those alone), prefetch and PDL off as controls. ``--old`` adds the frozen
 two-launch kernels (``nvfp4_decode_baseline.py``), ``--dense`` the one-row dense GEMVs (attention
 qkv and o) against the frozen tensor-core tile, and the attention input norm + qkv GEMV as two
-launches against the fused one (``normed_nvfp4_gemv.py``). The default run (29 shapes, two token counts)
+launches against the fused one (``normed_nvfp4_gemv.py``). The default run (26 distinct shapes, two token counts)
 takes about three minutes with a cold Triton cache, most of it compiling.
 
 As ``tune_moe_decode.py`` (whose graph check and profiler breakdown this reuses): each timing runs
@@ -149,10 +149,12 @@ def variants(with_old: bool, only: list[str] | None) -> list[tuple[str, NVFP4Dec
     found: list[tuple[str, NVFP4DecodeTiles | None, Block]] = []
     if with_old:
         found.append(("old 2-launch kernels", None, lambda x, g, w: old.sparse_moe_decode_nvfp4(x, g, *w, TOP_K, True)))
+    seen: list[NVFP4DecodeTiles] = []
     for tiles in CANDIDATES:
         name = label(tiles) + (" (default)" if tiles == DEFAULT else "")
-        if only and tiles != DEFAULT and not any(text in name for text in only):
-            continue
+        if tiles in seen or (only and tiles != DEFAULT and not any(text in name for text in only)):
+            continue  # once each: some shapes written out are the default since it took the sweep's best
+        seen.append(tiles)
         block = lambda x, g, w, tiles=tiles: sparse_moe_decode_nvfp4_tiled(x, g, *w, TOP_K, True, tiles)  # noqa: E731
         found.append((name, tiles, block))
     return found
