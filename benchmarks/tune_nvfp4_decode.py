@@ -9,10 +9,13 @@ The candidates: the one-program-per-tile kernels (the default) and the stream ke
 (``nvfp4_decode_stream.py``: ``*_per_sm`` programs an SM looping over row tiles, the next tile's
 loads issued before the current one's decode), varying rows a tile, warps, programs an SM (sized
 to the registers each shape compiles to, so that all its programs are resident: ``nvfp4_sass.py``),
-routing fused into the passes or not, prefetch and PDL off as controls. ``--old`` adds the frozen
+routing fused into the passes or not, the shared expert's gate/up tiles first (loaded before
+the wait and the routing) or not, both passes as one persistent launch (``nvfp4_decode_fused.py``;
+``--only "fused gate/up"`` times those alone), prefetch and PDL off as controls. ``--old`` adds the frozen
 two-launch kernels (``nvfp4_decode_baseline.py``), ``--dense`` the one-row dense GEMVs (attention
-qkv and o) against the frozen tensor-core tile. The default run (17 shapes, two token counts)
-takes about two minutes with a cold Triton cache, most of it compiling.
+qkv and o) against the frozen tensor-core tile, and the attention input norm + qkv GEMV as two
+launches against the fused one (``normed_nvfp4_gemv.py``). The default run (26 distinct shapes, two token counts)
+takes about three minutes with a cold Triton cache, most of it compiling.
 
 As ``tune_moe_decode.py`` (whose graph check and profiler breakdown this reuses): each timing runs
 the block over ``LAYERS`` layers' distinct packed experts (about 1.8 GB, far more than the 60 MB
@@ -61,6 +64,12 @@ def stream(gate_up: tuple[int, int, int], down: tuple[int, int, int], **flags) -
                    down_per_sm=dp, **flags)
 
 
+def fused(gate_up_rows: int, down_rows: int, warps: int, per_sm: int, **flags) -> NVFP4DecodeTiles:
+    """Both passes as one persistent launch: rows a gate/up and a down tile, warps, programs an SM."""
+    return replace(DEFAULT, fused_per_sm=per_sm, gate_up_block_n=gate_up_rows, down_block_n=down_rows,
+                   gate_up_warps=warps, **flags)
+
+
 # Registers by nvfp4_sass.py (sm_90, Triton 3.6): gate/up 8 rows 8 warps 124 (2 programs an SM),
 # 4 rows 4 warps 96 (5), 8 rows 4 warps 166 (3); down 4 rows 8 warps 128 (2), 2 rows 4 warps 123 (4),
 # 8 rows 4 warps 254 (2); gate/up 16 rows 8 warps 168 (1).
@@ -82,6 +91,23 @@ CANDIDATES = [
     stream((8, 4, 3), (8, 4, 3), down_regs=168),  # down capped from 254 registers: 3 programs an SM
     stream((8, 8, 1), (4, 8, 1)),  # fewer programs, more tiles each
     stream((16, 8, 1), D4),  # gate/up 168 registers: one program an SM, half the tiles
+    # The shared expert's tiles first, loaded before the wait and the routing (nvfp4_decode_stream).
+    replace(DEFAULT, shared_first=True),
+    replace(DEFAULT, shared_first=True, fuse_route=True),
+    stream((4, 4, 5), D2, shared_first=True),
+    stream((4, 4, 5), D2, shared_first=True, fuse_route=True),
+    # One persistent launch (nvfp4_decode_fused: tiles drawn from counters, down tiles start when their
+    # token's gate/up tiles are stored), after the routing launch or with the routing as its first task.
+    # Registers (sm_90, Triton 3.6): 4 rows both passes, 4 warps 250 (2 programs an SM); down 2 rows 206;
+    # gate/up 8 rows 8 warps 208 (1); capped at 168 / 128 they spill 288 / 544 bytes.
+    fused(4, 4, 4, 2),
+    fused(4, 4, 4, 2, fuse_route=True),
+    fused(4, 2, 4, 2),
+    fused(4, 2, 4, 2, fuse_route=True),
+    fused(4, 4, 4, 3, gate_up_regs=168),
+    fused(4, 2, 4, 4, gate_up_regs=128, fuse_route=True),
+    fused(8, 4, 8, 1),
+    fused(4, 4, 4, 2, prefetch=False),
     stream(G8, D4, prefetch=False),  # controls
     stream(G8, D4, pdl=False),
 ]
@@ -96,11 +122,16 @@ def layer_weights() -> tuple[torch.Tensor, ...]:
 
 def label(tiles: NVFP4DecodeTiles) -> str:
     t = tiles
+    if t.fused_per_sm:
+        flags = [name for name, on in (("pdl", t.pdl), ("routing task", t.fuse_route), ("no prefetch", not t.prefetch)) if on]
+        regs = [f"regs {t.gate_up_regs}"] if t.gate_up_regs else []
+        return ", ".join([f"fused gate/up {t.gate_up_block_n} + down {t.down_block_n} rows w{t.gate_up_warps} "
+                          f"x{t.fused_per_sm}/SM", *flags, *regs])
     gate_up = (f"gate/up stream {t.gate_up_block_n} rows w{t.gate_up_warps} x{t.gate_up_per_sm}/SM"
                if t.gate_up_per_sm else f"gate/up {t.gate_up_block_n}x{t.gate_up_block_k} p{t.gate_up_pairs} w{t.gate_up_warps}")
     down = (f"down stream {t.down_block_n} rows w{t.down_warps} x{t.down_per_sm}/SM"
             if t.down_per_sm else f"down {t.down_block_n}x{t.down_block_k} w{t.down_warps}")
-    flags = [name for name, on in (("pdl", t.pdl), ("fused route", t.fuse_route),
+    flags = [name for name, on in (("pdl", t.pdl), ("fused route", t.fuse_route), ("shared first", t.shared_first),
                                    ("no prefetch", (t.gate_up_per_sm or t.down_per_sm) and not t.prefetch)) if on]
     regs = [f"{name} {getattr(t, name)}" for name in ("gate_up_regs", "down_regs") if getattr(t, name)]
     return ", ".join([gate_up, down, *flags, *regs])
@@ -118,10 +149,12 @@ def variants(with_old: bool, only: list[str] | None) -> list[tuple[str, NVFP4Dec
     found: list[tuple[str, NVFP4DecodeTiles | None, Block]] = []
     if with_old:
         found.append(("old 2-launch kernels", None, lambda x, g, w: old.sparse_moe_decode_nvfp4(x, g, *w, TOP_K, True)))
+    seen: list[NVFP4DecodeTiles] = []
     for tiles in CANDIDATES:
         name = label(tiles) + (" (default)" if tiles == DEFAULT else "")
-        if only and tiles != DEFAULT and not any(text in name for text in only):
-            continue
+        if tiles in seen or (only and tiles != DEFAULT and not any(text in name for text in only)):
+            continue  # once each: some shapes written out are the default since it took the sweep's best
+        seen.append(tiles)
         block = lambda x, g, w, tiles=tiles: sparse_moe_decode_nvfp4_tiled(x, g, *w, TOP_K, True, tiles)  # noqa: E731
         found.append((name, tiles, block))
     return found
@@ -149,6 +182,46 @@ def time_dense() -> list[dict]:
             rows.append({"dense": name, "path": path, "us": us, "TB/s": tbs, "rel_err": err})
             line.append(f"{path} {us:.1f} us ({tbs:.2f} TB/s)")
         print(f"{name} {n_out}x{k_in} at 1 row: " + ", ".join(line), flush=True)
+    return rows
+
+
+def time_normed_dense() -> list[dict]:
+    """The attention layer's input norm + packed q/k/v NVFP4 GEMV at one row: the two launches (the
+    Triton add + RMSNorm, then ``nvfp4_linear``) against the fused launch (``normed_nvfp4_gemv``),
+    with and without PDL, checked first; us per call over distinct weights and residual streams."""
+    from freetoken.kernels.normed_nvfp4_gemv import add_rms_norm_nvfp4_gemv_reference
+    from freetoken.kernels.triton import norm, normed_nvfp4_gemv
+
+    n_out, k_in = DENSE["attention qkv"]
+    weights = [random_nvfp4(n_out, k_in) for _ in range(DENSE_COPIES)]
+    x = torch.randn(1, k_in, dtype=BF16, device=CUDA)
+    res = torch.randn(1, k_in, dtype=BF16, device=CUDA)
+    nw = (torch.randn(k_in, device=CUDA) * 0.2).to(BF16)
+    wants = [add_rms_norm_nvfp4_gemv_reference(x.float(), res.float(), nw.float(), 1e-6, True, *w)[0] for w in weights]
+
+    def two_launches(w):
+        normed, _ = norm.add_rms_norm(x, res, nw, 1e-6, True)
+        return nvfp4.nvfp4_linear(normed, *w)
+
+    def fused(w):
+        return normed_nvfp4_gemv.add_rms_norm_nvfp4_gemv(x, res, nw, 1e-6, True, *w)[0]
+
+    rows, line = [], []
+    for path, call, pdl in (("norm + GEMV", two_launches, True), ("fused", fused, True), ("fused, no PDL", fused, False)):
+        normed_nvfp4_gemv.PDL = pdl
+
+        def run(call=call) -> list[torch.Tensor]:
+            return [call(w) for w in weights]
+
+        run()  # compiles
+        err = graph_error(run, wants)
+        if not err <= 1e-2:
+            raise AssertionError(f"normed qkv {path}: relative error {err:.3g} to the reference")
+        us = do_bench_cudagraph(run, rep=20, return_mode="median") * 1e3 / DENSE_COPIES
+        rows.append({"dense": "attention qkv with its norm", "path": path, "us": us, "rel_err": err})
+        line.append(f"{path} {us:.1f} us")
+    normed_nvfp4_gemv.PDL = True
+    print(f"attention input norm + qkv {n_out}x{k_in} at 1 row: " + ", ".join(line), flush=True)
     return rows
 
 
@@ -213,7 +286,7 @@ def main() -> None:
                 print(f"  per kernel (us, no PDL): {breakdown}  [{name}]", flush=True)
         results += rows
     if args.dense:
-        results += time_dense()
+        results += time_dense() + time_normed_dense()
     print(f"({time.perf_counter() - start:.0f} s)", flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -25,6 +25,7 @@ from freetoken.kernels.moe import (
 )
 from freetoken.kernels.gemv import gemv
 from freetoken.kernels.normed_gemv import add_rms_norm_gemv
+from freetoken.kernels.normed_nvfp4_gemv import add_rms_norm_nvfp4_gemv
 from freetoken.kernels.nvfp4 import fused_experts_nvfp4, nvfp4_linear, sparse_moe_decode_nvfp4
 from freetoken.kernels.moe_decode import sparse_moe_decode
 from freetoken.kernels.moe_decode_offload import sparse_moe_decode_offload, sparse_moe_decode_offload_nvfp4
@@ -62,6 +63,7 @@ __all__ = [
     "shared_expert_combine",
     "gemv",
     "add_rms_norm_gemv",
+    "add_rms_norm_nvfp4_gemv",
     "nvfp4_linear",
     "fused_experts_nvfp4",
     "sparse_moe_decode_nvfp4",

@@ -18,8 +18,13 @@ read the logits from L2 (``.cg``) before waiting for the gate/up launch: they we
 launches back, before the gate/up programs' wait returned, which precedes this launch (as
 ``moe_decode._down_kernel`` reads the routing).
 
+``SHARED_FIRST``: a token's gate/up tiles start with the shared expert's, and the programs whose
+first tile is one of them issue its loads before the wait for the previous launch and before the
+routing (the shared expert's weights depend on neither), so that ~1 MB a layer is in flight while
+the routing is read or computed.
+
 Tiles: gate/up tile ``i`` of a token is pair ``j = i // NB`` (choice ``j``, the shared expert at
-``j = TOP_K``), intermediate columns ``(i % NB) · BLOCK_N`` on, the whole hidden dim in one load;
+``j = TOP_K``; ``SHARED_FIRST``: ``j = (i // NB + TOP_K) % (TOP_K + 1)``), intermediate columns ``(i % NB) · BLOCK_N`` on, the whole hidden dim in one load;
 down tile ``i`` is hidden columns ``i · BLOCK_N`` on, all choices and the shared expert, the whole
 intermediate dim in one load. The packed codes are loaded and carried as int32 words and reduced by
 ``nvfp4_rows._word_dots`` (``_row_dots`` a word at a time: a byte tensor carried across the loop
@@ -99,14 +104,24 @@ def _word_columns(rows_ptr, word, ok):
 
 
 @device_function
+def _pair(tile, TOP_K: tl.constexpr, NB: tl.constexpr, SHARED_FIRST: tl.constexpr):
+    """The pair of gate/up tile ``tile``: choice ``j`` or the shared expert at ``j = TOP_K``, in that
+    order, or (``SHARED_FIRST``) the shared expert's ``NB`` tiles first, then the choices'."""
+    if SHARED_FIRST:
+        return (tile // NB + TOP_K) % (TOP_K + 1)
+    else:
+        return tile // NB
+
+
+@device_function
 def _gate_up_tile(w13_ptr, w13_s_ptr, w13_r_ptr, sw_ptr, sw_s_ptr, sw_r_ptr, experts, tile, num_tiles, w_row, s_row,
                   w_offs, s_offs, w_k_ok, s_k_ok, inter, shared_inter, TOP_K: tl.constexpr, BLOCK_C: tl.constexpr,
-                  BLOCK_N: tl.constexpr, NB: tl.constexpr):
+                  BLOCK_N: tl.constexpr, NB: tl.constexpr, SHARED_FIRST: tl.constexpr):
     """Tile ``tile``'s packed gate and up rows as int32 words ``[1, BLOCK_N, BLOCK_K / 8]``, their scale bytes
     ``[1, BLOCK_N, BLOCK_K / 16]`` and row scales ``[1, BLOCK_N]`` (zeros past ``num_tiles``). The
     element offsets within a tile (``w_offs``, ``s_offs``) are the program's, so a tile costs one
     64-bit add and one mask a vector."""
-    j = tile // NB
+    j = _pair(tile, TOP_K, NB, SHARED_FIRST)
     routed = j < TOP_K
     expert = tl.sum(tl.where(tl.arange(0, BLOCK_C) == j, experts, 0), 0).to(tl.int64)
     limit = tl.where(routed, inter, shared_inter)
@@ -131,37 +146,52 @@ def _gate_up_stream_kernel(
     h_ptr, h_width, hidden, w_row, s_row, inter, shared_inter, num_experts,
     TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
     BLOCK_N: tl.constexpr, NB: tl.constexpr, BLOCK_K: tl.constexpr, FUSE_ROUTE: tl.constexpr, PREFETCH: tl.constexpr,
-    PDL: tl.constexpr,
+    SHARED_FIRST: tl.constexpr, PDL: tl.constexpr,
 ):
     # NB: column blocks a pair (cdiv(h_width, BLOCK_N)), a constant so that a tile's pair is a shift.
     # w_row, s_row: hidden / 8 and hidden / 16, the row strides in int32 words of packed codes and in
     # scale bytes, as arguments so that Triton sees them divisible by 16 where they are (wide loads).
-    if PDL:  # the routing (or the router logits) is the previous launch's output; the down programs may start
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    # SHARED_FIRST: the programs whose first tile is the shared expert's (the first NB) issue its loads
+    # before the wait and the routing, which it needs neither of; the others load theirs after.
     t = tl.program_id(0)
-    _, experts = _choices(logits_ptr, l_st, topw_ptr, topi_ptr, t, num_experts, TOP_K, RENORMALIZE, BLOCK_E, BLOCK_C,
-                          FUSE_ROUTE)
     num_tiles = (TOP_K + 1) * NB
     word = tl.arange(0, BLOCK_K // 8)
-    x0, x1, x2, x3, x4, x5, x6, x7 = _word_columns(x_ptr + t * x_st + word[None, None, :] * 0, word[None, None, :],
-                                                   (word < w_row)[None, None, :])
-    dtype = h_ptr.dtype.element_ty
     group = tl.arange(0, BLOCK_K // 16)
     rows = tl.arange(0, BLOCK_N)[None, :, None]
     w_offs, s_offs = rows * w_row + word[None, None, :], rows * s_row + group[None, None, :]
     w_k_ok, s_k_ok = (word < w_row)[None, None, :], (group < s_row)[None, None, :]
     step = tl.num_programs(1)
     first = tl.program_id(1)
+    early = first < 0
+    if SHARED_FIRST:
+        early = first < NB
+    if SHARED_FIRST:  # past num_tiles (every lane masked, zeros) where the first tile is a choice's
+        shared_tile = _gate_up_tile(
+            w13_ptr, w13_s_ptr, w13_r_ptr, sw_ptr, sw_s_ptr, sw_r_ptr, tl.zeros([BLOCK_C], tl.int32),
+            tl.where(early, first, num_tiles), num_tiles, w_row, s_row, w_offs, s_offs, w_k_ok, s_k_ok, inter,
+            shared_inter, TOP_K, BLOCK_C, BLOCK_N, NB, SHARED_FIRST)
+    if PDL:  # the routing (or the router logits) is the previous launch's output; the down programs may start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    _, experts = _choices(logits_ptr, l_st, topw_ptr, topi_ptr, t, num_experts, TOP_K, RENORMALIZE, BLOCK_E, BLOCK_C,
+                          FUSE_ROUTE)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _word_columns(x_ptr + t * x_st + word[None, None, :] * 0, word[None, None, :],
+                                                   (word < w_row)[None, None, :])
+    dtype = h_ptr.dtype.element_ty
     gate_w, up_w, gate_s, up_s, gate_r, up_r = _gate_up_tile(
-        w13_ptr, w13_s_ptr, w13_r_ptr, sw_ptr, sw_s_ptr, sw_r_ptr, experts, first, num_tiles, w_row, s_row,
-        w_offs, s_offs, w_k_ok, s_k_ok, inter, shared_inter, TOP_K, BLOCK_C, BLOCK_N, NB)
+        w13_ptr, w13_s_ptr, w13_r_ptr, sw_ptr, sw_s_ptr, sw_r_ptr, experts, tl.where(early, num_tiles, first),
+        num_tiles, w_row, s_row, w_offs, s_offs, w_k_ok, s_k_ok, inter, shared_inter, TOP_K, BLOCK_C, BLOCK_N, NB,
+        SHARED_FIRST)
+    if SHARED_FIRST:  # one of the two loads is all zeros
+        gate_w, up_w = gate_w | shared_tile[0], up_w | shared_tile[1]
+        gate_s, up_s = gate_s | shared_tile[2], up_s | shared_tile[3]
+        gate_r, up_r = gate_r + shared_tile[4], up_r + shared_tile[5]
     for tile in range(first, num_tiles, step):
         if PREFETCH:  # the next tile's loads in flight during this tile's decode
             next_tile = _gate_up_tile(
                 w13_ptr, w13_s_ptr, w13_r_ptr, sw_ptr, sw_s_ptr, sw_r_ptr, experts, tile + step, num_tiles, w_row,
-                s_row, w_offs, s_offs, w_k_ok, s_k_ok, inter, shared_inter, TOP_K, BLOCK_C, BLOCK_N, NB)
-        j = tile // NB
+                s_row, w_offs, s_offs, w_k_ok, s_k_ok, inter, shared_inter, TOP_K, BLOCK_C, BLOCK_N, NB, SHARED_FIRST)
+        j = _pair(tile, TOP_K, NB, SHARED_FIRST)
         n = (tile % NB) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < tl.where(j < TOP_K, inter, shared_inter)
         gate = _word_dots(gate_w, gate_s, x0, x1, x2, x3, x4, x5, x6, x7, BLOCK_N, BLOCK_K // 8)
@@ -175,7 +205,7 @@ def _gate_up_stream_kernel(
         else:
             gate_w, up_w, gate_s, up_s, gate_r, up_r = _gate_up_tile(
                 w13_ptr, w13_s_ptr, w13_r_ptr, sw_ptr, sw_s_ptr, sw_r_ptr, experts, tile + step, num_tiles, w_row,
-                s_row, w_offs, s_offs, w_k_ok, s_k_ok, inter, shared_inter, TOP_K, BLOCK_C, BLOCK_N, NB)
+                s_row, w_offs, s_offs, w_k_ok, s_k_ok, inter, shared_inter, TOP_K, BLOCK_C, BLOCK_N, NB, SHARED_FIRST)
 
 
 @device_function

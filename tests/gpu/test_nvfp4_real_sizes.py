@@ -100,6 +100,14 @@ STREAM_TILES = [
     dict(gate_up_per_sm=2, down_per_sm=2, down_block_n=4, down_warps=8),
     dict(gate_up_per_sm=4, gate_up_block_n=4, gate_up_warps=4, down_per_sm=4, down_block_n=2, fuse_route=True),
     dict(gate_up_per_sm=3, gate_up_warps=4, down_per_sm=3, down_regs=168, prefetch=False, pdl=False),
+    dict(gate_up_per_sm=4, gate_up_block_n=4, gate_up_warps=4, shared_first=True),
+    dict(gate_up_per_sm=4, gate_up_block_n=4, gate_up_warps=4, shared_first=True, fuse_route=True),
+    # One persistent launch (nvfp4_decode_fused.py), after the routing launch or routing as its first task,
+    # with more programs than fit (capped registers or not), without prefetch or PDL.
+    dict(fused_per_sm=2, gate_up_block_n=4, down_block_n=4, gate_up_warps=4),
+    dict(fused_per_sm=2, gate_up_block_n=4, down_block_n=2, gate_up_warps=4, fuse_route=True),
+    dict(fused_per_sm=4, gate_up_block_n=4, down_block_n=2, gate_up_warps=4, gate_up_regs=128, fuse_route=True),
+    dict(fused_per_sm=8, gate_up_block_n=8, down_block_n=4, gate_up_warps=8, prefetch=False, pdl=False),
 ]
 
 
@@ -130,3 +138,70 @@ def test_sparse_moe_decode_nvfp4_stream_real_sizes(rng, dtype, tokens, tiles):
     logits.copy_(torch.randn(tokens, EXPERTS + 1, generator=rng).to(dtype))
     graph.replay()
     assert_close(out, ref.sparse_moe_decode_nvfp4_reference(x, logits, *weights, TOP_K, True))
+
+
+@pytest.mark.parametrize("fuse_route", [False, True])
+def test_fused_block_layers_replay_from_a_cuda_graph(rng, fuse_route):
+    """The persistent launch as the engine runs it: three layers' blocks back to back in one graph,
+    replayed twice on new inputs (each launch leaves its counters zero for the next), equal to the
+    reference every time."""
+    from freetoken.kernels.triton import nvfp4_decode, nvfp4_decode_fused
+
+    layers = [(*random_nvfp4(rng, EXPERTS, 2 * INTER, HIDDEN), *random_nvfp4(rng, EXPERTS, HIDDEN, INTER),
+               *random_nvfp4(rng, 2 * INTER, HIDDEN), *random_nvfp4(rng, HIDDEN, INTER)) for _ in range(3)]
+    x = torch.randn(1, HIDDEN, generator=rng).to(torch.bfloat16).to(CUDA)
+    logits = [torch.randn(1, EXPERTS + 1, generator=rng).to(torch.bfloat16).to(CUDA) for _ in layers]
+    config = nvfp4_decode.NVFP4DecodeTiles(fused_per_sm=2, gate_up_block_n=4, down_block_n=4, gate_up_warps=4,
+                                           fuse_route=fuse_route)
+
+    def blocks():
+        return [nvfp4_decode.sparse_moe_decode_nvfp4_tiled(x, g, *w, TOP_K, True, config) for g, w in zip(logits, layers)]
+
+    blocks()  # compiles, allocates the counters
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = blocks()
+    for _ in range(2):
+        x.copy_(torch.randn(1, HIDDEN, generator=rng).to(torch.bfloat16))
+        for g in logits:
+            g.copy_(torch.randn(1, EXPERTS + 1, generator=rng).to(torch.bfloat16))
+        graph.replay()
+        for out, g, w in zip(outs, logits, layers):
+            assert_close(out, ref.sparse_moe_decode_nvfp4_reference(x, g, *w, TOP_K, True))
+    assert not nvfp4_decode_fused._counters(CUDA).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("residual", [True, False], ids=["add", "first"])
+def test_normed_nvfp4_gemv_real_sizes(rng, dtype, rows, residual):
+    """The attention layer's input norm + packed q/k/v NVFP4 GEMV (9216 x 2048) in one launch against
+    the two launches it replaces (bit for bit) and the reference, eager and replayed from a CUDA graph
+    on new activations."""
+    from freetoken.kernels.normed_nvfp4_gemv import add_rms_norm_nvfp4_gemv_reference
+    from freetoken.kernels.triton import norm, normed_nvfp4_gemv, nvfp4_rows
+
+    w = random_nvfp4(rng, 9216, HIDDEN)
+    nw = (torch.randn(HIDDEN, generator=rng) * 0.2).to(dtype).to(CUDA)
+    x = torch.randn(rows, HIDDEN, generator=rng).to(dtype).to(CUDA)
+    res = torch.randn(rows, HIDDEN, generator=rng).to(dtype).to(CUDA) if residual else None
+
+    def fused():
+        return normed_nvfp4_gemv.add_rms_norm_nvfp4_gemv(x, res, nw, 1e-6, True, *w, True)
+
+    def check(out, normed, summed):
+        want_normed, _ = norm.add_rms_norm(x, res, nw, 1e-6, True) if residual else (norm.rms_norm(x, nw, 1e-6, True), x)
+        want = torch.empty_like(out)
+        nvfp4_rows.nvfp4_gemv(want_normed, w[0], w[1].view(torch.uint8), w[2], want)
+        assert torch.equal(normed, want_normed) and torch.equal(out, want)
+        ref_out, _, ref_summed = add_rms_norm_nvfp4_gemv_reference(x, res, nw, 1e-6, True, *w)
+        assert torch.equal(summed, ref_summed)
+        assert_close(out, ref_out)
+
+    check(*fused())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = fused()
+    x.copy_(torch.randn(rows, HIDDEN, generator=rng).to(dtype))
+    graph.replay()
+    check(*outs)

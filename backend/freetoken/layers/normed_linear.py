@@ -3,8 +3,8 @@ the residual add + RMSNorm before a decode projection folds into that projection
 
 The Qwen3.5 decoder layer normalizes its stream three times a step before a projection (the
 mixer's first projection, the router, the final norm before the lm_head). At a few rows a separate
-RMSNorm launch is pure latency, so there ``kernels.add_rms_norm_gemv`` does both in one launch;
-for prefill, many rows, or weights the GEMV does not take, the norm and ``linear`` run apart.
+RMSNorm launch is pure latency, so there ``kernels.add_rms_norm_gemv`` does both in one launch
+(``kernels.add_rms_norm_nvfp4_gemv`` for an NVFP4 weight); for prefill, many rows, or weights the GEMV does not take, the norm and ``linear`` run apart.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import torch
 
 from freetoken import kernels
 from freetoken.kernels.gemv_configs import prefers_normed_gemv
-from freetoken.layers.linear import Weight, linear, takes_gemv
+from freetoken.kernels.normed_nvfp4_gemv import NORMED_NVFP4_MAX_ROWS
+from freetoken.layers.linear import NVFP4Weight, Weight, linear, takes_gemv
 from freetoken.layers.moe import MoEPartial
 from freetoken.layers.norm import RMSNorm
 
@@ -41,6 +42,13 @@ def normed_linear(
         return NormedProjection(
             *kernels.add_rms_norm_gemv(x, residual, norm.weight, norm.eps, norm.zero_centered, weight, return_normed)
         )
+    if fuses_nvfp4(norm, x, weight):
+        return NormedProjection(
+            *kernels.add_rms_norm_nvfp4_gemv(
+                x, residual, norm.weight, norm.eps, norm.zero_centered,
+                weight.packed, weight.scales, weight.row_scales, return_normed,
+            )
+        )
     if residual is None:
         normed, residual = norm(x), x
     else:
@@ -56,4 +64,22 @@ def fuses(norm: RMSNorm, x: torch.Tensor, weight: Weight) -> bool:
         and takes_gemv(x, weight)
         and (norm.zero_centered or norm.weight.dtype == x.dtype)
         and prefers_normed_gemv(x.numel() // weight.shape[1], weight.shape[0], weight.shape[1])
+    )
+
+
+# Whether an NVFP4 projection takes its norm in its GEMV's launch (``kernels.add_rms_norm_nvfp4_gemv``)
+# at a few rows: in NVFP4 mode the full-attention layers' packed q/k/v; off, the norm launches apart.
+NVFP4_NORMED_GEMV = True
+
+
+def fuses_nvfp4(norm: RMSNorm, x: torch.Tensor, weight: Weight) -> bool:
+    """Where the fused NVFP4 launch runs: a 2-D NVFP4 weight at up to ``NORMED_NVFP4_MAX_ROWS`` rows
+    (the NVFP4 GEMV's), and a norm whose output has ``x``'s dtype."""
+    return (
+        NVFP4_NORMED_GEMV
+        and isinstance(weight, NVFP4Weight)
+        and weight.packed.dim() == 2
+        and x.shape[-1] == weight.shape[1]
+        and x.numel() // weight.shape[1] <= NORMED_NVFP4_MAX_ROWS
+        and (norm.zero_centered or norm.weight.dtype == x.dtype)
     )
