@@ -15,9 +15,9 @@ from freetoken.kernels.conv1d import causal_conv1d_decode, causal_conv1d_prefill
 from freetoken.kernels.gated_delta_rule import gated_delta_rule_decode, gated_delta_rule_prefill
 from freetoken.kernels.moe import fused_experts, moe_sort_tokens, moe_topk_softmax, shared_expert_combine, silu_and_mul
 from freetoken.kernels.gemv import gemv
-from freetoken.kernels.normed_gemv import add_rms_norm_gemv
+from freetoken.kernels.normed_gemv import add_rms_norm_gemv, add_rms_norm_gemv_route
 from freetoken.kernels.nvfp4 import fused_experts_nvfp4, nvfp4_linear, sparse_moe_decode_nvfp4
-from freetoken.kernels.moe_decode import sparse_moe_decode
+from freetoken.kernels.moe_decode import sparse_moe_decode, sparse_moe_decode_routed
 from freetoken.kernels.moe_decode_offload import sparse_moe_decode_offload, sparse_moe_decode_offload_nvfp4
 from freetoken.kernels.gdn_decode import gated_delta_rule_decode_gated
 from freetoken.kernels.sampling import sample_tokens
@@ -50,10 +50,12 @@ __all__ = [
     "shared_expert_combine",
     "gemv",
     "add_rms_norm_gemv",
+    "add_rms_norm_gemv_route",
     "nvfp4_linear",
     "fused_experts_nvfp4",
     "sparse_moe_decode_nvfp4",
     "sparse_moe_decode",
+    "sparse_moe_decode_routed",
     "sparse_moe_decode_offload",
     "sparse_moe_decode_offload_nvfp4",
     "sample_tokens",

@@ -12,14 +12,25 @@ normalized rows, to fresh buffers: no program of the launch reads a buffer anoth
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from freetoken.kernels.gemv import GEMV_DTYPES
 from freetoken.kernels.gemv_configs import NORMED_MAX_ROWS, GemvConfig, normed_gemv_config
-from freetoken.kernels.triton._common import INTERPRETED, cast, device_function, new_empty, pow2, round_as
-from freetoken.kernels.triton.moe_decode import _pdl_available
+from freetoken.kernels.triton._common import (
+    INTERPRETED,
+    arrive,
+    cast,
+    device_function,
+    new_empty,
+    pow2,
+    round_as,
+    zeroed_counters,
+)
+from freetoken.kernels.triton.moe_decode import _pdl_available, _top_k_rows
 
 
 @device_function
@@ -72,9 +83,11 @@ def _step(acc, w, k, x_ptr, x_st, r_ptr, r_st, nw_ptr, inv, m, K,
 @triton.jit
 def _normed_gemv_kernel(
     x_ptr, x_st, r_ptr, r_st, nw_ptr, w_ptr, w_st, out_ptr, normed_ptr, sum_ptr, N, K, eps,
+    count_ptr, topw_ptr, topi_ptr, num_experts,
     HAS_RESIDUAL: tl.constexpr, ZERO_CENTERED: tl.constexpr, WRITE_NORMED: tl.constexpr,
     ROWS: tl.constexpr, ROWS_P2: tl.constexpr, BLOCK_N: tl.constexpr, REPS: tl.constexpr, CHUNK: tl.constexpr,
     BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    ROUTE: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     if PDL:  # the next launch may start: its programs take the slots these leave
         tl.extra.cuda.gdc_launch_dependents()
@@ -113,6 +126,14 @@ def _normed_gemv_kernel(
                     inv_i = tl.sum(tl.where(m == i, inv, 0.0), 0)
                     tl.store(normed_ptr + i * K + d, cast(_normalized(xf, inv_i, nw, dtype, ZERO_CENTERED), dtype),
                              mask=d_ok)
+    if ROUTE:  # the last program to finish routes every row from the others' logits (in L2: .cg)
+        if arrive(count_ptr, tl.num_programs(0)):
+            e = tl.arange(0, BLOCK_E)[None, :]
+            for i in tl.static_range(ROWS):
+                logits = tl.load(out_ptr + i * N + e, mask=e < num_experts, other=0.0, cache_modifier=".cg")
+                weights, experts = _top_k_rows(logits.to(tl.float32), e, num_experts, TOP_K, RENORMALIZE, BLOCK_E)
+                tl.store(topw_ptr + i * TOP_K + e, weights, mask=e < TOP_K)
+                tl.store(topi_ptr + i * TOP_K + e, experts, mask=e < TOP_K)
 
 
 def _rows(t: torch.Tensor, k_in: int) -> torch.Tensor:
@@ -133,11 +154,21 @@ def _check(x, residual, norm_weight, zero_centered, weight) -> None:
         raise ValueError(f"add_rms_norm_gemv: a plain norm's weight must be x's dtype {x.dtype}, got {norm_weight.dtype}")
 
 
-def add_rms_norm_gemv_tiled(
+class _Route(NamedTuple):
+    """The routing the fused router launch adds: softmax and top-k over the first ``num_experts``
+    output columns of every row (``moe_decode._top_k_rows``)."""
+
+    num_experts: int
+    top_k: int
+    renormalize: bool
+
+
+def _launch(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, zero_centered: bool,
-    weight: torch.Tensor, return_normed: bool, config: GemvConfig,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """``add_rms_norm_gemv`` launched in the given shape (``benchmarks/normed_gemv_sweep.py``, the tests)."""
+    weight: torch.Tensor, return_normed: bool, config: GemvConfig, route: _Route | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The fused launch: ``(out, normed, summed)``, then with ``route`` the float32 routing weights
+    and int32 expert ids ``[rows, top_k]`` (else ``None, None``)."""
     _check(x, residual, norm_weight, zero_centered, weight)
     n_out, k_in = weight.shape
     rows = _rows(x, k_in)
@@ -150,18 +181,53 @@ def add_rms_norm_gemv_tiled(
     out = new_empty((num_rows, n_out), x.dtype, x.device)
     normed = new_empty(x.shape, x.dtype, x.device) if return_normed else None
     summed = new_empty(x.shape, x.dtype, x.device) if residual is not None else x
+    top_w = top_i = None
+    if route is not None:
+        top_w = new_empty((num_rows, route.top_k), torch.float32, x.device)
+        top_i = new_empty((num_rows, route.top_k), torch.int32, x.device)
     if num_rows and n_out:
         pdl = config.pdl and _pdl_available()
         chunk = min(32 * 16 // weight.element_size(), pow2(k_in))
         reps = max(1, config.block_k * 2 // weight.element_size() // chunk)  # as gemv_tiled: the same sums
+        counter = zeroed_counters(x.device, "normed_gemv_route", 1) if route is not None else out
         _normed_gemv_kernel[(triton.cdiv(n_out, config.block_n),)](
             rows, rows.stride(0), res, res.stride(0), norm_weight.contiguous(), weight, weight.stride(0), out,
             normed if normed is not None else out, summed if residual is not None else out, n_out, k_in, eps,
+            counter, top_w if top_w is not None else out, top_i if top_i is not None else out,
+            route.num_experts if route is not None else 0,
             HAS_RESIDUAL=residual is not None, ZERO_CENTERED=zero_centered, WRITE_NORMED=return_normed,
             ROWS=num_rows, ROWS_P2=pow2(num_rows), BLOCK_N=config.block_n, REPS=reps, CHUNK=chunk,
-            BLOCK_D=pow2(k_in), PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
+            BLOCK_D=pow2(k_in), PDL=pdl,
+            ROUTE=route is not None, TOP_K=route.top_k if route is not None else 1,
+            RENORMALIZE=route is not None and route.renormalize,
+            BLOCK_E=pow2(route.num_experts) if route is not None else 1,
+            num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
         )
-    return out.reshape(*x.shape[:-1], n_out), normed, summed
+    return out.reshape(*x.shape[:-1], n_out), normed, summed, top_w, top_i
+
+
+def add_rms_norm_gemv_tiled(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, zero_centered: bool,
+    weight: torch.Tensor, return_normed: bool, config: GemvConfig,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``add_rms_norm_gemv`` launched in the given shape (``benchmarks/normed_gemv_sweep.py``, the tests)."""
+    return _launch(x, residual, norm_weight, eps, zero_centered, weight, return_normed, config, None)[:3]
+
+
+def add_rms_norm_gemv_route_tiled(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, zero_centered: bool,
+    weight: torch.Tensor, num_experts: int, top_k: int, renormalize: bool, config: GemvConfig,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``add_rms_norm_gemv_route`` launched in the given shape."""
+    if not 0 < top_k <= num_experts <= weight.shape[0]:
+        raise ValueError(
+            f"add_rms_norm_gemv_route: top_k {top_k} of num_experts {num_experts} must be in [1, num_experts], "
+            f"num_experts at most the weight's {weight.shape[0]} rows"
+        )
+    if x.dim() != 2:
+        raise ValueError(f"add_rms_norm_gemv_route: x must be [tokens, hidden], got {tuple(x.shape)}")
+    return _launch(x, residual, norm_weight, eps, zero_centered, weight, True, config,
+                   _Route(num_experts, top_k, renormalize))  # type: ignore[return-value]
 
 
 # Under the interpreter, whose cost is per program and per operation: few, wide programs.
@@ -174,5 +240,19 @@ def add_rms_norm_gemv(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     n_out, k_in = weight.shape
     num_rows = x.numel() // k_in if k_in else 0
-    config = _INTERPRETER_CONFIG if INTERPRETED else normed_gemv_config(num_rows, n_out, k_in)
-    return add_rms_norm_gemv_tiled(x, residual, norm_weight, eps, zero_centered, weight, return_normed, config)
+    return add_rms_norm_gemv_tiled(x, residual, norm_weight, eps, zero_centered, weight, return_normed,
+                                   _config(num_rows, n_out, k_in))
+
+
+def add_rms_norm_gemv_route(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, zero_centered: bool,
+    weight: torch.Tensor, num_experts: int, top_k: int, renormalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    n_out, k_in = weight.shape
+    config = _config(x.numel() // k_in if k_in else 0, n_out, k_in)
+    return add_rms_norm_gemv_route_tiled(x, residual, norm_weight, eps, zero_centered, weight, num_experts, top_k,
+                                         renormalize, config)
+
+
+def _config(num_rows: int, n_out: int, k_in: int) -> GemvConfig:
+    return _INTERPRETER_CONFIG if INTERPRETED else normed_gemv_config(num_rows, n_out, k_in)

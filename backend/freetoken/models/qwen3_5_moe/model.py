@@ -47,11 +47,11 @@ class DecoderLayer(nn.Module):
     def forward(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # Each norm runs with the projection after it (one launch at decode: layers.normed_linear).
+        # Each norm runs with the projection after it (one launch at decode: layers.normed_linear);
+        # the MoE block's routing runs in its router's launch too (layers.moe.FUSED_ROUTE).
         mixer_in = normed_linear(self.input_layernorm, hidden, residual, self.mixer.input_weight)
         hidden = self.mixer.forward_projected(mixer_in.out, batch)
-        mlp_in = normed_linear(self.post_attention_layernorm, hidden, mixer_in.residual, self.mlp.gate_weight, True)
-        return self.mlp(mlp_in.normed, mlp_in.out), mlp_in.residual
+        return self.mlp.forward_normed(self.post_attention_layernorm, hidden, mixer_in.residual)
 
 
 class Qwen3_5MoeModel(CausalLM):
