@@ -30,14 +30,18 @@ def add_rms_norm_gemv_reference(
     zero_centered: bool,
     weight: torch.Tensor,
     return_normed: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """``(norm(s) @ weight.T, norm(s) if return_normed else None, s)`` for ``s = x + residual``
-    (``s = x`` without a residual: the first layer's norm), ``norm`` as ``kernels.rms_norm``."""
+    (``s = x`` without a residual: the first layer's norm), ``norm`` as ``kernels.rms_norm``. The
+    product is rounded to the activations' dtype, then converted to ``out_dtype`` where given (the
+    lm_head's float32 logits, without a launch of their own)."""
     if residual is None:
         normed, summed = rms_norm_reference(x, norm_weight, eps, zero_centered), x
     else:
         normed, summed = add_rms_norm_reference(x, residual, norm_weight, eps, zero_centered)
-    return F.linear(normed, weight), normed if return_normed else None, summed
+    out = F.linear(normed, weight)
+    return out if out_dtype is None else out.to(out_dtype), normed if return_normed else None, summed
 
 
 add_rms_norm_gemv = op("normed_gemv")(add_rms_norm_gemv_reference)

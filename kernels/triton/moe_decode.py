@@ -27,6 +27,11 @@ output: the gate/up programs are resident when the routing is done, and the down
 their weights while the gate/up pass ends. ``DecodeTiles`` sets the launch shapes;
 ``benchmarks/tune_moe_decode.py`` times the candidates on the GPU.
 
+``sparse_moe_decode_routed`` is the block from a routing already made (launches 2 and 3): the
+layer takes it where the router's fused norm + GEMV launch routes in its last program
+(``kernels/triton/normed_gemv.py``, ``layers.moe.FUSED_ROUTE``), so launch 1 is gone. Every routing
+here, and the grouped path's one-warp top-k, is ``_top_k_rows``.
+
 Rounding follows the reference (projections, SiLU, products and the combine rounded to the
 activations' dtype). Grids depend only on the token count, so the launches are capture-safe.
 """

@@ -8,6 +8,13 @@ reduces it), and per step normalizes the step's columns once into a ``[REPS, CHU
 weight tile's rows share (held by the threads that hold those columns: the norm is not recomputed
 per weight row a thread holds). Program 0 also writes ``x + residual`` and, when asked, the
 normalized rows, to fresh buffers: no program of the launch reads a buffer another one writes.
+
+``add_rms_norm_gemv_route`` (the MoE router + shared gate): every program then arrives at a zeroed
+counter (``_common.arrive``), and the last one to arrive, whose arrival orders every other
+program's logits before its reads, routes each row (``moe_decode._top_k_rows`` over the first
+``num_experts`` logits, read from L2) into the float32 weights / int32 ids the decode block reads.
+One counter per device: the launches run in stream order (under PDL each waits for the previous
+launch before its first arrival).
 """
 
 from __future__ import annotations
@@ -112,7 +119,8 @@ def _normed_gemv_kernel(
         w = tl.load(w_rows + k[None, :, :], mask=(k < K)[None, :, :], other=0.0, eviction_policy="evict_first")
         acc = _step(acc, w, k, x_ptr, x_st, r_ptr, r_st, nw_ptr, inv, m, K, HAS_RESIDUAL, ZERO_CENTERED, ROWS)
     dtype = x_ptr.dtype.element_ty
-    tl.store(out_ptr + m[None, :] * N + n[:, None], cast(acc, dtype), mask=(n < N)[:, None] & (m < ROWS)[None, :])
+    out = cast(acc, dtype).to(out_ptr.dtype.element_ty)  # rounded as the activations, stored as asked
+    tl.store(out_ptr + m[None, :] * N + n[:, None], out, mask=(n < N)[:, None] & (m < ROWS)[None, :])
     if tl.program_id(0) == 0:
         if HAS_RESIDUAL or WRITE_NORMED:
             d = tl.arange(0, BLOCK_D)[None, :]
@@ -166,6 +174,7 @@ class _Route(NamedTuple):
 def _launch(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, zero_centered: bool,
     weight: torch.Tensor, return_normed: bool, config: GemvConfig, route: _Route | None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The fused launch: ``(out, normed, summed)``, then with ``route`` the float32 routing weights
     and int32 expert ids ``[rows, top_k]`` (else ``None, None``)."""
@@ -178,7 +187,9 @@ def _launch(
     res = _rows(residual, k_in) if residual is not None else rows
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
-    out = new_empty((num_rows, n_out), x.dtype, x.device)
+    if out_dtype is not None and out_dtype not in (x.dtype, torch.float32):
+        raise ValueError(f"add_rms_norm_gemv: out_dtype must be x's {x.dtype} or float32, got {out_dtype}")
+    out = new_empty((num_rows, n_out), out_dtype or x.dtype, x.device)
     normed = new_empty(x.shape, x.dtype, x.device) if return_normed else None
     summed = new_empty(x.shape, x.dtype, x.device) if residual is not None else x
     top_w = top_i = None
@@ -208,10 +219,10 @@ def _launch(
 
 def add_rms_norm_gemv_tiled(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, zero_centered: bool,
-    weight: torch.Tensor, return_normed: bool, config: GemvConfig,
+    weight: torch.Tensor, return_normed: bool, config: GemvConfig, out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """``add_rms_norm_gemv`` launched in the given shape (``benchmarks/normed_gemv_sweep.py``, the tests)."""
-    return _launch(x, residual, norm_weight, eps, zero_centered, weight, return_normed, config, None)[:3]
+    return _launch(x, residual, norm_weight, eps, zero_centered, weight, return_normed, config, None, out_dtype)[:3]
 
 
 def add_rms_norm_gemv_route_tiled(
@@ -236,12 +247,12 @@ _INTERPRETER_CONFIG = GemvConfig(block_n=64, block_k=256, num_warps=4, pdl=False
 
 def add_rms_norm_gemv(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, zero_centered: bool,
-    weight: torch.Tensor, return_normed: bool = False,
+    weight: torch.Tensor, return_normed: bool = False, out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     n_out, k_in = weight.shape
     num_rows = x.numel() // k_in if k_in else 0
     return add_rms_norm_gemv_tiled(x, residual, norm_weight, eps, zero_centered, weight, return_normed,
-                                   _config(num_rows, n_out, k_in))
+                                   _config(num_rows, n_out, k_in), out_dtype)
 
 
 def add_rms_norm_gemv_route(

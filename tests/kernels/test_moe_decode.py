@@ -141,13 +141,13 @@ def test_moe_block_routes_in_its_router_launch(rng, dtype, monkeypatch):
     from freetoken.layers.norm import RMSNorm
 
     experts, top_k, hidden, inter, shared_inter, tokens = 9, 3, 48, 24, 40, 2
-    block = moe.SparseMoE(hidden, experts, top_k, inter, shared_inter).to(dtype)
+    block = moe.SparseMoE(hidden, experts, top_k, inter, shared_inter).to(DEVICE, dtype)
     for p in block.parameters():
-        p.data = (torch.randn(p.shape, generator=rng) * p.shape[-1] ** -0.5).to(dtype)
-    norm = RMSNorm(hidden, 1e-6, zero_centered=True).to(dtype)
-    norm.weight.data = (torch.randn(hidden, generator=rng) * 0.2).to(dtype)
-    x = torch.randn(tokens, hidden, generator=rng).to(dtype)
-    residual = torch.randn(tokens, hidden, generator=rng).to(dtype)
+        p.data.copy_(torch.randn(p.shape, generator=rng) * p.shape[-1] ** -0.5)
+    norm = RMSNorm(hidden, 1e-6, zero_centered=True).to(DEVICE, dtype)
+    norm.weight.data.copy_(torch.randn(hidden, generator=rng) * 0.2)
+    x = torch.randn(tokens, hidden, generator=rng).to(dtype).to(DEVICE)
+    residual = torch.randn(tokens, hidden, generator=rng).to(dtype).to(DEVICE)
     monkeypatch.setattr(moe, "fuses", lambda *_: True)
     monkeypatch.setattr(dispatch, "_backend", dispatch.KernelBackend.TRITON)
     calls = []

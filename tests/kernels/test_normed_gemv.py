@@ -168,3 +168,17 @@ def test_normed_gemv_route_rejects_bad_operands(rng):
         normed_gemv.add_rms_norm_gemv_route(x, res, nw, EPS, True, w, 8, 9, True)
     with pytest.raises(ValueError, match="tokens, hidden"):
         normed_gemv.add_rms_norm_gemv_route(x[None], res[None], nw, EPS, True, w, 8, 2, True)
+
+
+def test_normed_gemv_stores_float32_logits(rng):
+    """``out_dtype=float32`` (the lm_head): the bf16 launch's output, converted, with no launch of its own."""
+    normed_gemv = _triton()[2]
+    x, res, nw, w = operands(rng, 2, 45, 96, torch.bfloat16, True, True)
+    got = normed_gemv.add_rms_norm_gemv(x, res, nw, EPS, True, w, False, torch.float32)
+    want = normed_gemv.add_rms_norm_gemv(x, res, nw, EPS, True, w)
+    assert got[0].dtype == torch.float32 and torch.equal(got[0], want[0].float()) and torch.equal(got[2], want[2])
+    ref_out = add_rms_norm_gemv_reference(x, res, nw, EPS, True, w, False, torch.float32)[0]
+    assert ref_out.dtype == torch.float32
+    assert_close(got[0], ref_out, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="out_dtype"):
+        normed_gemv.add_rms_norm_gemv(x, res, nw, EPS, True, w, False, torch.float16)

@@ -11,9 +11,15 @@ from torch import nn
 from freetoken import kernels
 from freetoken.batch import ForwardBatch
 from freetoken.kernels.prefill_snapshots import PrefillSnapshots
-from freetoken.layers.linear import linear
+from freetoken.kernels.gemv_configs import prefers_gated_normed_gemv
+from freetoken.layers.linear import linear, takes_gemv
 from freetoken.layers.slot_state import StateShapes
 from freetoken.layers.weights import WeightTarget, new_param, packed_targets
+
+
+# At a few tokens the gated output norm runs in out_proj's GEMV launch (``kernels.gated_rms_norm_gemv``)
+# where ``gemv_configs.prefers_gated_normed_gemv`` says: one launch a layer fewer. False: the A/B switch.
+FUSED_OUTPUT_NORM = True
 
 
 @dataclass(frozen=True)
@@ -116,8 +122,22 @@ class GatedDeltaNet(nn.Module):
             first, cu_seqlens, slots = batch.prefill_part()
             core[first:] = self._prefill(mixed_qkv[first:], a[first:], b[first:], slots, cu_seqlens, batch.snapshots)
         z = z.reshape(num_tokens, self.num_v_heads, self.head_v_dim)
+        if self._norm_in_out_proj(core):
+            return kernels.gated_rms_norm_gemv(core, z, self.norm_weight, self.eps, self.gate_activation, self.out_proj)
         out = self.output_norm(core, z)
         return linear(out.reshape(num_tokens, self.value_dim), self.out_proj)
+
+    def _norm_in_out_proj(self, core: torch.Tensor) -> bool:
+        """Whether the gated output norm runs in ``out_proj``'s GEMV launch (``FUSED_OUTPUT_NORM``):
+        a dense weight the GEMV takes at this row count, a norm weight of the activations' dtype."""
+        rows = core.reshape(core.shape[0], -1)
+        return (
+            FUSED_OUTPUT_NORM
+            and isinstance(self.out_proj, torch.Tensor)
+            and self.norm_weight.dtype == core.dtype
+            and takes_gemv(rows, self.out_proj)
+            and prefers_gated_normed_gemv(rows.shape[0], *self.out_proj.shape)
+        )
 
     def _decode(self, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """One token per request: the conv step, then the delta-rule step with its gating fused in."""

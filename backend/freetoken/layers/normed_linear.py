@@ -26,20 +26,29 @@ class NormedProjection(NamedTuple):
 
 
 def normed_linear(
-    norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, weight: Weight, return_normed: bool = False
+    norm: RMSNorm,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: Weight,
+    return_normed: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> NormedProjection:
-    """``linear(norm(x + residual), weight)``, the new residual, and the normalized rows when
+    """``linear(norm(x + residual), weight)`` (converted to ``out_dtype`` where given: the lm_head's
+    float32 logits, stored so by the fused launch), the new residual, and the normalized rows when
     ``return_normed`` (the MoE block reads them besides its router). ``residual=None``: the stream
     starts at ``x`` (the first layer)."""
     if fuses(norm, x, weight):
         return NormedProjection(
-            *kernels.add_rms_norm_gemv(x, residual, norm.weight, norm.eps, norm.zero_centered, weight, return_normed)
+            *kernels.add_rms_norm_gemv(
+                x, residual, norm.weight, norm.eps, norm.zero_centered, weight, return_normed, out_dtype
+            )
         )
     if residual is None:
         normed, residual = norm(x), x
     else:
         normed, residual = norm.add_forward(x, residual)
-    return NormedProjection(linear(normed, weight), normed if return_normed else None, residual)
+    out = linear(normed, weight)
+    return NormedProjection(out if out_dtype is None else out.to(out_dtype), normed if return_normed else None, residual)
 
 
 def fuses(norm: RMSNorm, x: torch.Tensor, weight: Weight) -> bool:

@@ -133,4 +133,6 @@ class Qwen3_5MoeModel(CausalLM):
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, batch)
         last = batch.logits_indices
-        return normed_linear(self.norm, hidden[last], residual[last], self.lm_head).out.float()
+        if last.shape[0] != hidden.shape[0]:  # else every token is a logits row, in order (a decode step): no gathers
+            hidden, residual = hidden[last], residual[last]
+        return normed_linear(self.norm, hidden, residual, self.lm_head, out_dtype=torch.float32).out

@@ -3,7 +3,8 @@ routing every row: ``kernels.add_rms_norm_gemv_route``) at Qwen3.6-35B-A3B's siz
 router + shared gate, 256 experts, top 8), and the decode block from its routing
 (``kernels.sparse_moe_decode_routed``): against the plain fused launch and the routing kernel, and
 several layers of both in a CUDA graph, replayed with new inputs, with programmatic dependent
-launch on and off (the gate/up launch reads the routing the router launch's last program wrote)."""
+launch on and off (the gate/up launch reads the routing the router launch's last program wrote).
+Also the lm_head's fused launch storing float32 logits (``out_dtype``) at 248,320 x 2048."""
 
 from __future__ import annotations
 
@@ -137,3 +138,15 @@ def test_moe_block_takes_the_fused_router_launch(rng, check, monkeypatch, rows):
     assert len(calls) == (rows <= gemv_configs.NORMED_MAX_ROWS)
     assert torch.equal(got_res, want_res)
     check(f"moe_block_fused_route_m{rows}", got.float(), want.float(), torch.bfloat16)
+
+
+def test_lm_head_launch_stores_float32_logits(rng):
+    """The final norm + lm_head with ``out_dtype=float32``: the bf16 launch's logits, converted."""
+    from freetoken.kernels.triton import normed_gemv
+
+    x, res = (_randn(rng, 1, HIDDEN, dtype=torch.bfloat16) for _ in range(2))
+    nw = _randn(rng, HIDDEN, dtype=torch.bfloat16, scale=0.2)
+    w = _randn(rng, 248320, HIDDEN, dtype=torch.bfloat16, scale=HIDDEN**-0.5)
+    got = normed_gemv.add_rms_norm_gemv(x, res, nw, EPS, True, w, False, torch.float32)[0]
+    want = normed_gemv.add_rms_norm_gemv(x, res, nw, EPS, True, w)[0]
+    assert got.dtype == torch.float32 and torch.equal(got, want.float())
