@@ -206,7 +206,8 @@ def _greedy_kernel(
         s_ok = s < splits
         v = tl.load(part_v_ptr + row * splits + s, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
         ids = tl.load(part_i_ptr + row * splits + s, mask=s_ok, other=2147483647, cache_modifier=".cg")
-        token = tl.min(tl.where(v == tl.max(v, 0), ids, 2147483647), 0).to(tl.int64)
+        token = tl.min(tl.where(v == tl.max(v, 0), ids, 2147483647), 0)
+        token = tl.where(token < vocab, token, 0).to(tl.int64)  # no finite logit: token 0, as argmax (never out of range)
         tl.store(out_ptr + row, token)
         slot = tl.load(slots_ptr + row).to(tl.int64)
         tl.store(last_ptr + slot, token)

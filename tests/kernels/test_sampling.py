@@ -84,13 +84,14 @@ def test_greedy_sample_into_slots_matches_reference(rng, split, slot_dtype):
     logits = torch.randn(4, vocab, generator=rng)
     logits[1, [7, 1500]] = 50.0  # a tie across splits: the lower id wins
     logits[2, vocab - 1] = 50.0  # the last split, partial
+    logits[3] = float("-inf")  # no finite logit: token 0, as argmax
     logits = logits.to(DEVICE)
     slots = torch.tensor([3, 0, 0, 4], dtype=slot_dtype, device=DEVICE)
     got_tables = _slot_tables(num_slots, vocab, rng)
     want_tables = tuple(t.clone() for t in got_tables)
     got = greedy_sample_into_slots_tiled(logits, slots, got_tables[0], got_tables[1], got_tables[2][:, 2], split)
     want = ref.greedy_sample_into_slots_reference(logits, slots, want_tables[0], want_tables[1], want_tables[2][:, 2])
-    assert torch.equal(got, want) and got[1] == 7 and got[2] == vocab - 1
+    assert torch.equal(got, want) and got[1] == 7 and got[2] == vocab - 1 and got[3] == 0
     assert torch.equal(want, ref.sample_tokens_reference(logits, *_greedy_params(4)))
     assert torch.equal(got_tables[1], want_tables[1]) and torch.equal(got_tables[2], want_tables[2])
     # Repeated slot 0: which row's token it keeps is unspecified (as for the reference's scatter).
