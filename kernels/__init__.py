@@ -15,7 +15,7 @@ from freetoken.kernels.conv1d import causal_conv1d_decode, causal_conv1d_prefill
 from freetoken.kernels.gated_delta_rule import gated_delta_rule_decode, gated_delta_rule_prefill
 from freetoken.kernels.moe import fused_experts, moe_sort_tokens, moe_topk_softmax, shared_expert_combine, silu_and_mul
 from freetoken.kernels.gemv import gemv
-from freetoken.kernels.normed_gemv import add_rms_norm_gemv, add_rms_norm_gemv_route
+from freetoken.kernels.normed_gemv import add_rms_norm_gemv, add_rms_norm_gemv_conv, add_rms_norm_gemv_route
 from freetoken.kernels.gated_norm_gemv import gated_rms_norm_gemv
 from freetoken.kernels.nvfp4 import fused_experts_nvfp4, nvfp4_linear, sparse_moe_decode_nvfp4
 from freetoken.kernels.moe_decode import sparse_moe_decode, sparse_moe_decode_routed
@@ -52,6 +52,7 @@ __all__ = [
     "gemv",
     "add_rms_norm_gemv",
     "add_rms_norm_gemv_route",
+    "add_rms_norm_gemv_conv",
     "gated_rms_norm_gemv",
     "nvfp4_linear",
     "fused_experts_nvfp4",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from freetoken.kernels.conv1d import causal_conv1d_decode_reference
 from freetoken.kernels.dispatch import op
 from freetoken.kernels.moe import moe_topk_softmax_reference
 from freetoken.kernels.norm import add_rms_norm_reference, rms_norm_reference
@@ -69,3 +70,25 @@ def add_rms_norm_gemv_route_reference(
 
 
 add_rms_norm_gemv_route = op("normed_gemv")(add_rms_norm_gemv_route_reference)
+
+
+def add_rms_norm_gemv_conv_reference(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    zero_centered: bool,
+    weight: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    state_slots: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The Gated DeltaNet's fused decode input launch: ``add_rms_norm_gemv`` of its ``in_proj``, then
+    ``causal_conv1d_decode`` of the first ``conv_weight.shape[0]`` output columns (q|k|v) in the
+    rows' state slots (``conv_state`` updated in place): ``(projected, conv_out, summed)``."""
+    out, _, summed = add_rms_norm_gemv_reference(x, residual, norm_weight, eps, zero_centered, weight)
+    conv = causal_conv1d_decode_reference(out[:, : conv_weight.shape[0]], conv_weight, conv_state, state_slots)
+    return out, conv, summed
+
+
+add_rms_norm_gemv_conv = op("normed_gemv")(add_rms_norm_gemv_conv_reference)

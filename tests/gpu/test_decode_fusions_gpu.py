@@ -150,3 +150,69 @@ def test_lm_head_launch_stores_float32_logits(rng):
     got = normed_gemv.add_rms_norm_gemv(x, res, nw, EPS, True, w, False, torch.float32)[0]
     want = normed_gemv.add_rms_norm_gemv(x, res, nw, EPS, True, w)[0]
     assert got.dtype == torch.float32 and torch.equal(got, want.float())
+
+
+def _decode_batch(rows: int, slots: torch.Tensor):
+    from freetoken.batch import ForwardBatch
+
+    zeros = torch.zeros(rows, dtype=torch.int64, device=CUDA)
+    return ForwardBatch(
+        input_ids=zeros, positions=zeros, cu_seqlens=torch.arange(rows + 1, dtype=torch.int32, device=CUDA),
+        seq_lens=torch.ones(rows, dtype=torch.int32, device=CUDA),
+        page_table=torch.zeros(rows, 1, dtype=torch.int32, device=CUDA), kv_locations=zeros, state_slots=slots,
+        logits_indices=zeros, num_decodes=rows, max_query_len=1, max_seq_len=16, query_lens=[1] * rows,
+    )
+
+
+@pytest.mark.parametrize("rows", [1, 2, gemv_configs.NORMED_MAX_ROWS])
+def test_gdn_layer_conv_in_its_input_launch(rng, check, monkeypatch, rows):
+    """A Qwen3.6 GDN layer's decode step with the conv step in the input norm + in_proj launch
+    (``FUSED_CONV``) and without: the same output, residual and conv / recurrent states, twice in a
+    row (the second step reads the states the first one moved on); replayed from a CUDA graph too."""
+    from freetoken import kernels
+    from freetoken.layers import gated_deltanet
+    from freetoken.layers.gated_deltanet import DeltaNetSizes, GatedDeltaNet
+
+    layer = GatedDeltaNet(DeltaNetSizes(HIDDEN, 16, 32, 128, 128, 4, EPS)).to(CUDA, torch.bfloat16)
+    for p in layer.parameters():
+        p.data.copy_(_randn(rng, *p.shape, dtype=torch.bfloat16, scale=p.shape[-1] ** -0.5))
+    layer.A_log.data.copy_(torch.rand(layer.A_log.shape, generator=rng, device=CUDA).log())
+    norm = RMSNorm(HIDDEN, EPS, zero_centered=True).to(CUDA, torch.bfloat16)
+    norm.weight.data.copy_(_randn(rng, HIDDEN, dtype=torch.bfloat16, scale=0.2))
+    shapes = layer.state_shapes(8, torch.bfloat16)
+    conv0 = _randn(rng, *shapes["conv_state"][0], dtype=torch.bfloat16)
+    rec0 = torch.randn(shapes["recurrent_state"][0], generator=rng, device=CUDA) * 0.1
+    slots = torch.randperm(7, generator=rng, device=CUDA)[:rows].to(torch.int32) + 1
+    batch = _decode_batch(rows, slots)
+    xs = [(_randn(rng, rows, HIDDEN, dtype=torch.bfloat16), _randn(rng, rows, HIDDEN, dtype=torch.bfloat16))
+          for _ in range(2)]
+    calls = []
+    fused = kernels.add_rms_norm_gemv_conv
+    monkeypatch.setattr(kernels, "add_rms_norm_gemv_conv", lambda *a: calls.append(1) or fused(*a))
+
+    def run(on: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(gated_deltanet, "FUSED_CONV", on)
+        layer.conv_state, layer.recurrent_state = conv0.clone(), rec0.clone()
+        outs = []
+        for x, res in xs:
+            outs.extend(layer.forward_normed(norm, x, res, batch))
+        return [*outs, layer.conv_state, layer.recurrent_state]
+
+    got, want = run(True), run(False)
+    assert len(calls) == 2
+    for i, (g, w) in enumerate(zip(got, want)):
+        check(f"gdn_conv_fused_m{rows}_{i}", g.float(), w.float(), torch.bfloat16)
+    # In a graph: the fused step replayed from the start states gives the eager fused step's.
+    monkeypatch.setattr(gated_deltanet, "FUSED_CONV", True)
+    layer.conv_state, layer.recurrent_state = conv0.clone(), rec0.clone()
+    x, res = xs[0]
+    layer.forward_normed(norm, x, res, batch)  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, summed = layer.forward_normed(norm, x, res, batch)
+    layer.conv_state.copy_(conv0)
+    layer.recurrent_state.copy_(rec0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, got[0]) and torch.equal(summed, got[1])

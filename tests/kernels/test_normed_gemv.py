@@ -182,3 +182,48 @@ def test_normed_gemv_stores_float32_logits(rng):
     assert_close(got[0], ref_out, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="out_dtype"):
         normed_gemv.add_rms_norm_gemv(x, res, nw, EPS, True, w, False, torch.float16)
+
+
+@pytest.mark.parametrize("config", [GemvConfig(1, 256, 1), GemvConfig(8, 128, 2), GemvConfig(64, 256, 4)],
+                         ids=lambda c: c.label())
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows,width", [(1, 4), (3, 3), (NORMED_MAX_ROWS, 4)])
+def test_normed_gemv_conv(rng, config, dtype, rows, width):
+    """The GDN input launch: its projection, sum and conv step exactly the fused launch's then
+    ``causal_conv1d_decode``'s (the conv channels ending inside a program's rows), the slots' states
+    moved on alike, and the reference's."""
+    from freetoken.kernels.normed_gemv import add_rms_norm_gemv_conv_reference
+    from freetoken.kernels.triton import conv1d
+
+    normed_gemv = _triton()[2]
+    n_out, channels, k_in, num_slots = 45, 37, 120, 6
+    x, res, nw, w = operands(rng, rows, n_out, k_in, dtype, True, True)
+    conv_w = (torch.randn(channels, width, generator=rng) * 0.5).to(dtype).to(DEVICE)
+    state = torch.randn(num_slots, channels, width - 1, generator=rng).to(dtype).to(DEVICE)
+    slots = torch.randperm(num_slots, generator=rng)[:rows].to(torch.int32).to(DEVICE)
+    got_state, want_state, ref_state = state.clone(), state.clone(), state.clone()
+    out, conv, summed = normed_gemv.add_rms_norm_gemv_conv_tiled(x, res, nw, EPS, True, w, conv_w, got_state, slots,
+                                                                config)
+    want_out, _, want_summed = normed_gemv.add_rms_norm_gemv_tiled(x, res, nw, EPS, True, w, False, config)
+    want_conv = conv1d.causal_conv1d_decode(want_out[:, :channels], conv_w, want_state, slots)
+    assert torch.equal(out, want_out) and torch.equal(summed, want_summed)
+    assert torch.equal(conv, want_conv) and torch.equal(got_state, want_state)
+    ref_out, ref_conv, _ = add_rms_norm_gemv_conv_reference(x, res, nw, EPS, True, w, conv_w, ref_state, slots)
+    assert_close(out.float(), ref_out.float(), dtype=dtype)
+    assert_close(conv.float(), ref_conv.float(), dtype=dtype)
+    assert_close(got_state.float(), ref_state.float(), dtype=dtype)
+
+
+def test_normed_gemv_conv_rejects_bad_operands(rng):
+    normed_gemv = _triton()[2]
+    x, res, nw, w = operands(rng, 2, 9, 16, torch.float32, True, True)
+    conv_w = torch.randn(6, 4).to(DEVICE)
+    state = torch.zeros(3, 6, 3, device=DEVICE)
+    slots = torch.tensor([0, 2], dtype=torch.int32, device=DEVICE)
+    fn = normed_gemv.add_rms_norm_gemv_conv
+    with pytest.raises(ValueError, match="disagree"):
+        fn(x, res, nw, EPS, True, w, torch.randn(10, 4).to(DEVICE), state, slots)  # more channels than outputs
+    with pytest.raises(ValueError, match="disagree"):
+        fn(x, res, nw, EPS, True, w, conv_w, state[:, :, :2], slots)
+    with pytest.raises(ValueError, match="disagree"):
+        fn(x, res, nw, EPS, True, w, conv_w, state, slots[:1])

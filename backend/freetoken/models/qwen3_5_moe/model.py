@@ -48,10 +48,10 @@ class DecoderLayer(nn.Module):
         self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # Each norm runs with the projection after it (one launch at decode: layers.normed_linear);
-        # the MoE block's routing runs in its router's launch too (layers.moe.FUSED_ROUTE).
-        mixer_in = normed_linear(self.input_layernorm, hidden, residual, self.mixer.input_weight)
-        hidden = self.mixer.forward_projected(mixer_in.out, batch)
-        return self.mlp.forward_normed(self.post_attention_layernorm, hidden, mixer_in.residual)
+        # the GDN conv step and the MoE block's routing run in those launches too (layers.gated_deltanet.FUSED_CONV,
+        # layers.moe.FUSED_ROUTE).
+        hidden, residual = self.mixer.forward_normed(self.input_layernorm, hidden, residual, batch)
+        return self.mlp.forward_normed(self.post_attention_layernorm, hidden, residual)
 
 
 class Qwen3_5MoeModel(CausalLM):
