@@ -6,13 +6,15 @@ Qwen3.6-35B-A3B shape, and print ``GATED_NORMED_TUNED`` entries:
 2. ``gated``: the Gated DeltaNet output norm, then the out_proj GEMV, against the GEMV with the norm
    in its prologue (``gated_rms_norm_gemv``; ``layers.gated_deltanet.FUSED_OUTPUT_NORM``), over
    launch shapes;
-3. ``greedy``: the sampler's general path at temperature 0 (parameter gathers, ``sample_tokens``,
+3. ``conv``: the GDN input norm + in_proj GEMV, then ``causal_conv1d_decode``, against the launch
+   with the conv step in its epilogue (``add_rms_norm_gemv_conv``; ``layers.gated_deltanet.FUSED_CONV``);
+4. ``greedy``: the sampler's general path at temperature 0 (parameter gathers, ``sample_tokens``,
    the slot scatters) against the one greedy launch (``greedy_sample_into_slots``;
    ``engine.sample.FUSED_GREEDY``), eager as the engine runs it (after the graph).
 
-    python benchmarks/b1_fusions_sweep.py [--parts router gated greedy] [--rows 1] [--json FILE]
+    python benchmarks/b1_fusions_sweep.py [--parts router gated conv greedy] [--rows 1] [--json FILE]
 
-1 and 2 replay one CUDA graph of back-to-back calls over distinct weight copies (more than the L2
+1-3 replay one CUDA graph of back-to-back calls over distinct weight copies (more than the L2
 together, as ``normed_gemv_sweep.py``), with programmatic dependent launch as the step has it; us per
 call (the median replay). Each fused output is checked against the unfused chain's.
 """
@@ -122,6 +124,39 @@ def gated(rows: int) -> dict:
     return row
 
 
+def conv(rows: int) -> dict:
+    from freetoken.kernels.triton import conv1d, normed_gemv
+
+    n_out, channels = 12352, 8192
+    weights = _weights(n_out, HIDDEN)
+    calls = max(MIN_CALLS, len(weights))
+    x, res = (torch.randn(rows, HIDDEN, device="cuda").to(BF16) for _ in range(2))
+    nw = (torch.randn(HIDDEN, device="cuda") * 0.2).to(BF16)
+    conv_w = (torch.randn(channels, 4, device="cuda") * 0.5).to(BF16)
+    state = torch.randn(rows + 1, channels, 3, device="cuda").to(BF16)
+    slots = torch.arange(1, rows + 1, dtype=torch.int32, device="cuda")
+    config = normed_gemv_config(rows, n_out, HIDDEN)
+
+    def unfused(w):
+        out = normed_gemv.add_rms_norm_gemv_tiled(x, res, nw, EPS, True, w, False, config)[0]
+        return conv1d.causal_conv1d_decode(out[:, :channels], conv_w, state, slots)
+
+    def fused(w):
+        return normed_gemv.add_rms_norm_gemv_conv_tiled(x, res, nw, EPS, True, w, conv_w, state, slots, config)[1]
+
+    start = state.clone()
+    want = unfused(weights[0])
+    state.copy_(start)
+    assert torch.equal(fused(weights[0]), want), "the fused conv step differs"
+    row = dict(part="conv", rows=rows, config=config.label(), calls_per_step=30,
+               unfused_us=graph_us(lambda: [unfused(weights[i % len(weights)]) for i in range(calls)], calls),
+               fused_us=graph_us(lambda: [fused(weights[i % len(weights)]) for i in range(calls)], calls))
+    row["saving_us_per_step"] = (row["unfused_us"] - row["fused_us"]) * 30
+    print(f"conv   rows={rows} ({config.label()}): norm + in_proj, conv1d {row['unfused_us']:6.2f} us | conv in the "
+          f"GEMV {row['fused_us']:6.2f} us | x30 a step: {row['saving_us_per_step']:+.1f} us", flush=True)
+    return row
+
+
 def greedy(rows: int, iters: int = 200) -> dict:
     from freetoken.engine import sample
 
@@ -156,7 +191,7 @@ def greedy(rows: int, iters: int = 200) -> dict:
     return row
 
 
-PARTS = {"router": router, "gated": gated, "greedy": greedy}
+PARTS = {"router": router, "gated": gated, "conv": conv, "greedy": greedy}
 
 
 def main() -> None:
