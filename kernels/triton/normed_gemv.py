@@ -15,6 +15,10 @@ program's logits before its reads, routes each row (``moe_decode._top_k_rows`` o
 ``num_experts`` logits, read from L2) into the float32 weights / int32 ids the decode block reads.
 One counter per device: the launches run in stream order (under PDL each waits for the previous
 launch before its first arrival).
+
+``add_rms_norm_gemv_conv`` (the Gated DeltaNet's ``in_proj`` at decode): the programs holding conv
+channels (the first ``C`` output rows: q|k|v) also run ``causal_conv1d_decode``'s step on them, from
+the projection as stored, in each row's state slot; a (slot, channel) belongs to one program.
 """
 
 from __future__ import annotations
