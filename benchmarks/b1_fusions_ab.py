@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 # fold -> (module, its switch)
@@ -27,8 +28,6 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--off", nargs="*", default=[], choices=list(FOLDS))
     args = parser.parse_args(argv[:split])
-    import importlib
-
     for fold in args.off:
         module, switch = FOLDS[fold]
         setattr(importlib.import_module(module), switch, False)
