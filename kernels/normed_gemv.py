@@ -17,7 +17,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from freetoken.kernels.conv1d import causal_conv1d_decode_reference
 from freetoken.kernels.dispatch import op
+from freetoken.kernels.moe import moe_topk_softmax_reference
 from freetoken.kernels.norm import add_rms_norm_reference, rms_norm_reference
 
 
@@ -29,14 +31,64 @@ def add_rms_norm_gemv_reference(
     zero_centered: bool,
     weight: torch.Tensor,
     return_normed: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """``(norm(s) @ weight.T, norm(s) if return_normed else None, s)`` for ``s = x + residual``
-    (``s = x`` without a residual: the first layer's norm), ``norm`` as ``kernels.rms_norm``."""
+    (``s = x`` without a residual: the first layer's norm), ``norm`` as ``kernels.rms_norm``. The
+    product is rounded to the activations' dtype, then converted to ``out_dtype`` where given (the
+    lm_head's float32 logits, without a launch of their own)."""
     if residual is None:
         normed, summed = rms_norm_reference(x, norm_weight, eps, zero_centered), x
     else:
         normed, summed = add_rms_norm_reference(x, residual, norm_weight, eps, zero_centered)
-    return F.linear(normed, weight), normed if return_normed else None, summed
+    out = F.linear(normed, weight)
+    return out if out_dtype is None else out.to(out_dtype), normed if return_normed else None, summed
 
 
 add_rms_norm_gemv = op("normed_gemv")(add_rms_norm_gemv_reference)
+
+
+def add_rms_norm_gemv_route_reference(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    zero_centered: bool,
+    weight: torch.Tensor,
+    num_experts: int,
+    top_k: int,
+    renormalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The MoE router's fused launch: ``add_rms_norm_gemv`` of the router + shared-gate weight (the
+    normalized rows returned: the experts read them), then the routing of its first ``num_experts``
+    output columns: ``(logits, normed, summed, weights [T, top_k] float32, ids [T, top_k] int32)``,
+    ``moe_topk_softmax``'s choices with the weights not rounded to the activations' dtype (the
+    layout ``sparse_moe_decode_routed`` reads). ``x``: ``[tokens, hidden]``."""
+    out, normed, summed = add_rms_norm_gemv_reference(x, residual, norm_weight, eps, zero_centered, weight, True)
+    weights, ids = moe_topk_softmax_reference(out[:, :num_experts].float(), top_k, renormalize)
+    return out, normed, summed, weights, ids
+
+
+add_rms_norm_gemv_route = op("normed_gemv")(add_rms_norm_gemv_route_reference)
+
+
+def add_rms_norm_gemv_conv_reference(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    zero_centered: bool,
+    weight: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    state_slots: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The Gated DeltaNet's fused decode input launch: ``add_rms_norm_gemv`` of its ``in_proj``, then
+    ``causal_conv1d_decode`` of the first ``conv_weight.shape[0]`` output columns (q|k|v) in the
+    rows' state slots (``conv_state`` updated in place): ``(projected, conv_out, summed)``."""
+    out, _, summed = add_rms_norm_gemv_reference(x, residual, norm_weight, eps, zero_centered, weight)
+    conv = causal_conv1d_decode_reference(out[:, : conv_weight.shape[0]], conv_weight, conv_state, state_slots)
+    return out, conv, summed
+
+
+add_rms_norm_gemv_conv = op("normed_gemv")(add_rms_norm_gemv_conv_reference)

@@ -69,3 +69,28 @@ def sample_tokens_reference(
 
 
 sample_tokens = op("sampling")(sample_tokens_reference)
+
+
+def greedy_sample_into_slots_reference(
+    logits: torch.Tensor,
+    slots: torch.Tensor,
+    last_token: torch.Tensor,
+    output_counts: torch.Tensor,
+    num_outputs: torch.Tensor,
+) -> torch.Tensor:
+    """A step whose every sampled row is greedy, sampled and booked in one op: the argmax of each
+    row of ``logits [N, V]`` float32 (the lowest id among equal maxima, as ``sample_tokens`` at
+    temperature 0), written into row ``slots [N]`` (int32 or int64) of the sampler's per-slot tables, in
+    place: ``last_token [S]`` (the next decode's input), ``output_counts [S, V]`` int32 and
+    ``num_outputs [S]`` int64 each incremented (accumulating where slots repeat: padding rows).
+    Returns the token ids ``[N]`` int64."""
+    token_ids = logits.argmax(dim=-1)
+    slots = slots.long()
+    last_token.scatter_(0, slots, token_ids)
+    ones = torch.ones_like(token_ids)
+    output_counts.view(-1).scatter_add_(0, slots * output_counts.shape[1] + token_ids, ones.int())
+    num_outputs.scatter_add_(0, slots, ones)
+    return token_ids
+
+
+greedy_sample_into_slots = op("sampling")(greedy_sample_into_slots_reference)

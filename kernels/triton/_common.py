@@ -86,3 +86,34 @@ def dot(a, b, precision: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
         return tl.dot(a, b, input_precision=precision)
+
+
+# Zeroed int32 counters per (device, owner): a launch whose programs count their arrivals
+# (``arrive``) leaves its counters zero again, so they need no memset per launch or graph replay.
+_counter_buffers: dict[tuple[torch.device, str], list[torch.Tensor]] = {}
+
+
+def zeroed_counters(device: torch.device, owner: str, size: int) -> torch.Tensor:
+    """``size`` zeroed int32 arrival counters on ``device`` for the kernels of ``owner`` (each
+    owner its own buffer: launches of one owner run in stream order, as the engine's do).
+
+    Grown, never shrunk or freed: a captured graph keeps using the buffer it was captured with.
+    The engine's eager warm-up runs before each capture allocate the largest buffer first."""
+    buffers = _counter_buffers.setdefault((torch.device(device), owner), [])
+    if not buffers or buffers[-1].numel() < size:
+        buffers.append(torch.zeros(max(pow2(size), 1024), dtype=torch.int32, device=device))
+    return buffers[-1]
+
+
+@device_function
+def arrive(counter, members):
+    """Whether this program is the last of ``members`` to reach ``counter``; the last resets it.
+
+    The barrier orders every thread's stores before the counter's release; the acquire orders the
+    last program's reads of the other programs' stores after it (read them with ``.cg``: L1 may
+    hold stale lines)."""
+    tl.debug_barrier()
+    last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == members - 1
+    if last:
+        tl.store(counter, 0)  # every member has arrived: nothing else touches it in this launch
+    return last

@@ -20,7 +20,7 @@ splits (a "quad") merges them into the quad's first slot, and the last quad to f
 quads, gates and stores (with at most ``FAN_IN`` splits the first level is the last). The order is
 fixed by split index, so the result does not depend on which programs came last. The last
 arrival resets its counter to zero, which keeps the counters graph-safe without a memset; they
-live in one zero-initialised buffer per device, kept for the process (``_counters``), so launches
+live in one zero-initialised buffer per device, kept for the process (``_common.zeroed_counters``), so launches
 on one device must run in stream order, as the engine's do.
 """
 
@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels.triton._common import (
+    arrive,
     cast,
     device_function,
     dot,
@@ -42,6 +43,7 @@ from freetoken.kernels.triton._common import (
     on_gpu,
     pow2,
     round_as,
+    zeroed_counters,
 )
 from freetoken.kernels.triton.moe_decode import _pdl_available
 
@@ -124,20 +126,6 @@ def _multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-_counter_buffers: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _counters(device: torch.device, size: int) -> torch.Tensor:
-    """``size`` zeroed int32 split counters on ``device`` (every launch leaves them zero again).
-
-    Grown, never shrunk or freed: a captured graph keeps using the buffer it was captured with.
-    The engine's eager warm-up runs before each capture allocate the largest buffer first."""
-    buffers = _counter_buffers.setdefault(device, [])
-    if not buffers or buffers[-1].numel() < size:
-        buffers.append(torch.zeros(max(pow2(size), 1024), dtype=torch.int32, device=device))
-    return buffers[-1]
-
-
 @device_function
 def _gated_store(o, gate_ptr, g_st, g_sh, out_ptr, tok_rows, head, out_rows, cols, mask, head_dim,
                  HAS_GATE: tl.constexpr):
@@ -157,19 +145,6 @@ def _store_partial(part_ptr, lse_ptr, slot, o, lse, out_rows, row_ok, cols, num_
     rows = slot * num_rows + out_rows
     tl.store(lse_ptr + rows, lse, mask=row_ok)
     tl.store(part_ptr + rows[:, None] * BLOCK_D + cols[None, :], o, mask=row_ok[:, None])
-
-
-@device_function
-def _arrive(counter, members):
-    """Whether this program is the last of ``members`` to reach ``counter``; the last resets it.
-
-    The barrier orders every thread's partial stores before the counter's release; the acquire
-    orders the last program's reads of the other programs' partials after it."""
-    tl.debug_barrier()
-    last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == members - 1
-    if last:
-        tl.store(counter, 0)  # every member has arrived: nothing else touches it in this launch
-    return last
 
 
 @device_function
@@ -301,14 +276,14 @@ def _decode_attention_kernel(
             counters = count_ptr + (b * num_kv_heads + kv_head) * (1 + MAX_SPLITS // FAN_IN)
             first = split // FAN_IN * FAN_IN
             quads = (splits + FAN_IN - 1) // FAN_IN
-            if _arrive(counters + 1 + split // FAN_IN, tl.minimum(FAN_IN, splits - first)):
+            if arrive(counters + 1 + split // FAN_IN, tl.minimum(FAN_IN, splits - first)):
                 o, lse = _merge(part_ptr, lse_ptr, *layout, first, tl.minimum(FAN_IN, splits - first), 1,
                                 BLOCK_M, BLOCK_D, FAN_IN, MERGE_UNROLL)
                 if quads == 1:
                     _gated_store(o, *gate)
                 else:
                     _store_partial(part_ptr, lse_ptr, first, o, lse, *layout, BLOCK_D)
-                    if _arrive(counters, quads):
+                    if arrive(counters, quads):
                         o, lse = _merge(part_ptr, lse_ptr, *layout, 0, quads, FAN_IN,
                                         BLOCK_M, BLOCK_D, MAX_SPLITS // FAN_IN, MERGE_UNROLL)
                         _gated_store(o, *gate)
@@ -357,7 +332,9 @@ def paged_decode_attention(
     if splits > 1:
         part = new_empty((splits * num_tokens * num_q_heads, block_d), torch.float32, q.device)
         lse = new_empty((splits * num_tokens * num_q_heads,), torch.float32, q.device)
-        counters = _counters(q.device, num_requests * num_kv_heads * (1 + MAX_SPLITS // FAN_IN))
+        counters = zeroed_counters(
+            q.device, "attention_decode", num_requests * num_kv_heads * (1 + MAX_SPLITS // FAN_IN)
+        )
     else:
         part = lse = counters = out  # never touched: every program's plan is one split
     gate_arg = gate if gate is not None else q

@@ -38,7 +38,7 @@ from freetoken.kernels.triton._common import (
     rows_per_program,
 )
 from freetoken.kernels.triton.moe_configs import GemmConfig, moe_gemm_config
-from freetoken.kernels.triton.moe_decode import _pdl_available
+from freetoken.kernels.triton.moe_decode import _pdl_available, _top_k_rows
 
 
 @device_function
@@ -106,33 +106,16 @@ def _topk_softmax_warp_kernel(
     """``TOKENS`` tokens in one warp (launched with ``num_warps=1``): every reduction over a row's
     ``BLOCK_E`` logits stays in the warp whatever layout Triton picks (the multi-warp kernel's rows
     span its warps when the row stride is not a multiple of 16: each of its ten reductions is then a
-    round trip through shared memory between barriers). A choice is two int32 reductions, one
-    ``redux.sync`` each: the largest probability's bits (non-negative floats order as their bits do),
-    then the lowest expert id holding them. The renormalising sum adds the choices in order."""
+    round trip through shared memory between barriers). The choices are ``moe_decode._top_k_rows``'s,
+    the decode block's routing."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     t = (tl.program_id(0) * TOKENS + tl.arange(0, TOKENS))[:, None]
     t_ok = t < num_tokens
     e = tl.arange(0, BLOCK_E)[None, :]
-    ok = e < num_experts
-    logits = tl.load(logits_ptr + t * l_st + e, mask=t_ok & ok, other=0.0).to(tl.float32)
-    logits = tl.where(ok, logits, float("-inf"))
-    p = tl.exp(logits - tl.max(logits, 1)[:, None])
-    key = tl.where(ok, (p / tl.sum(p, 1)[:, None]).to(tl.int32, bitcast=True), -1)  # padding: below every p
-    total = tl.zeros([TOKENS, 1], tl.float32)
-    weights = tl.zeros([TOKENS, BLOCK_E], tl.float32)
-    experts = tl.zeros([TOKENS, BLOCK_E], tl.int32)
-    for c in tl.static_range(TOP_K):
-        best_key = tl.max(key, 1)[:, None]
-        best_i = tl.min(tl.where(key == best_key, e, BLOCK_E), 1)[:, None]
-        best = best_key.to(tl.float32, bitcast=True)
-        total += best
-        weights = tl.where(e == c, best, weights)
-        experts = tl.where(e == c, best_i, experts)
-        key = tl.where(e == best_i, -1, key)
-    if RENORMALIZE:
-        weights = weights / total
+    logits = tl.load(logits_ptr + t * l_st + e, mask=t_ok & (e < num_experts), other=0.0).to(tl.float32)
+    weights, experts = _top_k_rows(logits, e, num_experts, TOP_K, RENORMALIZE, BLOCK_E)
     mask = t_ok & (e < TOP_K)
     tl.store(weights_ptr + t * TOP_K + e, cast(weights, weights_ptr.dtype.element_ty), mask=mask)
     tl.store(ids_ptr + t * TOP_K + e, experts, mask=mask)

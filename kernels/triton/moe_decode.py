@@ -27,6 +27,11 @@ output: the gate/up programs are resident when the routing is done, and the down
 their weights while the gate/up pass ends. ``DecodeTiles`` sets the launch shapes;
 ``benchmarks/tune_moe_decode.py`` times the candidates on the GPU.
 
+``sparse_moe_decode_routed`` is the block from a routing already made (launches 2 and 3): the
+layer takes it where the router's fused norm + GEMV launch routes in its last program
+(``kernels/triton/normed_gemv.py``, ``layers.moe.FUSED_ROUTE``), so launch 1 is gone. Every routing
+here, and the grouped path's one-warp top-k, is ``_top_k_rows``.
+
 Rounding follows the reference (projections, SiLU, products and the combine rounded to the
 activations' dtype). Grids depend only on the token count, so the launches are capture-safe.
 """
@@ -74,24 +79,27 @@ TILES = DecodeTiles()
 
 
 @device_function
-def _top_k(row_ptr, num_experts, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr):
-    """(routing weights in float32, expert ids), both ``[BLOCK_E]`` with choice ``c`` in lane ``c``
-    (lanes from ``TOP_K`` on hold zeros), of one token's router logits.
+def _top_k_rows(logits, e, num_experts, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr):
+    """(routing weights in float32, expert ids), both ``[R, BLOCK_E]`` with choice ``c`` in column
+    ``c`` (columns from ``TOP_K`` on hold zeros), of rows of float32 router ``logits [R, BLOCK_E]``
+    (``e``: the column index ``[1, BLOCK_E]``; columns from ``num_experts`` on are ignored). The
+    routing of the one-token decode block, of its fused router GEMV, and of the grouped path's
+    one-warp top-k kernel: the lowest expert id first among ties, the renormalising sum adding the
+    choices in order.
 
     The choices compare the probabilities' bits as int32 (non-negative floats order as their bits
-    do): a warp reduces 32-bit integers in one instruction (``redux.sync``), floats in five shuffles."""
-    e = tl.arange(0, BLOCK_E)
+    do): in one warp a choice is two int32 reductions of one ``redux.sync`` each (the largest
+    probability's bits, then the lowest expert id holding them), where floats take five shuffles."""
     ok = e < num_experts
-    logits = tl.load(row_ptr + e, mask=ok, other=0.0).to(tl.float32)
     logits = tl.where(ok, logits, float("-inf"))
-    p = tl.exp(logits - tl.max(logits, 0))
-    key = tl.where(ok, (p / tl.sum(p, 0)).to(tl.int32, bitcast=True), -1)
-    total = tl.sum(tl.zeros([BLOCK_E], tl.float32), 0)
-    weights = tl.zeros([BLOCK_E], tl.float32)
-    experts = tl.zeros([BLOCK_E], tl.int32)
+    p = tl.exp(logits - tl.max(logits, 1)[:, None])
+    key = tl.where(ok, (p / tl.sum(p, 1)[:, None]).to(tl.int32, bitcast=True), -1)  # padding: below every p
+    total = tl.zeros([logits.shape[0], 1], tl.float32)
+    weights = tl.zeros([logits.shape[0], BLOCK_E], tl.float32)
+    experts = tl.zeros([logits.shape[0], BLOCK_E], tl.int32)
     for c in tl.static_range(TOP_K):
-        best_key = tl.max(key, 0)
-        best_i = tl.min(tl.where(key == best_key, e, BLOCK_E), 0)
+        best_key = tl.max(key, 1)[:, None]
+        best_i = tl.min(tl.where(key == best_key, e, BLOCK_E), 1)[:, None]
         best = best_key.to(tl.float32, bitcast=True)
         total += best
         weights = tl.where(e == c, best, weights)
@@ -100,6 +108,16 @@ def _top_k(row_ptr, num_experts, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
     if RENORMALIZE:
         weights = weights / total
     return weights, experts
+
+
+@device_function
+def _top_k(row_ptr, num_experts, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr):
+    """``_top_k_rows`` of the one token whose router logits start at ``row_ptr``, as ``[BLOCK_E]``
+    vectors (choice ``c`` in lane ``c``)."""
+    e = tl.arange(0, BLOCK_E)[None, :]
+    logits = tl.load(row_ptr + e, mask=e < num_experts, other=0.0).to(tl.float32)
+    weights, experts = _top_k_rows(logits, e, num_experts, TOP_K, RENORMALIZE, BLOCK_E)
+    return tl.reshape(weights, [BLOCK_E]), tl.reshape(experts, [BLOCK_E])
 
 
 @triton.jit
@@ -292,6 +310,59 @@ def sparse_moe_decode_tiled(
     tiles: DecodeTiles,
 ) -> torch.Tensor:
     """``sparse_moe_decode`` launched in the given tiles (``benchmarks/tune_moe_decode.py``)."""
+    num_experts = _check(x, gate_logits, w13, w2, shared_gate_up, shared_down, top_k, "sparse_moe_decode")
+    if x.shape[0] == 0:
+        return new_empty(x.shape, x.dtype, x.device)
+    gate_logits = gate_logits if gate_logits.stride(-1) == 1 else gate_logits.contiguous()
+    pdl = tiles.pdl and _pdl_available()
+    top_w, top_i = route(gate_logits, num_experts, top_k, renormalize, pdl)
+    return _experts(x, gate_logits, top_w, top_i, w13, w2, shared_gate_up, shared_down, tiles)
+
+
+def sparse_moe_decode_routed(
+    x: torch.Tensor,
+    gate_logits: torch.Tensor,
+    top_weights: torch.Tensor,
+    top_ids: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    shared_gate_up: torch.Tensor,
+    shared_down: torch.Tensor,
+) -> torch.Tensor:
+    return sparse_moe_decode_routed_tiled(x, gate_logits, top_weights, top_ids, w13, w2, shared_gate_up, shared_down,
+                                          TILES)
+
+
+def sparse_moe_decode_routed_tiled(
+    x: torch.Tensor,
+    gate_logits: torch.Tensor,
+    top_weights: torch.Tensor,
+    top_ids: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    shared_gate_up: torch.Tensor,
+    shared_down: torch.Tensor,
+    tiles: DecodeTiles,
+) -> torch.Tensor:
+    """``sparse_moe_decode_routed`` in the given tiles: the gate/up and down launches only."""
+    top_k = top_ids.shape[-1] if top_ids.dim() == 2 else 0
+    _check(x, gate_logits, w13, w2, shared_gate_up, shared_down, top_k, "sparse_moe_decode_routed")
+    expected = (x.shape[0], top_k)
+    if top_ids.shape != expected or top_weights.shape != expected:
+        raise ValueError(f"sparse_moe_decode_routed: top_weights {tuple(top_weights.shape)} and top_ids "
+                         f"{tuple(top_ids.shape)} must both be [tokens, top_k]")
+    if top_weights.dtype != torch.float32 or top_ids.dtype != torch.int32:
+        raise ValueError(f"sparse_moe_decode_routed: top_weights must be float32 and top_ids int32, got "
+                         f"{top_weights.dtype} and {top_ids.dtype}")
+    if x.shape[0] == 0:
+        return new_empty(x.shape, x.dtype, x.device)
+    gate_logits = gate_logits if gate_logits.stride(-1) == 1 else gate_logits.contiguous()
+    return _experts(x, gate_logits, top_weights.contiguous(), top_ids.contiguous(), w13, w2, shared_gate_up,
+                    shared_down, tiles)
+
+
+def _check(x, gate_logits, w13, w2, shared_gate_up, shared_down, top_k: int, name: str) -> int:
+    """The routed experts' count, after checking that the block's operands agree."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter, shared_inter = two_inter // 2, shared_gate_up.shape[0] // 2
@@ -304,21 +375,26 @@ def sparse_moe_decode_tiled(
         or not 0 < top_k <= num_experts
     ):
         raise ValueError(
-            f"sparse_moe_decode: x {tuple(x.shape)}, gate_logits {tuple(gate_logits.shape)}, w13 {tuple(w13.shape)}, "
+            f"{name}: x {tuple(x.shape)}, gate_logits {tuple(gate_logits.shape)}, w13 {tuple(w13.shape)}, "
             f"w2 {tuple(w2.shape)}, shared_gate_up {tuple(shared_gate_up.shape)}, "
             f"shared_down {tuple(shared_down.shape)}, top_k {top_k} disagree"
         )
+    return num_experts
+
+
+def _experts(x, gate_logits, top_w, top_i, w13, w2, shared_gate_up, shared_down, tiles: DecodeTiles) -> torch.Tensor:
+    """The gate/up and down launches over a routing (float32 weights, int32 ids ``[T, top_k]``)."""
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = w13.shape
+    inter, shared_inter = two_inter // 2, shared_gate_up.shape[0] // 2
+    top_k = top_i.shape[1]
     out = new_empty((num_tokens, hidden), x.dtype, x.device)
-    if num_tokens == 0:
-        return out
     x = x if x.stride(-1) == 1 else x.contiguous()
-    gate_logits = gate_logits if gate_logits.stride(-1) == 1 else gate_logits.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()
     shared_gate_up, shared_down = shared_gate_up.contiguous(), shared_down.contiguous()
     h_width, pairs = max(inter, shared_inter), num_tokens * (top_k + 1)
     h = new_empty((pairs, h_width), x.dtype, x.device)
     pdl = tiles.pdl and _pdl_available()
-    top_w, top_i = route(gate_logits, num_experts, top_k, renormalize, pdl)
     _gate_up_kernel[(triton.cdiv(pairs, tiles.gate_up_pairs), triton.cdiv(h_width, tiles.gate_up_block_n))](
         x, x.stride(0), w13, w13.stride(0), w13.stride(1), shared_gate_up, shared_gate_up.stride(0), top_i,
         h, h_width, pairs, hidden, inter, shared_inter,

@@ -8,9 +8,22 @@ reduces it), and per step normalizes the step's columns once into a ``[REPS, CHU
 weight tile's rows share (held by the threads that hold those columns: the norm is not recomputed
 per weight row a thread holds). Program 0 also writes ``x + residual`` and, when asked, the
 normalized rows, to fresh buffers: no program of the launch reads a buffer another one writes.
+
+``add_rms_norm_gemv_route`` (the MoE router + shared gate): every program then arrives at a zeroed
+counter (``_common.arrive``), and the last one to arrive, whose arrival orders every other
+program's logits before its reads, routes each row (``moe_decode._top_k_rows`` over the first
+``num_experts`` logits, read from L2) into the float32 weights / int32 ids the decode block reads.
+One counter per device: the launches run in stream order (under PDL each waits for the previous
+launch before its first arrival).
+
+``add_rms_norm_gemv_conv`` (the Gated DeltaNet's ``in_proj`` at decode): the programs holding conv
+channels (the first ``C`` output rows: q|k|v) also run ``causal_conv1d_decode``'s step on them, from
+the projection as stored, in each row's state slot; a (slot, channel) belongs to one program.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -18,8 +31,17 @@ import triton.language as tl
 
 from freetoken.kernels.gemv import GEMV_DTYPES
 from freetoken.kernels.gemv_configs import NORMED_MAX_ROWS, GemvConfig, normed_gemv_config
-from freetoken.kernels.triton._common import INTERPRETED, cast, device_function, new_empty, pow2, round_as
-from freetoken.kernels.triton.moe_decode import _pdl_available
+from freetoken.kernels.triton._common import (
+    INTERPRETED,
+    arrive,
+    cast,
+    device_function,
+    new_empty,
+    pow2,
+    round_as,
+    zeroed_counters,
+)
+from freetoken.kernels.triton.moe_decode import _pdl_available, _top_k_rows
 
 
 @device_function
@@ -69,12 +91,42 @@ def _step(acc, w, k, x_ptr, x_st, r_ptr, r_st, nw_ptr, inv, m, K,
     return acc
 
 
+@device_function
+def _conv_step(acc, m, n, cw_ptr, cs_ptr, cs_ss, cs_sc, cs_sk, slot_ptr, conv_ptr, conv_channels, dtype: tl.constexpr,
+               ROWS: tl.constexpr, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr):
+    """``causal_conv1d_decode`` of output channels ``n`` (those below ``conv_channels``) from the
+    projection ``acc [BLOCK_N, ROWS_P2]`` rounded as stored: each row's window (its slot's state, then
+    the new value) times the conv weights, SiLU, into ``conv``; the state shifted by one. The
+    arithmetic and roundings of ``_conv_decode_kernel``; each (slot, channel) is this program's alone."""
+    c_ok = n < conv_channels
+    j = tl.arange(0, BLOCK_W)[None, :]
+    w = tl.load(cw_ptr + n[:, None] * WIDTH + j, mask=(j < WIDTH) & c_ok[:, None], other=0.0)
+    wdtype = cw_ptr.dtype.element_ty
+    in_state = (j < WIDTH - 1) & c_ok[:, None]
+    for i in tl.static_range(ROWS):
+        x = round_as(tl.sum(tl.where((m == i)[None, :], acc, 0.0), 1), dtype)[:, None]
+        base = cs_ptr + tl.load(slot_ptr + i).to(tl.int64) * cs_ss + n.to(tl.int64)[:, None] * cs_sc
+        window = tl.load(base + j * cs_sk, mask=in_state, other=0.0).to(tl.float32)
+        window = tl.where(j == WIDTH - 1, x, window)
+        conv = round_as(tl.sum(round_as(window * w.to(tl.float32), wdtype), 1), wdtype)
+        tl.store(conv_ptr + i * conv_channels + n, cast(conv * tl.sigmoid(conv), dtype), mask=c_ok)
+        # Shift: state[j] = window[j + 1] (loaded before any thread stores).
+        shifted = tl.load(base + (j + 1) * cs_sk, mask=((j + 1) < WIDTH - 1) & c_ok[:, None], other=0.0)
+        shifted = tl.where(j == WIDTH - 2, x, shifted.to(tl.float32))
+        tl.debug_barrier()
+        tl.store(base + j * cs_sk, cast(shifted, cs_ptr.dtype.element_ty), mask=in_state)
+
+
 @triton.jit
 def _normed_gemv_kernel(
     x_ptr, x_st, r_ptr, r_st, nw_ptr, w_ptr, w_st, out_ptr, normed_ptr, sum_ptr, N, K, eps,
+    count_ptr, topw_ptr, topi_ptr, num_experts,
+    cw_ptr, cs_ptr, cs_ss, cs_sc, cs_sk, slot_ptr, conv_ptr, conv_channels,
     HAS_RESIDUAL: tl.constexpr, ZERO_CENTERED: tl.constexpr, WRITE_NORMED: tl.constexpr,
     ROWS: tl.constexpr, ROWS_P2: tl.constexpr, BLOCK_N: tl.constexpr, REPS: tl.constexpr, CHUNK: tl.constexpr,
     BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    ROUTE: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+    CONV: tl.constexpr, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     if PDL:  # the next launch may start: its programs take the slots these leave
         tl.extra.cuda.gdc_launch_dependents()
@@ -99,7 +151,8 @@ def _normed_gemv_kernel(
         w = tl.load(w_rows + k[None, :, :], mask=(k < K)[None, :, :], other=0.0, eviction_policy="evict_first")
         acc = _step(acc, w, k, x_ptr, x_st, r_ptr, r_st, nw_ptr, inv, m, K, HAS_RESIDUAL, ZERO_CENTERED, ROWS)
     dtype = x_ptr.dtype.element_ty
-    tl.store(out_ptr + m[None, :] * N + n[:, None], cast(acc, dtype), mask=(n < N)[:, None] & (m < ROWS)[None, :])
+    out = cast(acc, dtype).to(out_ptr.dtype.element_ty)  # rounded as the activations, stored as asked
+    tl.store(out_ptr + m[None, :] * N + n[:, None], out, mask=(n < N)[:, None] & (m < ROWS)[None, :])
     if tl.program_id(0) == 0:
         if HAS_RESIDUAL or WRITE_NORMED:
             d = tl.arange(0, BLOCK_D)[None, :]
@@ -113,6 +166,18 @@ def _normed_gemv_kernel(
                     inv_i = tl.sum(tl.where(m == i, inv, 0.0), 0)
                     tl.store(normed_ptr + i * K + d, cast(_normalized(xf, inv_i, nw, dtype, ZERO_CENTERED), dtype),
                              mask=d_ok)
+    if CONV:  # the conv1d decode step of this program's conv channels, each row in its state slot
+        if tl.program_id(0) * BLOCK_N < conv_channels:
+            _conv_step(acc, m, n, cw_ptr, cs_ptr, cs_ss, cs_sc, cs_sk, slot_ptr, conv_ptr, conv_channels, dtype,
+                       ROWS, WIDTH, BLOCK_W)
+    if ROUTE:  # the last program to finish routes every row from the others' logits (in L2: .cg)
+        if arrive(count_ptr, tl.num_programs(0)):
+            e = tl.arange(0, BLOCK_E)[None, :]
+            for i in tl.static_range(ROWS):
+                logits = tl.load(out_ptr + i * N + e, mask=e < num_experts, other=0.0, cache_modifier=".cg")
+                weights, experts = _top_k_rows(logits.to(tl.float32), e, num_experts, TOP_K, RENORMALIZE, BLOCK_E)
+                tl.store(topw_ptr + i * TOP_K + e, weights, mask=e < TOP_K)
+                tl.store(topi_ptr + i * TOP_K + e, experts, mask=e < TOP_K)
 
 
 def _rows(t: torch.Tensor, k_in: int) -> torch.Tensor:
@@ -133,11 +198,32 @@ def _check(x, residual, norm_weight, zero_centered, weight) -> None:
         raise ValueError(f"add_rms_norm_gemv: a plain norm's weight must be x's dtype {x.dtype}, got {norm_weight.dtype}")
 
 
-def add_rms_norm_gemv_tiled(
+class _Conv(NamedTuple):
+    """The conv1d decode step the fused GDN input launch adds over the first ``weight.shape[0]``
+    output columns (``kernels.causal_conv1d_decode``'s operands)."""
+
+    weight: torch.Tensor  # [C, W]
+    state: torch.Tensor  # [slots, C, W - 1]
+    slots: torch.Tensor  # [rows] int
+
+
+class _Route(NamedTuple):
+    """The routing the fused router launch adds: softmax and top-k over the first ``num_experts``
+    output columns of every row (``moe_decode._top_k_rows``)."""
+
+    num_experts: int
+    top_k: int
+    renormalize: bool
+
+
+def _launch(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, zero_centered: bool,
-    weight: torch.Tensor, return_normed: bool, config: GemvConfig,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """``add_rms_norm_gemv`` launched in the given shape (``benchmarks/normed_gemv_sweep.py``, the tests)."""
+    weight: torch.Tensor, return_normed: bool, config: GemvConfig, route: _Route | None,
+    out_dtype: torch.dtype | None = None, conv: _Conv | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The fused launch: ``(out, normed, summed)``, then with ``route`` the float32 routing weights
+    and int32 expert ids ``[rows, top_k]`` (else ``None, None``); with ``conv`` the conv output
+    ``[rows, C]`` in place of the weights (``(out, None, summed, conv_out, None)``)."""
     _check(x, residual, norm_weight, zero_centered, weight)
     n_out, k_in = weight.shape
     rows = _rows(x, k_in)
@@ -147,21 +233,69 @@ def add_rms_norm_gemv_tiled(
     res = _rows(residual, k_in) if residual is not None else rows
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
-    out = new_empty((num_rows, n_out), x.dtype, x.device)
+    if out_dtype is not None and out_dtype not in (x.dtype, torch.float32):
+        raise ValueError(f"add_rms_norm_gemv: out_dtype must be x's {x.dtype} or float32, got {out_dtype}")
+    out = new_empty((num_rows, n_out), out_dtype or x.dtype, x.device)
     normed = new_empty(x.shape, x.dtype, x.device) if return_normed else None
     summed = new_empty(x.shape, x.dtype, x.device) if residual is not None else x
+    top_w = top_i = conv_out = None
+    if conv is not None:
+        conv_out = new_empty((num_rows, conv.weight.shape[0]), x.dtype, x.device)
+    if route is not None:
+        top_w = new_empty((num_rows, route.top_k), torch.float32, x.device)
+        top_i = new_empty((num_rows, route.top_k), torch.int32, x.device)
     if num_rows and n_out:
         pdl = config.pdl and _pdl_available()
         chunk = min(32 * 16 // weight.element_size(), pow2(k_in))
         reps = max(1, config.block_k * 2 // weight.element_size() // chunk)  # as gemv_tiled: the same sums
+        counter = zeroed_counters(x.device, "normed_gemv_route", 1) if route is not None else out
         _normed_gemv_kernel[(triton.cdiv(n_out, config.block_n),)](
             rows, rows.stride(0), res, res.stride(0), norm_weight.contiguous(), weight, weight.stride(0), out,
             normed if normed is not None else out, summed if residual is not None else out, n_out, k_in, eps,
+            counter, top_w if top_w is not None else out, top_i if top_i is not None else out,
+            route.num_experts if route is not None else 0,
+            *(_conv_args(conv, conv_out) if conv is not None else (out, out, 0, 0, 0, out, out, 0)),
             HAS_RESIDUAL=residual is not None, ZERO_CENTERED=zero_centered, WRITE_NORMED=return_normed,
             ROWS=num_rows, ROWS_P2=pow2(num_rows), BLOCK_N=config.block_n, REPS=reps, CHUNK=chunk,
-            BLOCK_D=pow2(k_in), PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
+            BLOCK_D=pow2(k_in), PDL=pdl,
+            ROUTE=route is not None, TOP_K=route.top_k if route is not None else 1,
+            RENORMALIZE=route is not None and route.renormalize,
+            BLOCK_E=pow2(route.num_experts) if route is not None else 1,
+            CONV=conv is not None, WIDTH=conv.weight.shape[1] if conv is not None else 1,
+            BLOCK_W=pow2(conv.weight.shape[1]) if conv is not None else 1,
+            num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
         )
-    return out.reshape(*x.shape[:-1], n_out), normed, summed
+    if conv is not None:
+        return out.reshape(*x.shape[:-1], n_out), None, summed, conv_out, None
+    return out.reshape(*x.shape[:-1], n_out), normed, summed, top_w, top_i
+
+
+def _conv_args(conv: _Conv, conv_out: torch.Tensor) -> tuple:
+    return (conv.weight.contiguous(), conv.state, *conv.state.stride(), conv.slots, conv_out, conv.weight.shape[0])
+
+
+def add_rms_norm_gemv_tiled(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, zero_centered: bool,
+    weight: torch.Tensor, return_normed: bool, config: GemvConfig, out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``add_rms_norm_gemv`` launched in the given shape (``benchmarks/normed_gemv_sweep.py``, the tests)."""
+    return _launch(x, residual, norm_weight, eps, zero_centered, weight, return_normed, config, None, out_dtype)[:3]
+
+
+def add_rms_norm_gemv_route_tiled(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, zero_centered: bool,
+    weight: torch.Tensor, num_experts: int, top_k: int, renormalize: bool, config: GemvConfig,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``add_rms_norm_gemv_route`` launched in the given shape."""
+    if not 0 < top_k <= num_experts <= weight.shape[0]:
+        raise ValueError(
+            f"add_rms_norm_gemv_route: top_k {top_k} of num_experts {num_experts} must be in [1, num_experts], "
+            f"num_experts at most the weight's {weight.shape[0]} rows"
+        )
+    if x.dim() != 2:
+        raise ValueError(f"add_rms_norm_gemv_route: x must be [tokens, hidden], got {tuple(x.shape)}")
+    return _launch(x, residual, norm_weight, eps, zero_centered, weight, True, config,
+                   _Route(num_experts, top_k, renormalize))  # type: ignore[return-value]
 
 
 # Under the interpreter, whose cost is per program and per operation: few, wide programs.
@@ -170,9 +304,59 @@ _INTERPRETER_CONFIG = GemvConfig(block_n=64, block_k=256, num_warps=4, pdl=False
 
 def add_rms_norm_gemv(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, zero_centered: bool,
-    weight: torch.Tensor, return_normed: bool = False,
+    weight: torch.Tensor, return_normed: bool = False, out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     n_out, k_in = weight.shape
     num_rows = x.numel() // k_in if k_in else 0
-    config = _INTERPRETER_CONFIG if INTERPRETED else normed_gemv_config(num_rows, n_out, k_in)
-    return add_rms_norm_gemv_tiled(x, residual, norm_weight, eps, zero_centered, weight, return_normed, config)
+    return add_rms_norm_gemv_tiled(x, residual, norm_weight, eps, zero_centered, weight, return_normed,
+                                   _config(num_rows, n_out, k_in), out_dtype)
+
+
+def add_rms_norm_gemv_route(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, zero_centered: bool,
+    weight: torch.Tensor, num_experts: int, top_k: int, renormalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    n_out, k_in = weight.shape
+    config = _config(x.numel() // k_in if k_in else 0, n_out, k_in)
+    return add_rms_norm_gemv_route_tiled(x, residual, norm_weight, eps, zero_centered, weight, num_experts, top_k,
+                                         renormalize, config)
+
+
+def _config(num_rows: int, n_out: int, k_in: int) -> GemvConfig:
+    return _INTERPRETER_CONFIG if INTERPRETED else normed_gemv_config(num_rows, n_out, k_in)
+
+
+def add_rms_norm_gemv_conv_tiled(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, zero_centered: bool,
+    weight: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor, state_slots: torch.Tensor,
+    config: GemvConfig,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``add_rms_norm_gemv_conv`` launched in the given shape."""
+    channels, width = conv_weight.shape if conv_weight.dim() == 2 else (0, 0)
+    rows = x.numel() // weight.shape[1] if weight.dim() == 2 and weight.shape[1] else 0
+    if (
+        x.dim() != 2
+        or not 0 < channels <= weight.shape[0]
+        or conv_state.dim() != 3
+        or conv_state.shape[1:] != (channels, width - 1)
+        or conv_state.dtype != x.dtype
+        or state_slots.shape != (rows,)
+    ):
+        raise ValueError(
+            f"add_rms_norm_gemv_conv: x {tuple(x.shape)}, weight {tuple(weight.shape)}, conv_weight "
+            f"{tuple(conv_weight.shape)}, conv_state {tuple(conv_state.shape)} {conv_state.dtype}, state_slots "
+            f"{tuple(state_slots.shape)} disagree"
+        )
+    out, _, summed, conv_out, _ = _launch(x, residual, norm_weight, eps, zero_centered, weight, False, config, None,
+                                          None, _Conv(conv_weight, conv_state, state_slots))
+    return out, conv_out, summed  # type: ignore[return-value]
+
+
+def add_rms_norm_gemv_conv(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, zero_centered: bool,
+    weight: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor, state_slots: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n_out, k_in = weight.shape
+    config = _config(x.numel() // k_in if k_in else 0, n_out, k_in)
+    return add_rms_norm_gemv_conv_tiled(x, residual, norm_weight, eps, zero_centered, weight, conv_weight,
+                                        conv_state, state_slots, config)

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels.triton._common import device_function, new_empty, pow2
+from freetoken.kernels.triton._common import INTERPRETED, arrive, device_function, new_empty, pow2, zeroed_counters
 
 _PROBES = 16  # candidates per filter and pass, including one unused slot (a power of two)
 
@@ -167,3 +167,94 @@ def sample_tokens(
             num_warps=8,
         )
     return out
+
+
+# The greedy step's launch: a program scans this many logits of its row (16 KB of float32: a 248k
+# vocabulary is 61 programs a row, where ``_sample_kernel`` streams the row from one program).
+GREEDY_SPLIT = 4096
+_GREEDY_BLOCK = 1024
+
+
+@triton.jit
+def _greedy_kernel(
+    logits_ptr, l_st, slots_ptr, last_ptr, counts_ptr, c_st, nout_ptr, nout_st, out_ptr,
+    part_v_ptr, part_i_ptr, count_ptr, vocab, splits,
+    SPLIT: tl.constexpr, BLOCK: tl.constexpr, SPLITS_P2: tl.constexpr,
+):
+    """Grid (row, split): each program the maximum of its ``SPLIT`` logits (the lowest id among
+    equal ones), stored as a partial; the last of a row's programs to arrive takes the partials'
+    maximum (splits in id order: the lowest id again), stores the token and books it in the row's
+    slot: the last-token pool, the output counts and the output counter (atomics: slots repeat)."""
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    base = logits_ptr + row.to(tl.int64) * l_st
+    offs = tl.arange(0, BLOCK)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_i = tl.full([BLOCK], 2147483647, tl.int32)
+    first = split * SPLIT
+    for start in range(first, first + SPLIT, BLOCK):
+        i = start + offs
+        x = tl.load(base + i, mask=i < vocab, other=float("-inf"))
+        better = x > best
+        best_i = tl.where(better, i, best_i)
+        best = tl.where(better, x, best)
+    top = tl.max(best, 0)
+    tl.store(part_v_ptr + row * splits + split, top)
+    tl.store(part_i_ptr + row * splits + split, tl.min(tl.where(best == top, best_i, 2147483647), 0))
+    if arrive(count_ptr + row, splits):
+        s = tl.arange(0, SPLITS_P2)
+        s_ok = s < splits
+        v = tl.load(part_v_ptr + row * splits + s, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
+        ids = tl.load(part_i_ptr + row * splits + s, mask=s_ok, other=2147483647, cache_modifier=".cg")
+        token = tl.min(tl.where(v == tl.max(v, 0), ids, 2147483647), 0)
+        token = tl.where(token < vocab, token, 0).to(tl.int64)  # no finite logit: token 0, as argmax (never out of range)
+        tl.store(out_ptr + row, token)
+        slot = tl.load(slots_ptr + row).to(tl.int64)
+        tl.store(last_ptr + slot, token)
+        tl.atomic_add(counts_ptr + slot * c_st + token, 1)
+        tl.atomic_add(nout_ptr + slot * nout_st, 1)
+
+
+def greedy_sample_into_slots_tiled(
+    logits: torch.Tensor, slots: torch.Tensor, last_token: torch.Tensor, output_counts: torch.Tensor,
+    num_outputs: torch.Tensor, split: int,
+) -> torch.Tensor:
+    """``greedy_sample_into_slots`` with ``split`` logits a program (a power of two, at least the block)."""
+    batch, vocab = logits.shape
+    if logits.dtype != torch.float32:
+        raise ValueError(f"greedy_sample_into_slots needs float32 logits, got {logits.dtype}")
+    if slots.shape != (batch,) or slots.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"greedy_sample_into_slots: slots must be int32 or int64 ({batch},), got {slots.dtype} "
+                         f"{tuple(slots.shape)}")
+    if output_counts.dim() != 2 or output_counts.shape[1] != vocab or output_counts.stride(1) != 1:
+        raise ValueError(f"greedy_sample_into_slots: output_counts must be [slots, {vocab}] with unit column stride, "
+                         f"got {tuple(output_counts.shape)}")
+    if last_token.dtype != torch.int64 or num_outputs.dtype != torch.int64 or output_counts.dtype != torch.int32:
+        raise ValueError("greedy_sample_into_slots: last_token and num_outputs must be int64, output_counts int32")
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    out = new_empty((batch,), torch.int64, logits.device)
+    if batch:
+        block = min(_GREEDY_BLOCK, split, pow2(vocab))
+        splits = triton.cdiv(vocab, split)
+        part_v = new_empty((batch, splits), torch.float32, logits.device)
+        part_i = new_empty((batch, splits), torch.int32, logits.device)
+        _greedy_kernel[(batch, splits)](
+            logits, logits.stride(0), slots.contiguous(), last_token, output_counts, output_counts.stride(0),
+            num_outputs, num_outputs.stride(0), out, part_v, part_i,
+            zeroed_counters(logits.device, "greedy_sample", batch), vocab, splits,
+            SPLIT=split, BLOCK=block, SPLITS_P2=pow2(splits), num_warps=4,
+        )
+    return out
+
+
+def greedy_sample_into_slots(
+    logits: torch.Tensor,
+    slots: torch.Tensor,
+    last_token: torch.Tensor,
+    output_counts: torch.Tensor,
+    num_outputs: torch.Tensor,
+) -> torch.Tensor:
+    # Under the interpreter, whose cost is per program: one program a row.
+    split = pow2(logits.shape[-1], _GREEDY_BLOCK) if INTERPRETED else GREEDY_SPLIT
+    return greedy_sample_into_slots_tiled(logits, slots, last_token, output_counts, num_outputs, split)

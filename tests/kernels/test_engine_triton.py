@@ -5,6 +5,7 @@ and a decode batch, for every model family."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from freetoken import LLM
 from kernel_checks import DEVICE
@@ -85,3 +86,34 @@ def test_float32_greedy_tokens_with_the_moe_output_summed_in_the_next_norm(monke
     assert_greedy_batch(llm, case, [llm.runtime.tokenize(p) for p in PROMPTS], max_tokens=4)
     assert calls["shared_pairs" if shared_in_grouped else "pairs"] > 0
     assert calls["pairs" if shared_in_grouped else "shared_pairs"] == 0
+
+
+def test_float32_greedy_tokens_with_the_batch1_folds(monkeypatch):
+    """Every decode fold of issue 9 forced on the CPU (the layers take them on CUDA only): the MoE
+    routing in the router's launch, the GDN conv step in its input launch, the gated output norm in
+    out_proj's GEMV, and greedy steps sampled in one launch; still transformers' tokens."""
+    from freetoken import kernels
+    from freetoken.kernels.gemv_configs import NORMED_MAX_ROWS
+    from freetoken.layers import gated_deltanet, moe, normed_linear
+
+    def few_rows(norm, x, weight):
+        return isinstance(x, torch.Tensor) and x.numel() // weight.shape[1] <= NORMED_MAX_ROWS
+
+    for module in (normed_linear, moe, gated_deltanet):
+        monkeypatch.setattr(module, "fuses", few_rows)
+    monkeypatch.setattr(gated_deltanet, "takes_gemv", lambda x, weight: True)
+    calls: dict[str, int] = {}
+    for name in ("add_rms_norm_gemv_route", "add_rms_norm_gemv_conv", "gated_rms_norm_gemv", "greedy_sample_into_slots"):
+        op = getattr(kernels, name)
+
+        def counted(*args, op=op, name=name, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return op(*args, **kwargs)
+
+        monkeypatch.setattr(kernels, name, counted)
+    case = Case("qwen3_5_moe", "two_layers")
+    llm = LLM(model=str(checkpoint(case)), dtype="float32", device=DEVICE.type, kernel_backend="triton",
+              max_prefill_length=16, page_size=PAGE_SIZE, num_pages=64)
+    assert_greedy_batch(llm, case, [llm.runtime.tokenize(p) for p in PROMPTS], max_tokens=8)
+    assert set(calls) == {"add_rms_norm_gemv_route", "add_rms_norm_gemv_conv", "gated_rms_norm_gemv",
+                          "greedy_sample_into_slots"}, calls

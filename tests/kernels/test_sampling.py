@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kernel_checks import DEVICE
@@ -63,3 +64,58 @@ def test_sample_tokens_keeps_only_the_filtered_set(rng):
     )
     top3 = set(logits[0].topk(3).indices.tolist())
     assert set(got.tolist()) == top3
+
+
+def _slot_tables(num_slots: int, vocab: int, rng):
+    last = torch.randint(0, vocab, (num_slots,), generator=rng)
+    counts = torch.randint(0, 3, (num_slots, vocab), generator=rng, dtype=torch.int32)
+    params = torch.randint(0, 9, (num_slots, 3), generator=rng)  # num_outputs: a strided column, as the sampler's
+    return last.to(DEVICE), counts.to(DEVICE), params.to(DEVICE)
+
+
+@pytest.mark.parametrize("split", [256, 1024, 4096], ids=lambda s: f"split{s}")
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64], ids=str)
+def test_greedy_sample_into_slots_matches_reference(rng, split, slot_dtype):
+    """The split argmax and its bookkeeping against the reference: ties (to the lower id), a
+    maximum in the last, partial split, and repeated slots (padding rows) accumulating."""
+    from freetoken.kernels.triton.sampling import greedy_sample_into_slots_tiled
+
+    vocab, num_slots = 1999, 5
+    logits = torch.randn(4, vocab, generator=rng)
+    logits[1, [7, 1500]] = 50.0  # a tie across splits: the lower id wins
+    logits[2, vocab - 1] = 50.0  # the last split, partial
+    logits[3] = float("-inf")  # no finite logit: token 0, as argmax
+    logits = logits.to(DEVICE)
+    slots = torch.tensor([3, 0, 0, 4], dtype=slot_dtype, device=DEVICE)
+    got_tables = _slot_tables(num_slots, vocab, rng)
+    want_tables = tuple(t.clone() for t in got_tables)
+    got = greedy_sample_into_slots_tiled(logits, slots, got_tables[0], got_tables[1], got_tables[2][:, 2], split)
+    want = ref.greedy_sample_into_slots_reference(logits, slots, want_tables[0], want_tables[1], want_tables[2][:, 2])
+    assert torch.equal(got, want) and got[1] == 7 and got[2] == vocab - 1 and got[3] == 0
+    assert torch.equal(want, ref.sample_tokens_reference(logits, *_greedy_params(4)))
+    assert torch.equal(got_tables[1], want_tables[1]) and torch.equal(got_tables[2], want_tables[2])
+    # Repeated slot 0: which row's token it keeps is unspecified (as for the reference's scatter).
+    assert got_tables[0][0] in (got[1], got[2]) and torch.equal(got_tables[0][1:], want_tables[0][1:])
+
+
+def _greedy_params(batch: int):
+    zeros = torch.zeros(batch)
+    return (zeros.to(DEVICE), torch.zeros(batch, dtype=torch.int32, device=DEVICE), torch.ones(batch, device=DEVICE),
+            zeros.to(DEVICE), torch.zeros(batch, dtype=torch.int64, device=DEVICE),
+            torch.zeros(batch, dtype=torch.int64, device=DEVICE))
+
+
+def test_greedy_sample_into_slots_rejects_bad_tables(rng):
+    from freetoken.kernels.triton.sampling import greedy_sample_into_slots
+
+    last, counts, params = _slot_tables(3, 64, rng)
+    logits = torch.randn(2, 64, generator=rng).to(DEVICE)
+    slots = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="float32"):
+        greedy_sample_into_slots(logits.double(), slots, last, counts, params[:, 2])
+    with pytest.raises(ValueError, match="slots"):
+        greedy_sample_into_slots(logits, slots.float(), last, counts, params[:, 2])
+    with pytest.raises(ValueError, match="output_counts"):
+        greedy_sample_into_slots(logits, slots, last, counts[:, :32], params[:, 2])
+    with pytest.raises(ValueError, match="int64"):
+        greedy_sample_into_slots(logits, slots, last.int(), counts, params[:, 2])

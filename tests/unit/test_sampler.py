@@ -82,3 +82,46 @@ def test_penalties_follow_vllm():
 def test_out_of_range_parameters_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value}).validate()
+
+
+def _admission(slot: int, temperature: float, **kw):
+    from freetoken.plan import SlotSampling
+
+    fields = dict(top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
+                  seed=slot, min_tokens=0, stop_token_ids=(), prompt_token_ids=(1, 2), output_token_ids=(),
+                  logprobs=None)
+    fields.update(kw)
+    return SlotSampling(slot=slot, temperature=temperature, **fields)
+
+
+@pytest.mark.parametrize(
+    "others,fused",
+    [([], True), ([dict(temperature=0.7)], False), ([dict(temperature=0.0, logprobs=2)], False),
+     ([dict(temperature=0.0, repetition_penalty=1.3)], False)],
+    ids=["all-greedy", "one-sampled", "logprobs", "penalties"],
+)
+def test_greedy_steps_sample_in_one_op(monkeypatch, others, fused):
+    """A step of plain greedy rows takes ``kernels.greedy_sample_into_slots`` (one launch on CUDA);
+    its tokens and the slot tables (last token, counts, output counter) are the general path's."""
+    from freetoken import kernels
+    from freetoken.engine import sample
+
+    vocab = 40
+    logits = torch.randn(3 + len(others), vocab, generator=torch.Generator().manual_seed(3))
+    admissions = [_admission(s, 0.0) for s in (1, 4, 2)]
+    admissions += [_admission(5 + i, **kw) for i, kw in enumerate(others)]
+    slots = torch.tensor([a.slot for a in admissions], dtype=torch.int32)
+    calls = []
+    op = kernels.greedy_sample_into_slots
+    monkeypatch.setattr(kernels, "greedy_sample_into_slots", lambda *a: calls.append(1) or op(*a))
+    results = []
+    for on in (True, False):
+        monkeypatch.setattr(sample, "FUSED_GREEDY", on)
+        sampler = sample.SlotSampler(8, vocab, torch.device("cpu"))
+        sampler.admit(admissions)
+        tokens, _ = sampler.sample(logits.clone(), slots, slots.tolist())
+        results.append((tokens, sampler.last_token, sampler.output_counts, sampler.int_params))
+    assert len(calls) == fused
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
+    assert torch.equal(results[0][0][:3], logits[:3].argmax(-1))

@@ -41,6 +41,13 @@ def apply_penalties(
     logits -= frequency[:, None] * counts + presence[:, None] * (counts > 0).to(logits.dtype)
 
 
+# A step whose every sampled row is plain greedy (temperature 0; no penalties, min_tokens or logprobs)
+# samples and books its tokens in one launch (``kernels.greedy_sample_into_slots``: a split argmax)
+# instead of the parameter gathers, the sampling kernel (one program streaming a row) and the scatters
+# (about 15 launches at batch 1). False: every step takes the general path (the A/B switch).
+FUSED_GREEDY = True
+
+
 @dataclass
 class _HostSlot:
     """What the host needs to know of a slot to skip work no sampled row asks for."""
@@ -48,6 +55,12 @@ class _HostSlot:
     uses_penalties: bool = False
     min_tokens: int = 0
     logprobs: int | None = None  # the alternatives it asks for; None: no logprobs
+    greedy: bool = False  # temperature 0
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing else to apply or report: the fused greedy launch's rows."""
+        return self.greedy and not self.uses_penalties and self.min_tokens <= 0 and self.logprobs is None
 
 
 @dataclass
@@ -130,7 +143,7 @@ class SlotSampler:
         for rows in (self.output_counts, self.prompt_seen, self.stop_mask):
             rows.index_fill_(0, slots, 0)
         for a in admissions:
-            self._host[a.slot] = _HostSlot(a.uses_penalties, a.min_tokens, a.logprobs)
+            self._host[a.slot] = _HostSlot(a.uses_penalties, a.min_tokens, a.logprobs, a.temperature <= 0)
             if a.uses_penalties:
                 self.prompt_seen[a.slot].index_fill_(0, self._up(_in_vocab(a.prompt_token_ids, vocab), torch.int64), True)
                 if a.output_token_ids:
@@ -151,6 +164,9 @@ class SlotSampler:
         is the same on the host). Returns token ids ``[N]`` int64 and, if any row asks, the raw
         model logprobs of the chosen tokens, their ranks and the top-k."""
         host = [self._host[s] for s in host_slots]
+        if FUSED_GREEDY and all(h.plain_greedy for h in host):
+            return kernels.greedy_sample_into_slots(logits, slots, self.last_token, self.output_counts,
+                                                    self.num_outputs), None
         slots = slots.long()
         wanted = [h.logprobs for h in host if h.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wanted else None

@@ -12,6 +12,7 @@ from freetoken import kernels
 from freetoken.batch import ForwardBatch
 from freetoken.layers.linear import linear
 from freetoken.layers.norm import RMSNorm
+from freetoken.layers.normed_linear import normed_linear
 from freetoken.layers.weights import WeightTarget, new_param, packed_targets
 
 
@@ -73,11 +74,6 @@ class GatedAttention(nn.Module):
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
 
-    @property
-    def input_weight(self) -> torch.Tensor:
-        """The first projection's weight: a decoder layer may run it with its norm (``layers.normed_linear``)."""
-        return self.qkv_proj
-
     def project(
         self, x: torch.Tensor, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
@@ -118,6 +114,14 @@ class GatedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         return self.forward_projected(linear(x, self.qkv_proj), batch)
+
+    def forward_normed(
+        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer on ``norm(x + residual)`` (the norm run with the qkv GEMV:
+        ``layers.normed_linear``), and the stream after the add."""
+        mixer_in = normed_linear(norm, x, residual, self.qkv_proj)
+        return self.forward_projected(mixer_in.out, batch), mixer_in.residual
 
     def forward_projected(self, projected: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """The layer after its packed q/k/v GEMM, from that GEMM's output."""

@@ -11,9 +11,21 @@ from torch import nn
 from freetoken import kernels
 from freetoken.batch import ForwardBatch
 from freetoken.kernels.prefill_snapshots import PrefillSnapshots
-from freetoken.layers.linear import linear
+from freetoken.kernels.gemv_configs import prefers_gated_normed_gemv
+from freetoken.layers.linear import linear, takes_gemv
+from freetoken.layers.norm import RMSNorm
+from freetoken.layers.normed_linear import fuses, normed_linear
 from freetoken.layers.slot_state import StateShapes
 from freetoken.layers.weights import WeightTarget, new_param, packed_targets
+
+
+# At a few tokens the gated output norm runs in out_proj's GEMV launch (``kernels.gated_rms_norm_gemv``)
+# where ``gemv_configs.prefers_gated_normed_gemv`` says: one launch a layer fewer. False: the A/B switch.
+FUSED_OUTPUT_NORM = True
+# In a decode-only step whose input norm folds into in_proj's GEMV (``layers.normed_linear``), the
+# conv1d decode step runs in that launch too (``kernels.add_rms_norm_gemv_conv``: each program
+# convolves its own q|k|v channels): one launch a layer fewer. False: the A/B switch.
+FUSED_CONV = True
 
 
 @dataclass(frozen=True)
@@ -90,23 +102,36 @@ class GatedDeltaNet(nn.Module):
             "recurrent_state": ((num_slots, self.num_v_heads, self.head_k_dim, self.head_v_dim), torch.float32),
         }
 
-    @property
-    def input_weight(self) -> torch.Tensor:
-        """The first projection's weight: a decoder layer may run it with its norm (``layers.normed_linear``)."""
-        return self.in_proj
-
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         return self.forward_projected(linear(x, self.in_proj), batch)
 
-    def forward_projected(self, projected: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """The layer after ``in_proj``, from its output ``[T, in_proj rows]``."""
+    def forward_normed(
+        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer on ``norm(x + residual)``, and the stream after the add: the norm runs with
+        ``in_proj`` (``layers.normed_linear``), and in a decode-only step where that is one launch,
+        the conv step too (``FUSED_CONV``)."""
+        if FUSED_CONV and not batch.has_prefill and self.conv_state is not None and fuses(norm, x, self.in_proj):
+            projected, conv, summed = kernels.add_rms_norm_gemv_conv(
+                x, residual, norm.weight, norm.eps, norm.zero_centered, self.in_proj,
+                self.conv_weight, self.conv_state, batch.state_slots[: batch.num_decodes],
+            )
+            return self.forward_projected(projected, batch, conv), summed
+        mixer_in = normed_linear(norm, x, residual, self.in_proj)
+        return self.forward_projected(mixer_in.out, batch), mixer_in.residual
+
+    def forward_projected(
+        self, projected: torch.Tensor, batch: ForwardBatch, conv: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The layer after ``in_proj``, from its output ``[T, in_proj rows]``; ``conv``: the decode
+        step's conv output where the projection's launch ran it (``forward_normed``)."""
         num_tokens = projected.shape[0]
         mixed_qkv, z, b, a = projected.split(
             [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1
         )
         nd = batch.num_decodes
         if not batch.has_prefill:  # decode only: the step's output is the core
-            core = self._decode(mixed_qkv, a, b, batch.state_slots[:nd])
+            core = self._decode(mixed_qkv, a, b, batch.state_slots[:nd], conv)
         elif not nd:  # prefill only: no copy into a shared buffer (67 MB a layer at 8k tokens)
             _, cu_seqlens, slots = batch.prefill_part()
             core = self._prefill(mixed_qkv, a, b, slots, cu_seqlens, batch.prefill_snapshots())
@@ -116,12 +141,31 @@ class GatedDeltaNet(nn.Module):
             first, cu_seqlens, slots = batch.prefill_part()
             core[first:] = self._prefill(mixed_qkv[first:], a[first:], b[first:], slots, cu_seqlens, batch.prefill_snapshots())
         z = z.reshape(num_tokens, self.num_v_heads, self.head_v_dim)
+        if self._norm_in_out_proj(core):
+            return kernels.gated_rms_norm_gemv(core, z, self.norm_weight, self.eps, self.gate_activation, self.out_proj)
         out = self.output_norm(core, z)
         return linear(out.reshape(num_tokens, self.value_dim), self.out_proj)
 
-    def _decode(self, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """One token per request: the conv step, then the delta-rule step with its gating fused in."""
-        conv = kernels.causal_conv1d_decode(mixed_qkv, self.conv_weight, self.conv_state, slots)
+    def _norm_in_out_proj(self, core: torch.Tensor) -> bool:
+        """Whether the gated output norm runs in ``out_proj``'s GEMV launch (``FUSED_OUTPUT_NORM``):
+        a dense weight the GEMV takes at this row count, a norm weight of the activations' dtype."""
+        rows = core.reshape(core.shape[0], -1)
+        return (
+            FUSED_OUTPUT_NORM
+            and isinstance(self.out_proj, torch.Tensor)
+            and self.norm_weight.dtype == core.dtype
+            and takes_gemv(rows, self.out_proj)
+            and prefers_gated_normed_gemv(rows.shape[0], *self.out_proj.shape)
+        )
+
+    def _decode(
+        self, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
+        conv: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One token per request: the conv step (unless ``conv`` is its output already), then the
+        delta-rule step with its gating fused in."""
+        if conv is None:
+            conv = kernels.causal_conv1d_decode(mixed_qkv, self.conv_weight, self.conv_state, slots)
         q, k, v = self._split_heads(conv)
         return kernels.gated_delta_rule_decode_gated(
             q, k, v, a, b, self.A_log, self.dt_bias, self.recurrent_state, slots

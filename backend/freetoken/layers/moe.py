@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -11,6 +10,8 @@ from freetoken import kernels
 from freetoken.experts.store import OffloadedExperts, ResidentExperts, make_store
 from freetoken.layers.linear import Weight, linear, sparse_moe_decode
 from freetoken.layers.norm import RMSNorm
+from freetoken.layers.moe_partial import MoEPartial
+from freetoken.layers.normed_linear import fuses, normed_linear
 from freetoken.layers.weights import WeightTarget, new_param, packed_targets
 
 # Up to this many tokens the block after the router GEMM runs as one fused op (``kernels.sparse_moe_decode``):
@@ -31,23 +32,11 @@ COMBINE_IN_NEXT_NORM = True
 SHARED_IN_GROUPED_MAX_TOKENS = 128
 # The router + shared-gate weight's rows are a multiple of this (8 rows: 16 bytes of bf16 output a row).
 GATE_ROW_ALIGN = 8
-
-
-class MoEPartial(NamedTuple):
-    """The grouped path's output before its sum: ``moe = Σ_j pairs[:, j] + g · shared``, with
-    ``g = sigmoid(gate_logit)``, or 1 when ``gate_logit`` is ``None`` (``shared`` already gated)."""
-
-    pairs: torch.Tensor  # [T, k, H]: each (token, choice) pair's weighted expert output
-    shared: torch.Tensor  # [T, H]
-    gate_logit: torch.Tensor | None  # [T, 1]
-
-    def add_rms_norm(
-        self, norm: RMSNorm, residual: torch.Tensor, rows: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(norm(moe + residual), moe + residual)``, of ``rows`` only when given."""
-        return kernels.moe_combine_add_rms_norm(
-            self.pairs, self.shared, self.gate_logit, residual, norm.weight, norm.eps, norm.zero_centered, rows
-        )
+# Where the norm before the block folds into the router's GEMV (``layers.normed_linear``), route there
+# too: the launch's last program to finish does the softmax and top-k (``kernels.add_rms_norm_gemv_route``)
+# and the fused block runs its two expert launches from that routing (``kernels.sparse_moe_decode_routed``):
+# one launch a layer fewer than the router GEMV + the block's own routing launch. False: the A/B switch.
+FUSED_ROUTE = True
 
 
 class SparseMoE(nn.Module):
@@ -136,6 +125,41 @@ class SparseMoE(nn.Module):
         if self.router_bias is not None:
             gate_logits[:, : self.num_experts] += self.router_bias
         return gate_logits
+
+    def forward_normed(
+        self, norm: RMSNorm, x: torch.Tensor | MoEPartial, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor | MoEPartial, torch.Tensor]:
+        """The block on ``norm(x + residual)``, and the stream after the add (``x + residual``): the
+        norm runs with the router GEMV (``layers.normed_linear``), and where that is one launch on a
+        resident block of dense weights at decode, the routing runs in it too (``FUSED_ROUTE``)."""
+        if self._routes_in_gemv(norm, x):
+            logits, normed, summed, top_w, top_i = kernels.add_rms_norm_gemv_route(
+                x, residual, norm.weight, norm.eps, norm.zero_centered, self.gate_weight,
+                self.num_experts, self.top_k, self.renormalize,
+            )
+            out = kernels.sparse_moe_decode_routed(
+                normed, logits[:, : self.num_experts + 1], top_w, top_i,
+                self.w13, self.w2, self.shared_gate_up, self.shared_down,
+            )
+            return out, summed
+        projected = normed_linear(norm, x, residual, self.gate_weight, return_normed=True)
+        return self(projected.normed, projected.out, partial=True), projected.residual
+
+    def _routes_in_gemv(self, norm: RMSNorm, x: torch.Tensor | MoEPartial) -> bool:
+        """Whether ``forward_normed`` takes the fused router launch: a few tokens (one program of the
+        fused GEMV holds them all), the norm folding into the router GEMV, resident dense weights
+        (the fused block's), and no router bias (the launch routes the GEMV's raw logits)."""
+        dense = all(isinstance(w, torch.Tensor) for w in (self.w13, self.w2, self.shared_gate_up, self.shared_down))
+        return (
+            FUSED_ROUTE
+            and isinstance(x, torch.Tensor)
+            and x.dim() == 2
+            and x.shape[0] <= DECODE_MAX_TOKENS
+            and self.router_bias is None
+            and isinstance(self.experts, ResidentExperts)
+            and dense
+            and fuses(norm, x, self.gate_weight)
+        )
 
     def forward(
         self, x: torch.Tensor, projected: torch.Tensor | None = None, partial: bool = False

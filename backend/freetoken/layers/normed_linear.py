@@ -17,7 +17,7 @@ from freetoken import kernels
 from freetoken.kernels.gemv_configs import prefers_normed_gemv
 from freetoken.kernels.normed_nvfp4_gemv import NORMED_NVFP4_MAX_ROWS
 from freetoken.layers.linear import NVFP4Weight, Weight, linear, takes_gemv
-from freetoken.layers.moe import MoEPartial
+from freetoken.layers.moe_partial import MoEPartial
 from freetoken.layers.norm import RMSNorm
 
 
@@ -28,39 +28,51 @@ class NormedProjection(NamedTuple):
 
 
 def normed_linear(
-    norm: RMSNorm, x: torch.Tensor | MoEPartial, residual: torch.Tensor | None, weight: Weight, return_normed: bool = False
+    norm: RMSNorm,
+    x: torch.Tensor | MoEPartial,
+    residual: torch.Tensor | None,
+    weight: Weight,
+    return_normed: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> NormedProjection:
-    """``linear(norm(x + residual), weight)``, the new residual, and the normalized rows when
+    """``linear(norm(x + residual), weight)`` (converted to ``out_dtype`` where given: the lm_head's
+    float32 logits, stored so by the fused launch), the new residual, and the normalized rows when
     ``return_normed`` (the MoE block reads them besides its router). ``residual=None``: the stream
     starts at ``x`` (the first layer); ``x`` a ``MoEPartial``: the MoE block's output in parts,
     summed in the norm's launch."""
     if isinstance(x, MoEPartial):
         assert residual is not None, "a MoE block's output always has a residual stream before it"
         normed, residual = x.add_rms_norm(norm, residual)
-        return NormedProjection(linear(normed, weight), normed if return_normed else None, residual)
+        return NormedProjection(_as(linear(normed, weight), out_dtype), normed if return_normed else None, residual)
     if fuses(norm, x, weight):
         return NormedProjection(
-            *kernels.add_rms_norm_gemv(x, residual, norm.weight, norm.eps, norm.zero_centered, weight, return_normed)
-        )
-    if fuses_nvfp4(norm, x, weight):
-        return NormedProjection(
-            *kernels.add_rms_norm_nvfp4_gemv(
-                x, residual, norm.weight, norm.eps, norm.zero_centered,
-                weight.packed, weight.scales, weight.row_scales, return_normed,
+            *kernels.add_rms_norm_gemv(
+                x, residual, norm.weight, norm.eps, norm.zero_centered, weight, return_normed, out_dtype
             )
         )
+    if fuses_nvfp4(norm, x, weight):
+        out, normed, residual = kernels.add_rms_norm_nvfp4_gemv(
+            x, residual, norm.weight, norm.eps, norm.zero_centered,
+            weight.packed, weight.scales, weight.row_scales, return_normed,
+        )
+        return NormedProjection(_as(out, out_dtype), normed, residual)
     if residual is None:
         normed, residual = norm(x), x
     else:
         normed, residual = norm.add_forward(x, residual)
-    return NormedProjection(linear(normed, weight), normed if return_normed else None, residual)
+    return NormedProjection(_as(linear(normed, weight), out_dtype), normed if return_normed else None, residual)
 
 
-def fuses(norm: RMSNorm, x: torch.Tensor, weight: Weight) -> bool:
+def _as(out: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return out if dtype is None else out.to(dtype)
+
+
+def fuses(norm: RMSNorm, x: torch.Tensor | MoEPartial, weight: Weight) -> bool:
     """Where the fused launch runs: a dense weight the GEMV takes at this row count, and a norm whose
     output has ``x``'s dtype (zero-centred, or a weight of that dtype)."""
     return (
-        isinstance(weight, torch.Tensor)
+        isinstance(x, torch.Tensor)
+        and isinstance(weight, torch.Tensor)
         and takes_gemv(x, weight)
         and (norm.zero_centered or norm.weight.dtype == x.dtype)
         and prefers_normed_gemv(x.numel() // weight.shape[1], weight.shape[0], weight.shape[1])
@@ -72,11 +84,12 @@ def fuses(norm: RMSNorm, x: torch.Tensor, weight: Weight) -> bool:
 NVFP4_NORMED_GEMV = True
 
 
-def fuses_nvfp4(norm: RMSNorm, x: torch.Tensor, weight: Weight) -> bool:
+def fuses_nvfp4(norm: RMSNorm, x: torch.Tensor | MoEPartial, weight: Weight) -> bool:
     """Where the fused NVFP4 launch runs: a 2-D NVFP4 weight at up to ``NORMED_NVFP4_MAX_ROWS`` rows
     (the NVFP4 GEMV's), and a norm whose output has ``x``'s dtype."""
     return (
         NVFP4_NORMED_GEMV
+        and isinstance(x, torch.Tensor)
         and isinstance(weight, NVFP4Weight)
         and weight.packed.dim() == 2
         and x.shape[-1] == weight.shape[1]

@@ -14,7 +14,8 @@ from freetoken.kernels.prefill_snapshots import PrefillSnapshots, prefill_snapsh
 from freetoken.layers.attention import GatedAttention
 from freetoken.layers.gated_deltanet import GatedDeltaNet
 from freetoken.layers.linear import linear
-from freetoken.layers.moe import MoEPartial, SparseMoE
+from freetoken.layers.moe import SparseMoE
+from freetoken.layers.moe_partial import MoEPartial
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.normed_linear import normed_linear
 from freetoken.layers.slot_state import SlotStates
@@ -48,12 +49,11 @@ class DecoderLayer(nn.Module):
     def forward(
         self, hidden: torch.Tensor | MoEPartial, residual: torch.Tensor | None, batch: ForwardBatch
     ) -> tuple[torch.Tensor | MoEPartial, torch.Tensor]:
-        # Each norm runs with the projection after it (one launch at decode: layers.normed_linear),
-        # and past a few rows sums the previous MoE block's output in its launch (``MoEPartial``).
-        mixer_in = normed_linear(self.input_layernorm, hidden, residual, self.mixer.input_weight)
-        hidden = self.mixer.forward_projected(mixer_in.out, batch)
-        mlp_in = normed_linear(self.post_attention_layernorm, hidden, mixer_in.residual, self.mlp.gate_weight, True)
-        return self.mlp(mlp_in.normed, mlp_in.out, partial=True), mlp_in.residual
+        # Each norm runs with the projection after it (one launch at decode: layers.normed_linear);
+        # the GDN conv step and the MoE block's routing run in those launches too (layers.gated_deltanet.FUSED_CONV,
+        # layers.moe.FUSED_ROUTE), and past a few rows the norm sums the previous MoE block's output (``MoEPartial``).
+        hidden, residual = self.mixer.forward_normed(self.input_layernorm, hidden, residual, batch)
+        return self.mlp.forward_normed(self.post_attention_layernorm, hidden, residual)
 
 
 class Qwen3_5MoeModel(CausalLM):
@@ -137,4 +137,6 @@ class Qwen3_5MoeModel(CausalLM):
         last = batch.logits_indices
         if isinstance(hidden, MoEPartial):  # the sum, residual add and norm of the last rows only
             return linear(hidden.add_rms_norm(self.norm, residual, last)[0], self.lm_head).float()
-        return normed_linear(self.norm, hidden[last], residual[last], self.lm_head).out.float()
+        if last.shape[0] != hidden.shape[0]:  # else every token is a logits row, in order (a decode step): no gathers
+            hidden, residual = hidden[last], residual[last]
+        return normed_linear(self.norm, hidden, residual, self.lm_head, out_dtype=torch.float32).out
