@@ -137,10 +137,10 @@ def prefers_normed_gemv(num_rows: int, n_out: int, k_in: int) -> bool:
     (``prefers_gemv``), up to ``NORMED_MAX_ROWS`` rows, unless the fused sweep measured it slower."""
     if not (num_rows <= NORMED_MAX_ROWS and prefers_gemv(num_rows, n_out, k_in)):
         return False
-    buckets = NORMED_TUNED.get((n_out, k_in))
-    if buckets is None:
-        return True
-    return next((c for bound, c in buckets if num_rows <= bound), None) is not None
+    for bound, config in NORMED_TUNED.get((n_out, k_in), ()):
+        if num_rows <= bound:
+            return config is not None
+    return True  # a row count the fused table does not list: the GEMV's entry (``normed_gemv_config``)
 
 
 def normed_gemv_config(num_rows: int, n_out: int, k_in: int) -> GemvConfig:

@@ -108,6 +108,9 @@ def test_normed_gemv_takes_the_gemv_rows_and_fma_shapes(monkeypatch):
     monkeypatch.setattr(gemv_configs, "NORMED_TUNED", {(512, 2048): ((1, fused), (2, None))})
     assert gemv_configs.normed_gemv_config(1, 512, 2048) == fused
     assert not gemv_configs.prefers_normed_gemv(2, 512, 2048)  # the fused sweep measured it slower
+    monkeypatch.setattr(gemv_configs, "NORMED_TUNED", {(512, 2048): ((1, fused),)})
+    assert gemv_configs.prefers_normed_gemv(2, 512, 2048)  # past the swept rows: the GEMV's entry
+    assert gemv_configs.normed_gemv_config(2, 512, 2048) == gemv_configs.default_config(512, 2048)
 
 
 def _stable_top_k(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
