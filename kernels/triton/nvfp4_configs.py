@@ -63,7 +63,21 @@ DEFAULT: dict[str, Buckets] = {
 }
 
 # BEGIN TUNED (written by benchmarks/tune_nvfp4_moe.py --apply)
-TUNED: dict[tuple[str, int, int, int], Buckets] = {}
+# NVIDIA H200, 2026-12-02, tokens [528, 8192]
+TUNED: dict[tuple[str, int, int, int], Buckets] = {
+    ("gate_up", 2048, 512, 256): (
+        (12, C(16, 32, 256, 8, 4, 4, False)),
+        (48, C(32, 64, 128, 8, 4, 3, True)),  # T=528: 271 us, 1120 GB/s
+        (96, C(64, 64, 128, 8, 4, 3, True)),
+        (float("inf"), DEQUANT),  # T=8192: 1096 us, 276 GB/s
+    ),
+    ("down", 2048, 512, 256): (
+        (12, C(16, 32, 256, 8, 4, 4, False)),
+        (48, C(32, 128, 64, 8, 8, 3, True)),  # T=528: 138 us, 1111 GB/s
+        (96, C(64, 64, 128, 8, 4, 3, True)),
+        (float("inf"), DEQUANT),  # T=8192: 625 us, 245 GB/s
+    ),
+}
 # END TUNED
 
 # The dequantize-then-bf16 path's scratch: experts are dequantized this many bytes at a time (a
@@ -82,7 +96,7 @@ LINEAR_TILES: tuple[tuple[float, tuple[int, int, int, int, int, bool]], ...] = (
 # once a call) and runs cuBLAS: its tensor-core tiles decode every weight once per 128-row tile, 64
 # times at an 8k prefill, against a dequantization that reads the packed bytes once. Tuned by
 # ``benchmarks/tune_nvfp4_moe.py`` (its dense cases); up to 16 rows stays on the W4A16 kernels.
-LINEAR_DEQUANT_MIN_ROWS = 1024
+LINEAR_DEQUANT_MIN_ROWS = 8192
 
 
 def nvfp4_moe_config(
