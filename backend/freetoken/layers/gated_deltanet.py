@@ -20,8 +20,10 @@ from freetoken.layers.weights import WeightTarget, new_param, packed_targets
 
 
 # At a few tokens the gated output norm runs in out_proj's GEMV launch (``kernels.gated_rms_norm_gemv``)
-# where ``gemv_configs.prefers_gated_normed_gemv`` says: one launch a layer fewer. False: the A/B switch.
-FUSED_OUTPUT_NORM = True
+# where ``gemv_configs.prefers_gated_normed_gemv`` says: one launch a layer fewer. Off: on the H200 at
+# batch 1 the step ran 2.49 ms without it against 2.60 with it, in a launch shape not yet swept
+# (``benchmarks/b1_fusions_sweep.py`` prints its table entry; docs/benchmarks.md).
+FUSED_OUTPUT_NORM = False
 # In a decode-only step whose input norm folds into in_proj's GEMV (``layers.normed_linear``), the
 # conv1d decode step runs in that launch too (``kernels.add_rms_norm_gemv_conv``: each program
 # convolves its own q|k|v channels): one launch a layer fewer. False: the A/B switch.

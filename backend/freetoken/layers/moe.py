@@ -35,8 +35,10 @@ GATE_ROW_ALIGN = 8
 # Where the norm before the block folds into the router's GEMV (``layers.normed_linear``), route there
 # too: the launch's last program to finish does the softmax and top-k (``kernels.add_rms_norm_gemv_route``)
 # and the fused block runs its two expert launches from that routing (``kernels.sparse_moe_decode_routed``):
-# one launch a layer fewer than the router GEMV + the block's own routing launch. False: the A/B switch.
-FUSED_ROUTE = True
+# one launch a layer fewer than the router GEMV + the block's own routing launch. Off: on the H200 at
+# batch 1 the step ran 2.53 ms without it against 2.60 with it (cause not profiled yet;
+# docs/benchmarks.md).
+FUSED_ROUTE = False
 
 
 class SparseMoE(nn.Module):
