@@ -19,6 +19,8 @@ the bf16 grouped GEMMs instead.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -394,6 +396,20 @@ def _expert_groups(num_experts: int, rows: int, cols: int, dtype: torch.dtype) -
     return max(1, min(num_experts, nvfp4_configs.DEQUANT_GROUP_BYTES // per_expert))
 
 
+def _dequantized_groups(w: Packed, dtype: torch.dtype, device: torch.device) -> Iterator[tuple[int, torch.Tensor]]:
+    """The dequantize-then-bf16 path's expert groups in turn: ``(first expert, the group's weights
+    in dtype)``, every group dequantized into one scratch buffer, so each is consumed (its grouped
+    GEMM enqueued) before the next overwrites it."""
+    packed, scale_bytes, row_scales = w
+    num_experts, rows, half = packed.shape
+    group = _expert_groups(num_experts, rows, 2 * half, dtype)
+    scratch = new_empty((group, rows, 2 * half), dtype, device)
+    for e0 in range(0, num_experts, group):
+        weights = scratch[: min(group, num_experts - e0)]
+        dequantize_nvfp4_into(packed[e0:], scale_bytes[e0:], row_scales[e0:], weights)
+        yield e0, weights
+
+
 def gate_up_nvfp4(x: torch.Tensor, w13: Packed, order: torch.Tensor, offsets: torch.Tensor, h: torch.Tensor,
                   top_k: int, config: Nvfp4GemmConfig | None) -> None:
     """``h[sorted pair] = silu(x w_gateᵀ) · (x w_upᵀ)`` of the pair's expert over NVFP4 ``w13``
@@ -404,12 +420,8 @@ def gate_up_nvfp4(x: torch.Tensor, w13: Packed, order: torch.Tensor, offsets: to
     num_experts, two_inter, half = packed.shape
     hidden, inter = 2 * half, two_inter // 2
     if config is None:
-        group = _expert_groups(num_experts, two_inter, hidden, x.dtype)
-        scratch = new_empty((group, two_inter, hidden), x.dtype, x.device)
         bf16_config = moe_gemm_config("gate_up", x.dtype, h.shape[0], num_experts, hidden, inter)
-        for e0 in range(0, num_experts, group):
-            weights = scratch[: min(group, num_experts - e0)]
-            dequantize_nvfp4_into(packed[e0:], scale_bytes[e0:], row_scales[e0:], weights)
+        for e0, weights in _dequantized_groups(w13, x.dtype, x.device):
             moe.gate_up(x, weights, order, offsets[e0:], h, top_k, bf16_config)
         return
     tile_info, tiles = tile_map(offsets, h.shape[0], config.block_m)
@@ -430,12 +442,8 @@ def down_nvfp4(h: torch.Tensor, w2: Packed, order: torch.Tensor, offsets: torch.
     num_experts, hidden, half = packed.shape
     inter = 2 * half
     if config is None:
-        group = _expert_groups(num_experts, hidden, inter, h.dtype)
-        scratch = new_empty((group, hidden, inter), h.dtype, h.device)
         bf16_config = moe_gemm_config("down", h.dtype, h.shape[0], num_experts, hidden, inter)
-        for e0 in range(0, num_experts, group):
-            weights = scratch[: min(group, num_experts - e0)]
-            dequantize_nvfp4_into(packed[e0:], scale_bytes[e0:], row_scales[e0:], weights)
+        for e0, weights in _dequantized_groups(w2, h.dtype, h.device):
             moe.down(h, weights, order, offsets[e0:], topk_weights, y, bf16_config)
         return
     tile_info, tiles = tile_map(offsets, h.shape[0], config.block_m)

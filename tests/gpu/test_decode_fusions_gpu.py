@@ -17,6 +17,7 @@ from freetoken.kernels import gemv_configs
 from freetoken.kernels.moe_decode import sparse_moe_decode_reference
 from freetoken.layers import moe
 from freetoken.layers.norm import RMSNorm
+from gpu_checks import capture_graph, replay
 
 pytestmark = pytest.mark.gpu
 
@@ -95,25 +96,17 @@ def test_routed_layers_in_a_cuda_graph(rng, check, pdl, dtype, rows):
             outs.append((logits, normed, top_i, hidden))
         return outs
 
-    step()  # compiles outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
-    for replay in range(2):
+    graph, outs = capture_graph(step)
+    for n in range(2):
         x.copy_(_randn(rng, rows, HIDDEN, dtype=dtype))
         res.copy_(_randn(rng, rows, HIDDEN, dtype=dtype))
-        for layer_outs in outs:
-            for t in layer_outs:
-                t.fill_(-1)
-        graph.replay()
-        torch.cuda.synchronize()
+        replay(graph, (t for layer_outs in outs for t in layer_outs), -1)
         for i, ((logits, normed, top_i, hidden), p) in enumerate(zip(outs, layers)):
-            assert torch.equal(top_i, _stable_top_k(logits[:, :EXPERTS])[1]), f"layer {i} replay {replay}"
+            assert torch.equal(top_i, _stable_top_k(logits[:, :EXPERTS])[1]), f"layer {i} replay {n}"
             want = sparse_moe_decode_reference(
                 normed, logits[:, : EXPERTS + 1], p["w13"], p["w2"], p["sgu"], p["sd"], TOP_K, True
             )
-            check(f"routed_graph_m{rows}_layer{i}_replay{replay}", hidden.float(), want.float(), dtype)
+            check(f"routed_graph_m{rows}_layer{i}_replay{n}", hidden.float(), want.float(), dtype)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 4, 8])
@@ -207,13 +200,8 @@ def test_gdn_layer_conv_in_its_input_launch(rng, check, monkeypatch, rows):
     monkeypatch.setattr(gated_deltanet, "FUSED_CONV", True)
     layer.conv_state, layer.recurrent_state = conv0.clone(), rec0.clone()
     x, res = xs[0]
-    layer.forward_normed(norm, x, res, batch)  # compiles outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, summed = layer.forward_normed(norm, x, res, batch)
+    graph, (out, summed) = capture_graph(lambda: layer.forward_normed(norm, x, res, batch))
     layer.conv_state.copy_(conv0)
     layer.recurrent_state.copy_(rec0)
-    graph.replay()
-    torch.cuda.synchronize()
+    replay(graph)
     assert torch.equal(out, got[0]) and torch.equal(summed, got[1])

@@ -13,6 +13,7 @@ import torch
 
 from freetoken.kernels import gemv_configs
 from freetoken.kernels.gated_norm_gemv import gated_rms_norm_gemv_reference
+from gpu_checks import capture_graph, replay
 
 pytestmark = pytest.mark.gpu
 
@@ -62,21 +63,14 @@ def test_gated_norm_gemv_chain_in_a_cuda_graph(rng, check, pdl):
             c = torch.nn.functional.linear(out, lift).reshape(1, HEADS, HEAD_DIM)
         return outs
 
-    chain()  # compiles outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = chain()
-    for replay in range(2):
+    graph, outs = capture_graph(chain)
+    for n in range(2):
         core.copy_(torch.randn(core.shape, generator=rng, device=CUDA))
-        for out in outs:
-            out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
+        replay(graph, outs)
         c = core
         for i, out in enumerate(outs):
             want = gated_rms_norm_gemv_reference(c.float(), z.float(), nw.float(), EPS, "silu", w.float())
-            check(f"gated_norm_graph_{i}_{replay}", out.float(), want, dtype)
+            check(f"gated_norm_graph_{i}_{n}", out.float(), want, dtype)
             c = torch.nn.functional.linear(out, lift).reshape(1, HEADS, HEAD_DIM)
 
 

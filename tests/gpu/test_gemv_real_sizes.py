@@ -14,6 +14,7 @@ from freetoken.kernels import gemv_configs
 from freetoken.kernels.gemv import gemv_reference
 from freetoken.kernels.gemv_configs import GemvConfig
 from freetoken.layers.linear import linear
+from gpu_checks import capture_graph, replay
 
 pytestmark = pytest.mark.gpu
 
@@ -59,22 +60,15 @@ def test_gemv_chain_in_a_cuda_graph(rng, check, config, dtype, rows):
         y = gemv.gemv_tiled(h, down, config)
         return [h, y, gemv.gemv_tiled(y, up, config)]
 
-    chain()  # compiles outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = chain()
-    for replay in range(2):
+    graph, outs = capture_graph(chain)
+    for n in range(2):
         x.copy_(torch.randn(x.shape, generator=rng, device=CUDA))
-        for out in outs:
-            out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
+        replay(graph, outs)
         h, y, z = outs
         # Each link against the reference on the kernel's own input (its rounding not compounded).
-        check(f"gemv_graph_h_{replay}", h.float(), gemv_reference(x.float(), up.float()), dtype)
-        check(f"gemv_graph_y_{replay}", y.float(), gemv_reference(h.float(), down.float()), dtype)
-        check(f"gemv_graph_z_{replay}", z.float(), gemv_reference(y.float(), up.float()), dtype)
+        check(f"gemv_graph_h_{n}", h.float(), gemv_reference(x.float(), up.float()), dtype)
+        check(f"gemv_graph_y_{n}", y.float(), gemv_reference(h.float(), down.float()), dtype)
+        check(f"gemv_graph_z_{n}", z.float(), gemv_reference(y.float(), up.float()), dtype)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from freetoken.kernels import moe_decode as ref_moe_decode
+from gpu_checks import capture_graph, replay
 
 pytestmark = pytest.mark.gpu
 
@@ -45,15 +46,8 @@ def test_sparse_moe_decode_layers_in_a_cuda_graph(rng, check, pdl, dtype, tokens
     def step() -> list[torch.Tensor]:
         return [moe_decode.sparse_moe_decode_tiled(*layer, TOP_K, True, tiles) for layer in layers]
 
-    step()  # compiles outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
-    for replay in range(2):
-        for out in outs:
-            out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
+    graph, outs = capture_graph(step)
+    for n in range(2):
+        replay(graph, outs)
         for i, (got, want) in enumerate(zip(outs, wants)):
-            check(f"sparse_moe_decode_graph_{tokens}_layer{i}_replay{replay}", got, want, dtype)
+            check(f"sparse_moe_decode_graph_{tokens}_layer{i}_replay{n}", got, want, dtype)

@@ -15,6 +15,7 @@ from freetoken.kernels import gemv_configs
 from freetoken.kernels.normed_gemv import add_rms_norm_gemv_reference
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.normed_linear import normed_linear
+from gpu_checks import capture_graph, replay
 
 pytestmark = pytest.mark.gpu
 
@@ -63,26 +64,19 @@ def test_normed_gemv_chain_in_a_cuda_graph(rng, check, dtype):
         b, _, _ = normed_gemv.add_rms_norm_gemv(n2, s2, nw, EPS, True, mix)
         return [a, s1, g, n2, s2, b]
 
-    chain()  # compiles outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = chain()
-    for replay in range(2):
+    graph, outs = capture_graph(chain)
+    for n in range(2):
         x.copy_(torch.randn(x.shape, generator=rng, device=CUDA))
         res.copy_(torch.randn(res.shape, generator=rng, device=CUDA))
-        for out in outs:
-            out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
+        replay(graph, outs)
         a, s1, g, n2, s2, b = (o.float() for o in outs)
         f = lambda t: t.float()  # noqa: E731
         # Each link against the reference on its own inputs (its rounding not compounded).
-        check(f"normed_graph_a_{replay}", a, add_rms_norm_gemv_reference(f(x), f(res), f(nw), EPS, True, f(qkv))[0], dtype)
+        check(f"normed_graph_a_{n}", a, add_rms_norm_gemv_reference(f(x), f(res), f(nw), EPS, True, f(qkv))[0], dtype)
         want_g, want_n2, _ = add_rms_norm_gemv_reference(a[:, :2048], s1, f(nw), EPS, True, f(router), True)
-        check(f"normed_graph_g_{replay}", g, want_g, dtype)
-        check(f"normed_graph_n2_{replay}", n2, want_n2, dtype)
-        check(f"normed_graph_b_{replay}", b, add_rms_norm_gemv_reference(n2, s2, f(nw), EPS, True, f(mix))[0], dtype)
+        check(f"normed_graph_g_{n}", g, want_g, dtype)
+        check(f"normed_graph_n2_{n}", n2, want_n2, dtype)
+        check(f"normed_graph_b_{n}", b, add_rms_norm_gemv_reference(n2, s2, f(nw), EPS, True, f(mix))[0], dtype)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])

@@ -9,20 +9,13 @@ import torch
 
 from freetoken.kernels import moe as ref_moe
 from freetoken.kernels import nvfp4 as ref
+from gpu_checks import random_nvfp4
 from kernel_checks import assert_close
 
 pytestmark = pytest.mark.gpu
 
 CUDA = torch.device("cuda")
 HIDDEN, EXPERTS, TOP_K, INTER = 2048, 256, 8, 512
-
-
-def random_nvfp4(rng: torch.Generator, *shape: int):
-    *lead, rows, cols = shape
-    packed = torch.randint(0, 256, (*lead, rows, cols // 2), generator=rng, dtype=torch.uint8)
-    scales = torch.randint(0x20, 0x48, (*lead, rows, cols // 16), generator=rng, dtype=torch.uint8).view(torch.float8_e4m3fn)
-    row_scales = torch.rand(*lead, rows, generator=rng) * cols**-0.5 * 0.1 + 1e-3
-    return packed.to(CUDA), scales.to(CUDA), row_scales.to(CUDA)
 
 
 def _triton():
