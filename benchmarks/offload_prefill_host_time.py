@@ -13,8 +13,12 @@ stream's prediction is close, not exact). Each chunk after the first is a new re
 experts permuted per chunk) into the cache the previous one left full, as the bench's measured
 runs follow its warm-up.
 
-Prints ms per layer, mean over the chunks after the first, by part: ``ids`` (the routed and
-predicted ids' counts to the host, the one sync), ``begin`` (the map read, the passes, the misses
+Prints ms per layer, mean over the chunks after the first: all of it; ``prepare`` alone, which
+the layer's experts launch waits for after the sync (the rest, ``after_launch``, runs once they
+are queued), and the host work of it on a GPU (less the bincounts and the router's stand-in, device
+work there); and by part: ``ids`` (the routed and predicted ids' counts to the host, the one sync,
+and ranked), ``count`` (of it, the bincounts: device work on a GPU, where the host only waits for them;
+slow single-threaded ops on the CPU), ``begin`` (the map read, the passes, the misses
 admitted and their copies queued), ``stream_ahead`` (the next layer's predicted experts admitted
 and queued), ``passed`` (the evict-behind pool), and of those, ``policy`` (time inside the
 eviction policy's calls) and ``fill`` (queuing copies and map writes, ``DeviceSlots.fill``).
@@ -40,7 +44,7 @@ from freetoken.experts.store import OffloadedExperts
 LAYERS, EXPERTS, TOP_K = 40, 256, 8
 INTERMEDIATE, HIDDEN = 2, 4  # shrunk: the copies are not what is measured
 
-PARTS = ("ids", "begin", "stream_ahead", "passed", "policy", "fill")
+PARTS = ("ids", "count", "begin", "stream_ahead", "passed", "policy", "fill")
 
 
 class Timer:
@@ -79,6 +83,7 @@ def build(slots: int, timer: Timer) -> tuple[ExpertOffload, list[OffloadedExpert
     timer.wrap(offload, "passed", "passed")
     timer.wrap(offload_module, "distinct_experts", "ids")
     timer.wrap(store_module, "distinct_experts", "ids")
+    timer.wrap(torch, "bincount", "count")
     return offload, layers
 
 
@@ -92,18 +97,38 @@ def chunk_ids(trace: np.ndarray, chunk: int) -> list[torch.Tensor]:
     return out
 
 
-def run_chunk(offload: ExpertOffload, layers: list[OffloadedExperts], ids: list[torch.Tensor]) -> float:
-    """One streamed chunk's prepares; returns their wall seconds."""
+def _predicted(ids: list[torch.Tensor], layer: int, x: torch.Tensor) -> torch.Tensor:
+    """The stand-in for ``layer``'s router on ``x``: its routed ids one token behind (device work on a GPU)."""
+    start = time.perf_counter()
+    out = torch.roll(ids[layer], 1, 0)
+    ROUTE_SECONDS[0] += time.perf_counter() - start
+    return out
+
+
+ROUTE_SECONDS = [0.0]
+
+
+def run_chunk(offload: ExpertOffload, layers: list[OffloadedExperts], ids: list[torch.Tensor],
+              launch: list[float], timer: Timer) -> float:
+    """One streamed chunk's prepares (and ``after_launch``); returns their wall seconds, and adds
+    to ``launch`` the seconds of ``prepare`` alone (what the layer's launch waits for after the
+    sync) and of its host work (less the bincounts and the router's stand-in)."""
     tokens = ids[0].shape[0]
     x = torch.zeros(tokens, 1)
     for index, layer in enumerate(layers):
-        layer.router = functools.partial(lambda i, _x: torch.roll(ids[i], 1, 0), index)
+        layer.router = functools.partial(_predicted, ids, index)
     assert offload.streams(tokens)
     start = time.perf_counter()
     offload.start_forward(x)
     for index, layer in enumerate(layers):
+        before, device = time.perf_counter(), ROUTE_SECONDS[0] + timer.seconds["count"]
         routing = layer.prepare(x, ids[index])
+        elapsed = time.perf_counter() - before
+        launch[0] += elapsed
+        launch[1] += elapsed - (ROUTE_SECONDS[0] + timer.seconds["count"] - device)
         assert len(routing.groups) == 1
+        if hasattr(layer, "after_launch"):  # ``compute`` runs it once the layer's experts are queued
+            layer.after_launch(routing)
     return time.perf_counter() - start
 
 
@@ -116,19 +141,22 @@ def main() -> None:
     trace = generate_trace(LAYERS, EXPERTS, TOP_K, args.tokens, seed=0)
     timer = Timer()
     offload, layers = build(args.slots, timer)
-    total = 0.0
+    total, launch = 0.0, [0.0, 0.0]
     for chunk in range(args.chunks):
         ids = chunk_ids(trace, chunk)
         if chunk == 1:
             timer.seconds.clear()
-        wall = run_chunk(offload, layers, ids)
+            launch[:] = [0.0, 0.0]
+        wall = run_chunk(offload, layers, ids, launch, timer)
         if chunk:
             total += wall
     counters = offload.counters
     measured = (args.chunks - 1) * LAYERS
     print(f"{args.tokens} tokens, {LAYERS} layers x {EXPERTS} experts, top-{TOP_K}, {args.slots} slots; "
           f"ms per layer over {args.chunks - 1} chunks after the first:")
-    print(f"  prepare (wall, start_forward included) {1e3 * total / measured:.3f}")
+    print(f"  all (wall, start_forward included) {1e3 * total / measured:.3f}")
+    print(f"  prepare, the launch waits for it   {1e3 * launch[0] / measured:.3f}"
+          f"  (host work on a GPU, without the counts and the router: {1e3 * launch[1] / measured:.3f})")
     for part in PARTS:
         print(f"  {part:<13} {1e3 * timer.seconds[part] / measured:.3f}")
     print(f"counters: hits {counters.hits} misses {counters.misses} prefetched {counters.prefetched} "

@@ -36,6 +36,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from freetoken.experts.cache import RESERVE_DIVISOR, CacheCounters, SlotTable
@@ -319,9 +320,20 @@ def distinct_experts(ids: list[torch.Tensor], num_experts: int) -> list[dict[int
     routed first (ties by id), through one device-to-host copy of the counts: ``num_experts``
     numbers each instead of ``T x k`` ids (65,536 at an 8k chunk, top-8: milliseconds of host time
     a layer)."""
-    counts = torch.stack([torch.bincount(t.flatten(), minlength=num_experts) for t in ids]).tolist()
-    return [{e: row[e] for e in sorted((e for e in range(num_experts) if row[e]), key=lambda e: -row[e])}
-            for row in counts]
+    return [_ranked(row) for row in expert_counts(ids, num_experts)]
+
+
+def expert_counts(ids: list[torch.Tensor], num_experts: int) -> np.ndarray:
+    """``[len(ids), num_experts]`` tokens routed to each expert, on the host (the one sync)."""
+    return torch.stack([torch.bincount(t.flatten(), minlength=num_experts) for t in ids]).cpu().numpy()
+
+
+def _ranked(row: np.ndarray) -> dict[int, int]:
+    """The experts ``row`` routes (count > 0) -> their counts, most routed first, ties by id: one
+    stable sort of the whole count vector instead of a Python sort keyed per expert."""
+    order = np.argsort(-row, kind="stable")
+    order = order[: int(np.count_nonzero(row))]
+    return dict(zip(order.tolist(), row[order].tolist()))
 
 
 _BUILDING: ContextVar[ExpertOffload | None] = ContextVar("freetoken_expert_offload", default=None)

@@ -45,6 +45,9 @@ class ResidentExperts(nn.Module):
 class _Passes:
     topk_ids: torch.Tensor
     groups: list[list[int]]  # the routed experts, per pass; the first one is being copied in
+    routed: dict[int, int]  # expert -> tokens routed to it (``distinct_experts``)
+    predicted: dict[int, int] | None  # the next layer's, when the forward streams
+    settled: bool = False  # ``OffloadedExperts.after_launch`` ran
 
 
 def _host_param(*shape: int, pin: bool) -> nn.Parameter:
@@ -115,25 +118,40 @@ class OffloadedExperts(nn.Module):
 
     def prepare(self, x: torch.Tensor, topk_ids: torch.Tensor) -> _Passes:
         # The routed experts go to the host (one sync), with those the next layer's router picks
-        # for ``x`` when the forward streams: which experts to copy is decided there.
+        # for ``x`` when the forward streams: which experts to copy is decided there. Until the
+        # layer's experts are launched (``compute``) the device has nothing queued after that sync:
+        # only what the launch needs runs here (``begin``), the rest once it is queued
+        # (``after_launch``), in the same order on the table.
         following = self.layer + 1
         ids = [topk_ids]
         if self.offload.streams(x.shape[0]) and following < len(self.offload.layers):
             ids.append(self.offload.layers[following].route(x))
         routed, *predicted = distinct_experts(ids, self.num_experts)
         groups = self.offload.begin(self.layer, list(routed))
-        if predicted and len(groups) == 1:  # a layer in passes leaves no slot to spare
-            self.offload.stream_ahead(following, list(predicted[0]), groups[0])
-        # After the stream's evictions, which so never skip this layer's (running) experts.
-        self.offload.passed(self.layer, routed)
-        return _Passes(topk_ids, groups)
+        passes = _Passes(topk_ids, groups, routed, predicted[0] if predicted else None)
+        if len(groups) > 1:  # later passes admit experts: they see this layer passed, as they always did
+            self.after_launch(passes)
+        return passes
+
+    def after_launch(self, routing: _Passes) -> None:
+        """The bookkeeping of ``prepare`` the layer's launch does not need, once: the next layer's
+        predicted experts streamed in (a layer in passes leaves no slot to spare), then this layer
+        passed (after the stream's evictions, which so never skip this layer's running experts)."""
+        if routing.settled:
+            return
+        routing.settled = True
+        if routing.predicted is not None and len(routing.groups) == 1:
+            self.offload.stream_ahead(self.layer + 1, list(routing.predicted), routing.groups[0])
+        self.offload.passed(self.layer, routing.routed)
 
     def compute(self, x: torch.Tensor, topk_weights: torch.Tensor, routing: _Passes) -> torch.Tensor:
         slots = self.offload.slots
         assert slots is not None
         if len(routing.groups) == 1:
             slots.wait(self.layer)
-            return self._run(x, topk_weights, routing.topk_ids, routing.groups[0])
+            out = self._run(x, topk_weights, routing.topk_ids, routing.groups[0])
+            self.after_launch(routing)
+            return out
         out = torch.zeros_like(x)
         flat_ids, flat_weights = routing.topk_ids.flatten(), topk_weights.flatten()
         top_k = routing.topk_ids.shape[1]
