@@ -112,3 +112,37 @@ def test_distinct_experts_counts_on_the_device_most_routed_first():
     distinct = distinct_experts(ids, 4)
     assert distinct == [{3: 3, 1: 2, 0: 1}, {0: 1, 2: 1}]
     assert [list(d) for d in distinct] == [[3, 1, 0], [0, 2]]  # most routed first, ties by id
+
+
+def test_stream_ahead_and_passed_run_after_the_layers_experts_launch(short_chunks_stream, monkeypatch):
+    """The host decides only what a layer's launch needs before it (``begin``): the next layer's
+    stream and this layer's ``passed`` follow the experts kernel's launch, in that order, once."""
+    from freetoken import kernels
+
+    llm = _llm("qwen3_5_moe", CACHES["room"]["qwen3_5_moe"])
+    offload = llm.runtime.engine.offload
+    events: list[tuple[str, int]] = []
+    for name in ("begin", "stream_ahead", "passed"):
+        original = getattr(offload, name)
+
+        def recorded(layer, *args, _name=name, _original=original):
+            events.append((_name, layer))
+            return _original(layer, *args)
+
+        monkeypatch.setattr(offload, name, recorded)
+    fused = kernels.fused_experts
+
+    def launched(*args, **kwargs):
+        events.append(("launch", -1))
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "fused_experts", launched)
+    assert_greedy_batch(llm, DEMO["qwen3_5_moe"], batch_prompts(DEMO["qwen3_5_moe"])[:1])
+    start = events.index(("stream_ahead", 0))  # the first chunk, streamed from its embeddings
+    layers = len(offload.layers)
+    expected = [("stream_ahead", 0)]
+    for layer in range(layers):
+        expected += [("begin", layer), ("launch", -1)]
+        expected += [("stream_ahead", layer + 1)] if layer + 1 < layers else []
+        expected += [("passed", layer)]
+    assert events[start : start + len(expected)] == expected
