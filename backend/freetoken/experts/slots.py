@@ -48,7 +48,9 @@ copied once.
 
 The eager path keeps the invariant for every kernel that can observe the map: its ``slot_map[X] =
 s`` lands before the copy is done, but the only kernels queued between that write and ``wait``
-are the layer's shared expert and prefetch bookkeeping, which do not read slots. On the CPU the
+are the layer's shared expert and prefetch bookkeeping, which do not read slots, and, for the next
+layer's streamed experts (queued at this layer's routing, before its launch), this layer's experts,
+which read only this layer's map entries and slots (never a victim of the stream: ``running``). On the CPU the
 copies are plain copies and the same updates run in the same order.
 """
 
