@@ -14,8 +14,9 @@ experts permuted per chunk) into the cache the previous one left full, as the be
 runs follow its warm-up.
 
 Prints ms per layer, mean over the chunks after the first: all of it; ``prepare`` alone, which
-the layer's experts launch waits for after the sync (the rest, ``after_launch``, runs once they
-are queued), and the host work of it on a GPU (less the bincounts and the router's stand-in, device
+the layer's experts launch waits for after the sync (the layer's misses and the next layer's
+stream queued first, so the copy stream never waits for the launch; the rest, ``after_launch``:
+``passed``, runs once they are queued), and the host work of it on a GPU (less the bincounts and the router's stand-in, device
 work there); and by part: ``ids`` (the routed and predicted ids' counts to the host, the one sync,
 and ranked), ``count`` (of it, the bincounts: device work on a GPU, where the host only waits for them;
 slow single-threaded ops on the CPU), ``begin`` (the map read, the passes, the misses

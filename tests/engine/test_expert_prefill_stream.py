@@ -114,9 +114,10 @@ def test_distinct_experts_counts_on_the_device_most_routed_first():
     assert [list(d) for d in distinct] == [[3, 1, 0], [0, 2]]  # most routed first, ties by id
 
 
-def test_stream_ahead_and_passed_run_after_the_layers_experts_launch(short_chunks_stream, monkeypatch):
-    """The host decides only what a layer's launch needs before it (``begin``): the next layer's
-    stream and this layer's ``passed`` follow the experts kernel's launch, in that order, once."""
+def test_stream_ahead_is_queued_before_the_layers_experts_launch_and_passed_after(short_chunks_stream, monkeypatch):
+    """At a layer's routing the host queues every copy it knows of before launching anything: the
+    layer's misses (``begin``), then the next layer's stream; only ``passed`` follows the experts
+    kernel's launch, once (a copy queued after the launch would wait for that kernel)."""
     from freetoken import kernels
 
     llm = _llm("qwen3_5_moe", CACHES["room"]["qwen3_5_moe"])
@@ -142,7 +143,7 @@ def test_stream_ahead_and_passed_run_after_the_layers_experts_launch(short_chunk
     layers = len(offload.layers)
     expected = [("stream_ahead", 0)]
     for layer in range(layers):
-        expected += [("begin", layer), ("launch", -1)]
+        expected += [("begin", layer)]
         expected += [("stream_ahead", layer + 1)] if layer + 1 < layers else []
-        expected += [("passed", layer)]
+        expected += [("launch", -1), ("passed", layer)]
     assert events[start : start + len(expected)] == expected

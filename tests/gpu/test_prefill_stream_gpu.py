@@ -3,7 +3,7 @@ layer's predicted experts into cache slots on the copy stream while a layer comp
 layer's from the token embeddings at the chunk's start), each layer's experts kernel waiting on
 the events of its own copies only. At the demo models' size: float32 greedy tokens equal
 transformers' with the overlap on, decode in CUDA graphs or eager, and the copy stream's timing
-events report the copy/compute overlap that ``freetoken bench`` prints."""
+events report the copy/compute overlap and the per-layer timeline that ``freetoken bench`` prints."""
 
 from __future__ import annotations
 
@@ -37,7 +37,16 @@ def test_streamed_prefill_float32_greedy_equals_transformers_on_cuda(monkeypatch
         stream_ahead(layer, predicted, running)
 
     monkeypatch.setattr(offload, "stream_ahead", record)
+    timeline = offload.record_timeline()
     assert_greedy_batch(llm, case, batch_prompts(case)[:4])
+    offload.stop_timeline()
+    forwards = timeline.summary()  # the streamed chunks' timelines, as the bench prints them
+    assert forwards
+    for forward in forwards:
+        assert [row["layer"] for row in forward["layers"]] == list(range(len(offload.layers)))
+        assert 0 <= forward["copy_busy_ms"] <= forward["span_ms"] + 1e-3
+        assert forward["copy_idle_ms"] >= 0 and forward["compute_wait_ms"] >= 0
+    assert any(forward["copy_busy_ms"] > 0 for forward in forwards)
     torch.cuda.synchronize()
     check_slot_map_invariant(offload)
     assert set(streamed) == set(range(len(offload.layers)))

@@ -191,6 +191,7 @@ def bench_batch(llm, batch_size: int, args: argparse.Namespace, traffic, progres
     cache_before = llm.runtime.stats().expert_cache
     offload = llm.runtime.engine.offload
     counters = None if offload is None else (lambda: dataclasses.asdict(offload.counters))
+    timeline = None if offload is None else offload.record_timeline()  # CUDA: the prefill's per-layer events
     with StepRecorder(llm.runtime, batch_size, args.output_len, args.profile_steps if on_cuda else 0, progress,
                       counters=counters) as rec:
         outputs = llm.generate(requests, params)
@@ -230,6 +231,9 @@ def bench_batch(llm, batch_size: int, args: argparse.Namespace, traffic, progres
             rec.records, rec.steady_records(profiled=True), steady, offload.expert_bytes, args.pcie_bandwidth,
             args.resident_ms_per_step,
         )
+        if timeline is not None:
+            offload.stop_timeline()
+            result["expert_cache_phases"]["timelines"] = timeline.summary()
     if steady:
         step_s = statistics.median(r.seconds for r in steady)
         context = args.input_len + statistics.fmean(r.mean_output_len for r in steady) - 1

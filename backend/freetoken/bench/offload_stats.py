@@ -207,6 +207,9 @@ def print_phases(batch_size: int, phases: dict[str, Any]) -> None:
             f"{p['copy_floor_ms']:.1f} ms; needed experts' floor {p['needed_floor_ms']:.1f} ms, prefill {ratio} it); "
             f"{overlap}"
         )
+    timelines = phases.get("timelines") or []
+    if timelines:
+        print_timeline(batch_size, timelines[-1], len(timelines))
     v = phases.get("vs_resident")
     if v:
         ratio = "-" if v["added_over_miss_floor"] is None else f"{v['added_over_miss_floor']:.2f}x"
@@ -215,3 +218,33 @@ def print_phases(batch_size: int, phases: dict[str, Any]) -> None:
             f"{v['offload_ms_per_step']:.2f} ms/step median ({100 * v['tok_s_share']:.0f}% of its tok/s), mean "
             f"{v['offload_ms_mean']:.2f}: adds {v['added_ms_per_step']:.2f} ms/step, {ratio} the missed experts' floor"
         )
+
+
+def print_timeline(batch_size: int, t: dict[str, Any], forwards: int) -> None:
+    """A streamed chunk's timeline (``experts.timeline``) in three lines: the copy stream's idle time
+    and its largest gaps, the compute stream's waits, and per layer its copy / wait / experts ms."""
+    def gap(g: dict[str, Any]) -> str:
+        running = "" if g["experts_running"] is None else f", L{g['experts_running']}'s experts running"
+        kind = "streamed" if g["ahead"] else "demand"
+        return f"{g['ms']:.2f} at {g['at_ms']:.1f} before L{g['before_layer']}'s {kind} copies{running}"
+
+    span = t["span_ms"]
+    busy_share = 100 * t["copy_busy_ms"] / span if span else 0.0
+    print(
+        f"batch {batch_size}: prefill timeline (CUDA events, last of {forwards} streamed forward(s), {len(t['layers'])} "
+        f"layers, {span:.1f} ms from its start to its last experts): copy stream busy {t['copy_busy_ms']:.1f} ms "
+        f"({busy_share:.0f}%), idle {t['copy_idle_ms']:.1f} ms = {t['idle_before_first_copy_ms']:.1f} before the first "
+        f"copy + {t['idle_between_copies_ms']:.1f} in {t['gaps']} gaps + {t['idle_after_last_copy_ms']:.1f} after the "
+        f"last; largest gaps (ms): {'; '.join(map(gap, t['largest_gaps'])) or '-'}"
+    )
+    waits = sorted((row for row in t["layers"] if row["wait_ms"] > 0), key=lambda row: -row["wait_ms"])
+    named = ", ".join(f"L{row['layer']} {row['wait_ms']:.2f}" for row in waits[:4]) or "-"
+    print(
+        f"batch {batch_size}: prefill timeline: compute waited {t['compute_wait_ms']:.1f} ms for copies in "
+        f"{len(waits)} layers (largest, ms: {named}); experts ran {t['experts_ms']:.1f} ms"
+    )
+    cells = []
+    for row in t["layers"]:
+        run = 0.0 if row["experts_end"] is None else row["experts_end"] - row["experts_start"]
+        cells.append(f"{row['layer']}:{row['copy_ms']:.1f}/{row['wait_ms']:.1f}/{run:.1f}")
+    print(f"batch {batch_size}: prefill timeline per layer (copy/wait/experts ms): {' '.join(cells)}")

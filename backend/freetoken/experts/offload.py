@@ -44,6 +44,7 @@ from freetoken.experts.decode_log import RoutedLog, RoutedRecord
 from freetoken.experts.eviction import make_policy
 from freetoken.experts.lend import SlotLender
 from freetoken.experts.slots import DeviceSlots
+from freetoken.experts.timeline import PrefillTimeline
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,32 @@ class ExpertOffload:
         self._demand: deque[int] = deque(maxlen=DEMAND_WINDOW)
         self.nvfp4 = False
         self._parts: list[list[torch.Tensor]] = []
+        self.timeline: PrefillTimeline | None = None  # ``record_timeline``
+
+    def record_timeline(self) -> PrefillTimeline | None:
+        """From now on the streamed eager forwards record their per-layer timeline (CUDA timing
+        events, ``experts.timeline``; the bench's timed run). None on the CPU (no copy stream)."""
+        if self.slots is None or self.slots.copy_stream is None:
+            return None
+        self.timeline = PrefillTimeline(len(self.layers))
+        self.slots.timeline = self.timeline
+        return self.timeline
+
+    def stop_timeline(self) -> None:
+        """The forwards record no timeline any more (what ``record_timeline`` returned keeps its own)."""
+        self.timeline = None
+        if self.slots is not None:
+            self.slots.timeline = None
+
+    def mark_routed(self, layer: int) -> None:
+        """The host read ``layer``'s routed ids (the timeline's routing point)."""
+        if self.timeline is not None:
+            self.timeline.routed(layer, torch.cuda.current_stream(self.slots.device))
+
+    def mark_computed(self, layer: int) -> None:
+        """``layer``'s experts are queued (the timeline's end of the layer's experts)."""
+        if self.timeline is not None:
+            self.timeline.computed(layer, torch.cuda.current_stream(self.slots.device))
 
     def register(self, layer: HostExperts) -> int:
         """A new layer's index in the cache's keys."""
@@ -270,6 +297,8 @@ class ExpertOffload:
         """At the start of an eager forward that ``streams``: queue the copies of the experts the
         first layer's router picks for the token embeddings (``embeddings``, ``[T, H]``; a sync),
         so they cross PCIe during the first layer's attention."""
+        if self.timeline is not None:
+            self.timeline.start(torch.cuda.current_stream(self.slots.device))
         predicted = list(distinct_experts([self.layers[0].route(embeddings)], self.num_experts)[0])
         self._read_map()
         self.stream_ahead(0, predicted, [])

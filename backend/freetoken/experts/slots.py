@@ -48,7 +48,9 @@ copied once.
 
 The eager path keeps the invariant for every kernel that can observe the map: its ``slot_map[X] =
 s`` lands before the copy is done, but the only kernels queued between that write and ``wait``
-are the layer's shared expert and prefetch bookkeeping, which do not read slots. On the CPU the
+are the layer's shared expert and prefetch bookkeeping, which do not read slots, and, for the next
+layer's streamed experts (queued at this layer's routing, before its launch), this layer's experts,
+which read only this layer's map entries and slots (never a victim of the stream: ``running``). On the CPU the
 copies are plain copies and the same updates run in the same order.
 """
 
@@ -59,6 +61,7 @@ from collections import deque
 import torch
 
 from freetoken.experts.eviction import ExpertKey
+from freetoken.experts.timeline import PrefillTimeline
 
 
 class DeviceSlots:
@@ -86,6 +89,11 @@ class DeviceSlots:
         # stream, and each wait of the compute stream for them.
         self._copy_spans: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
         self._eager_waits: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
+        self.timeline: PrefillTimeline | None = None  # set by ``ExpertOffload.record_timeline`` (CUDA)
+
+    @property
+    def copy_stream(self) -> torch.cuda.Stream | None:
+        return self._stream
 
     @property
     def nbytes(self) -> int:
@@ -93,8 +101,11 @@ class DeviceSlots:
 
     def gather(self, slots: list[int]) -> list[torch.Tensor]:
         """The staging rows (one layer's experts) with row ``i`` holding slot ``slots[i]`` (at most one
-        layer's experts; device-to-device copies); the rows after are stale."""
-        index = torch.tensor(slots, dtype=torch.int64).to(self.device)
+        layer's experts; device-to-device copies); the rows after are stale. The index goes up from
+        pinned memory without a host sync: a blocking copy would hold the host until the compute
+        stream reached it, i.e. until the layer's copies were done, and the next layer's copies
+        could not be queued meanwhile."""
+        index = to_device(slots, self.device)
         rows = len(slots)
         for t, s in zip(self.tensors, self.staging):
             torch.index_select(t, 0, index, out=s[:rows])
@@ -125,6 +136,8 @@ class DeviceSlots:
                 event = torch.cuda.Event(enable_timing=True)
                 event.record(self._stream)
             self._copy_spans.append((start, event))
+            if self.timeline is not None:
+                self.timeline.copy(layer, ahead, start, event)
             if ahead:
                 self._ahead.setdefault(layer, []).append(event)
             else:
@@ -244,11 +257,9 @@ class DeviceSlots:
         memory on CUDA: no host sync)."""
         if not keys:
             return
-        pinned = self.device.type == "cuda"
         rows = [layer for layer, _ in keys]
         cols = [expert for _, expert in keys]
-        index = torch.tensor([rows, cols, values], dtype=torch.int64, pin_memory=pinned)
-        index = index.to(self.device, non_blocking=pinned)
+        index = to_device([rows, cols, values], self.device)
         self.slot_map[index[0], index[1]] = index[2].to(torch.int32)
         for key, value in zip(keys, values):
             if value < 0:
@@ -272,6 +283,8 @@ class DeviceSlots:
         after = torch.cuda.Event(enable_timing=True)
         after.record(stream)
         self._eager_waits.append((before, after))
+        if self.timeline is not None:
+            self.timeline.wait(layer, before, after)
 
     def eager_seconds(self) -> tuple[float, float]:
         """Of the eager path's copies whose events have completed since the last call: device time
@@ -283,6 +296,13 @@ class DeviceSlots:
     def slot_ids(self, layer: int, expert_ids: torch.Tensor) -> torch.Tensor:
         """``expert_ids`` (any shape) of ``layer`` -> their slots, int32, on the device."""
         return self.slot_map[layer][expert_ids.long()]
+
+
+def to_device(values: list, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """``values`` as a tensor on ``device``, from pinned memory on CUDA: queued on the current
+    stream without a host sync (a pageable ``.to(device)`` waits for the stream)."""
+    pinned = device.type == "cuda"
+    return torch.tensor(values, dtype=dtype, pin_memory=pinned).to(device, non_blocking=pinned)
 
 
 def _drain(spans: deque[tuple[torch.cuda.Event, torch.cuda.Event]]) -> float:

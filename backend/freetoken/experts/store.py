@@ -23,6 +23,7 @@ from torch import nn
 
 from freetoken import kernels
 from freetoken.experts.offload import ExpertOffload, distinct_experts, offload_being_built
+from freetoken.experts.slots import to_device
 from freetoken.layers.linear import NVFP4Weight, Weight, experts
 from freetoken.layers.weights import new_param
 
@@ -46,7 +47,6 @@ class _Passes:
     topk_ids: torch.Tensor
     groups: list[list[int]]  # the routed experts, per pass; the first one is being copied in
     routed: dict[int, int]  # expert -> tokens routed to it (``distinct_experts``)
-    predicted: dict[int, int] | None  # the next layer's, when the forward streams
     settled: bool = False  # ``OffloadedExperts.after_launch`` ran
 
 
@@ -118,30 +118,35 @@ class OffloadedExperts(nn.Module):
 
     def prepare(self, x: torch.Tensor, topk_ids: torch.Tensor) -> _Passes:
         # The routed experts go to the host (one sync), with those the next layer's router picks
-        # for ``x`` when the forward streams: which experts to copy is decided there. Until the
-        # layer's experts are launched (``compute``) the device has nothing queued after that sync:
-        # only what the launch needs runs here (``begin``), the rest once it is queued
-        # (``after_launch``), in the same order on the table.
+        # for ``x`` when the forward streams: which experts to copy is decided there. Then, before
+        # anything is launched, every copy the host now knows of is queued: this layer's misses
+        # (``begin``), behind them the next layer's predicted experts (``stream_ahead``), so the
+        # copy stream never drains while the host launches this layer. Both copy batches wait for
+        # the compute stream as of this sync, which has run (a copy queued after the experts launch
+        # would wait for that kernel, which reads none of its slots: the copy stream sat idle
+        # while the layer's experts ran). The layer's launch itself waits for its own copies
+        # anyway, so queuing the stream first costs it nothing while the copies are the longer
+        # part. The rest of the bookkeeping (``after_launch``) runs once the launch is queued.
         following = self.layer + 1
         ids = [topk_ids]
         if self.offload.streams(x.shape[0]) and following < len(self.offload.layers):
             ids.append(self.offload.layers[following].route(x))
         routed, *predicted = distinct_experts(ids, self.num_experts)
+        self.offload.mark_routed(self.layer)
         groups = self.offload.begin(self.layer, list(routed))
-        passes = _Passes(topk_ids, groups, routed, predicted[0] if predicted else None)
+        if predicted and len(groups) == 1:  # a layer in passes leaves no slot to spare
+            self.offload.stream_ahead(following, list(predicted[0]), groups[0])
+        passes = _Passes(topk_ids, groups, routed)
         if len(groups) > 1:  # later passes admit experts: they see this layer passed, as they always did
             self.after_launch(passes)
         return passes
 
     def after_launch(self, routing: _Passes) -> None:
-        """The bookkeeping of ``prepare`` the layer's launch does not need, once: the next layer's
-        predicted experts streamed in (a layer in passes leaves no slot to spare), then this layer
-        passed (after the stream's evictions, which so never skip this layer's running experts)."""
+        """The bookkeeping of ``prepare`` the layer's launch does not need, once: this layer passed
+        (after the stream's evictions, which so never skip this layer's running experts)."""
         if routing.settled:
             return
         routing.settled = True
-        if routing.predicted is not None and len(routing.groups) == 1:
-            self.offload.stream_ahead(self.layer + 1, list(routing.predicted), routing.groups[0])
         self.offload.passed(self.layer, routing.routed)
 
     def compute(self, x: torch.Tensor, topk_weights: torch.Tensor, routing: _Passes) -> torch.Tensor:
@@ -150,6 +155,7 @@ class OffloadedExperts(nn.Module):
         if len(routing.groups) == 1:
             slots.wait(self.layer)
             out = self._run(x, topk_weights, routing.topk_ids, routing.groups[0])
+            self.offload.mark_computed(self.layer)
             self.after_launch(routing)
             return out
         out = torch.zeros_like(x)
@@ -164,6 +170,7 @@ class OffloadedExperts(nn.Module):
             tokens = pairs // top_k
             part = self._run(x[tokens], flat_weights[pairs, None], flat_ids[pairs, None], group)
             out.index_add_(0, tokens, part)
+        self.offload.mark_computed(self.layer)
         return out
 
     def _run(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, group: list[int]) -> torch.Tensor:
@@ -188,9 +195,10 @@ class OffloadedExperts(nn.Module):
                 local = slots.slot_ids(self.layer, expert_ids) - start
             else:
                 tensors = slots.gather(taken)
-                rank = torch.zeros(self.num_experts, dtype=torch.int32)
-                rank[torch.tensor(group)] = torch.arange(len(group), dtype=torch.int32)
-                local = rank.to(x.device)[expert_ids.long()]
+                rank = [0] * self.num_experts
+                for position, expert in enumerate(group):
+                    rank[expert] = position
+                local = to_device(rank, x.device, torch.int32)[expert_ids.long()]
         if self.offload.nvfp4:
             return kernels.fused_experts_nvfp4(x, *tensors, weights, local)
         return kernels.fused_experts(x, tensors[0], tensors[1], weights, local)
