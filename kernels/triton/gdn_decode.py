@@ -29,9 +29,9 @@ from freetoken.kernels.triton.moe_decode import _pdl_available
 BLOCK_V = 32
 WIDE_BATCH, WIDE_BLOCK_V = 16, 64
 NUM_WARPS = 4
-# The normed launch's warps: its program holds a ``[Dk, Dv]`` = 128 x 128 float32 state tile, 64
-# registers a thread over 8 warps (128 over 4). Not yet measured (``benchmarks/b1_fusions_sweep.py
-# --parts decode_norm`` times 4, 8 and 16).
+# The normed launch's warps: its program holds a ``[Dk, Dv]`` = 128 x 128 float32 state tile; ptxas
+# (sm_90, Triton 3.6) gives 255 / 172 / 98 registers a thread at 4 / 8 / 16 warps, no spills. Not
+# yet measured (``benchmarks/b1_fusions_sweep.py --parts decode_norm`` times all three).
 NORM_NUM_WARPS = 8
 
 

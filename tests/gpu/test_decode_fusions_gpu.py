@@ -246,7 +246,7 @@ def test_gdn_decode_with_the_output_norm_at_real_sizes(rng, check, dtype, rows, 
     check(f"gdn_decode_norm_state_vs_reference_m{rows}", state, ref_state, dtype)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 8])
+@pytest.mark.parametrize("rows", [1, 2, 4])
 def test_gdn_layer_output_norm_in_its_decode_launch(rng, check, monkeypatch, rows):
     """A Qwen3.6 GDN layer's decode step with the output norm in the delta-rule launch
     (``FUSED_DECODE_NORM``) and without: the same output, residual and states, two steps in a row;
@@ -281,7 +281,7 @@ def test_gdn_layer_output_norm_in_its_decode_launch(rng, check, monkeypatch, row
         return [*outs, layer.conv_state, layer.recurrent_state]
 
     got, want = run(True), run(False)
-    assert len(calls) == len(xs)
+    assert len(calls) == len(xs) and rows <= gated_deltanet.DECODE_NORM_MAX_BATCH
     for i, (g, w) in enumerate(zip(got, want)):
         check(f"gdn_decode_norm_layer_m{rows}_{i}", g.float(), w.float(), torch.bfloat16 if i < len(xs) else torch.float32)
     monkeypatch.setattr(gated_deltanet, "FUSED_DECODE_NORM", True)

@@ -29,14 +29,16 @@ FUSED_OUTPUT_NORM = False
 # conv1d decode step runs in that launch too (``kernels.add_rms_norm_gemv_conv``: each program
 # convolves its own q|k|v channels): one launch a layer fewer. False: the A/B switch.
 FUSED_CONV = True
-# In a decode-only step of fewer than ``DECODE_NORM_MAX_BATCH`` requests the gated output norm runs
-# in the delta-rule step's epilogue (``kernels.gated_delta_rule_decode_gated_norm``: a program owns
-# a head's whole value row): one launch a layer fewer, out_proj a plain GEMV. Taken before
+# In a decode-only step of up to ``DECODE_NORM_MAX_BATCH`` requests the gated output norm runs in
+# the delta-rule step's epilogue (``kernels.gated_delta_rule_decode_gated_norm``: a program owns a
+# head's whole value row): one launch a layer fewer, out_proj a plain GEMV. Taken before
 # ``FUSED_OUTPUT_NORM``. False: the A/B switch (``benchmarks/b1_fusions_ab.py --off decode_norm``);
-# not yet measured end to end (``benchmarks/b1_fusions_sweep.py --parts decode_norm``).
+# not yet measured (``benchmarks/b1_fusions_sweep.py --parts decode_norm``).
 FUSED_DECODE_NORM = True
-# From here on the unfused step's narrower tiles (``gdn_decode.WIDE_BATCH``) and the norm launch run.
-DECODE_NORM_MAX_BATCH = 16
+# Its program holds a 128 x 128 float32 state tile (172 registers a thread over 8 warps, ptxas for
+# sm_90: one program an SM), so up to 4 requests x 32 heads its programs are one wave on the H200's
+# 132 SMs; past that the unfused step's smaller programs (89 registers, 4 warps) share the SMs.
+DECODE_NORM_MAX_BATCH = 4
 
 
 @dataclass(frozen=True)
@@ -165,7 +167,7 @@ class GatedDeltaNet(nn.Module):
         delta-rule step's launch (``FUSED_DECODE_NORM``)."""
         return (
             FUSED_DECODE_NORM
-            and rows < DECODE_NORM_MAX_BATCH
+            and rows <= DECODE_NORM_MAX_BATCH
             and norm_fits_one_program(self.head_k_dim, self.head_v_dim)
         )
 
