@@ -30,7 +30,7 @@ BLOCK_V = 32
 WIDE_BATCH, WIDE_BLOCK_V = 16, 64
 NUM_WARPS = 4
 # The normed launch's warps: its program holds a ``[Dk, Dv]`` = 128 x 128 float32 state tile; ptxas
-# (sm_90, Triton 3.6) gives 255 / 172 / 98 registers a thread at 4 / 8 / 16 warps, no spills. Not
+# (sm_90, Triton 3.6) gives 255 (36 bytes spilled) / 169 / 99 registers a thread at 4 / 8 / 16 warps. Not
 # yet measured (``benchmarks/b1_fusions_sweep.py --parts decode_norm`` times all three).
 NORM_NUM_WARPS = 8
 
@@ -71,6 +71,9 @@ def _decode_gated_kernel(
     q = q * (tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * q_scale)
     k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
     v = tl.load(v_ptr + bi * v_sb + h * v_sh + vcols, mask=v_ok, other=0.0).to(tl.float32)
+    if NORM:  # the norm's operands, loaded before the state so their latency hides behind its load
+        norm_w = tl.load(norm_w_ptr + vcols, mask=v_ok, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + bi * z_sb + h * z_sh + vcols, mask=v_ok, other=0.0).to(tl.float32)
     slot = tl.load(slot_ptr + bi).to(tl.int64)
     s_ptrs = state_ptr + slot * st_ss + h * st_sh + kcols[:, None] * st_sk + vcols[None, :]
     s_mask = k_ok[:, None] & v_ok[None, :]
@@ -82,10 +85,9 @@ def _decode_gated_kernel(
     if NORM:  # the gated output norm over this program's whole head, as ``_rms_norm_kernel`` rounds it
         core = round_as(out, dtype)  # the decode step's output, as the unfused launch stores it
         normed = round_as(core * tl.rsqrt(tl.sum(core * core, 0) / value_dim + eps), dtype)
-        out = tl.load(norm_w_ptr + vcols, mask=v_ok, other=0.0).to(tl.float32) * normed
+        out = norm_w * normed
         if ROUND_PRODUCT:  # ``w · x̂`` in the activations' dtype unless the weight's is wider
             out = round_as(out, dtype)
-        z = tl.load(z_ptr + bi * z_sb + h * z_sh + vcols, mask=v_ok, other=0.0).to(tl.float32)
         if GATE_SIGMOID:
             out = out * tl.sigmoid(z)
         else:

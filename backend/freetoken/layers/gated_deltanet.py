@@ -35,7 +35,7 @@ FUSED_CONV = True
 # ``FUSED_OUTPUT_NORM``. False: the A/B switch (``benchmarks/b1_fusions_ab.py --off decode_norm``);
 # not yet measured (``benchmarks/b1_fusions_sweep.py --parts decode_norm``).
 FUSED_DECODE_NORM = True
-# Its program holds a 128 x 128 float32 state tile (172 registers a thread over 8 warps, ptxas for
+# Its program holds a 128 x 128 float32 state tile (169 registers a thread over 8 warps, ptxas for
 # sm_90: one program an SM), so up to 4 requests x 32 heads its programs are one wave on the H200's
 # 132 SMs; past that the unfused step's smaller programs (89 registers, 4 warps) share the SMs.
 DECODE_NORM_MAX_BATCH = 4
