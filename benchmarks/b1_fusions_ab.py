@@ -18,6 +18,7 @@ FOLDS = {
     "route": ("freetoken.layers.moe", "FUSED_ROUTE"),
     "conv": ("freetoken.layers.gated_deltanet", "FUSED_CONV"),
     "gated": ("freetoken.layers.gated_deltanet", "FUSED_OUTPUT_NORM"),
+    "decode_norm": ("freetoken.layers.gated_deltanet", "FUSED_DECODE_NORM"),
     "greedy": ("freetoken.engine.sample", "FUSED_GREEDY"),
 }
 

@@ -8,15 +8,20 @@ Qwen3.6-35B-A3B shape, and print ``GATED_NORMED_TUNED`` entries:
    launch shapes;
 3. ``conv``: the GDN input norm + in_proj GEMV, then ``causal_conv1d_decode``, against the launch
    with the conv step in its epilogue (``add_rms_norm_gemv_conv``; ``layers.gated_deltanet.FUSED_CONV``);
-4. ``greedy``: the sampler's general path at temperature 0 (parameter gathers, ``sample_tokens``,
+4. ``decode_norm``: the Gated DeltaNet decode step (``_decode_gated_kernel``), then the gated output
+   norm (``_rms_norm_kernel``), against the step with the norm in its epilogue, a program a head
+   (``gated_delta_rule_decode_gated_norm``; ``layers.gated_deltanet.FUSED_DECODE_NORM``), over its
+   warps (``gdn_decode.NORM_NUM_WARPS``);
+5. ``greedy``: the sampler's general path at temperature 0 (parameter gathers, ``sample_tokens``,
    the slot scatters) against the one greedy launch (``greedy_sample_into_slots``;
    ``engine.sample.FUSED_GREEDY``), eager as the engine runs it (after the graph).
 
-    python benchmarks/b1_fusions_sweep.py [--parts router gated conv greedy] [--rows 1] [--json FILE]
+    python benchmarks/b1_fusions_sweep.py [--parts router gated conv decode_norm greedy] [--rows 1] [--json FILE]
 
-1-3 replay one CUDA graph of back-to-back calls over distinct weight copies (more than the L2
-together, as ``normed_gemv_sweep.py``), with programmatic dependent launch as the step has it; us per
-call (the median replay). Each fused output is checked against the unfused chain's.
+1-4 replay one CUDA graph of back-to-back calls over distinct weight copies (``decode_norm``:
+distinct recurrent states; more than the L2 together, as ``normed_gemv_sweep.py``), with
+programmatic dependent launch as the step has it; us per call (the median replay). Each fused
+output is checked against the unfused chain's.
 """
 
 from __future__ import annotations
@@ -157,6 +162,60 @@ def conv(rows: int) -> dict:
     return row
 
 
+def decode_norm(rows: int) -> dict:
+    from freetoken.kernels.triton import gdn_decode, norm
+
+    hk, dk = 16, 128
+    conv_out = torch.randn(rows, 2 * hk * dk + HEADS * HEAD_DIM, device="cuda").to(BF16)
+    q = conv_out[:, : hk * dk].reshape(rows, hk, dk)
+    k = conv_out[:, hk * dk : 2 * hk * dk].reshape(rows, hk, dk)
+    v = conv_out[:, 2 * hk * dk :].reshape(rows, HEADS, HEAD_DIM)
+    projected = torch.randn(rows, HEADS * HEAD_DIM + 2 * HEADS, device="cuda").to(BF16)
+    z = projected[:, : HEADS * HEAD_DIM].reshape(rows, HEADS, HEAD_DIM)
+    b, a = projected[:, HEADS * HEAD_DIM : -HEADS], projected[:, -HEADS:]
+    A_log = torch.rand(HEADS, device="cuda").log()
+    dt_bias = torch.randn(HEADS, device="cuda").to(BF16)
+    nw = (torch.randn(HEAD_DIM, device="cuda") * 0.2 + 1).to(BF16)
+    slots = torch.arange(1, rows + 1, dtype=torch.int32, device="cuda")
+    state_bytes = (rows + 1) * HEADS * dk * HEAD_DIM * 4
+    states = [torch.randn(rows + 1, HEADS, dk, HEAD_DIM, device="cuda") * 0.1
+              for _ in range(max(1, math.ceil(TARGET_BYTES / state_bytes)))]
+    calls = max(MIN_CALLS, len(states))
+    gating = (q, k, v, a, b, A_log, dt_bias)
+
+    def unfused(state):
+        core = gdn_decode.gated_delta_rule_decode_gated(*gating, state, slots)
+        return norm.gated_rms_norm(core, z, nw, EPS, "silu")
+
+    def fused(state):
+        return gdn_decode.gated_delta_rule_decode_gated_norm(*gating, state, slots, z, nw, EPS, "silu")
+
+    start = states[0].clone()
+    want, want_state = unfused(states[0]), states[0].clone()
+    states[0].copy_(start)
+    default_warps = gdn_decode.NORM_NUM_WARPS
+    row = dict(part="decode_norm", rows=rows, calls_per_step=30,
+               unfused_us=graph_us(lambda: [unfused(states[i % len(states)]) for i in range(calls)], calls), fused=[])
+    for warps in (4, 8, 16):
+        gdn_decode.NORM_NUM_WARPS = warps
+        states[0].copy_(start)
+        got = fused(states[0])
+        row["fused"].append(dict(num_warps=warps, rel_error=_rel(got, want), state_rel_error=_rel(states[0], want_state),
+                                 differing=int((got != want).sum()),
+                                 us=graph_us(lambda: [fused(states[i % len(states)]) for i in range(calls)], calls)))
+    gdn_decode.NORM_NUM_WARPS = default_warps
+    best = min(row["fused"], key=lambda t: t["us"])
+    row.update(best_warps=best["num_warps"], best_us=best["us"],
+               saving_us_per_step=(row["unfused_us"] - best["us"]) * 30)
+    print(f"decode_norm rows={rows}: GDN decode, gated norm {row['unfused_us']:6.2f} us | norm in the decode "
+          f"epilogue best {best['us']:6.2f} us ({best['num_warps']} warps; default {default_warps}) | x30 a step: "
+          f"{row['saving_us_per_step']:+.1f} us", flush=True)
+    for t in row["fused"]:
+        print(f"    {t['num_warps']:2d} warps {t['us']:7.2f} us  rel err {t['rel_error']:.2e} ({t['differing']} of "
+              f"{want.numel()} differ), state rel err {t['state_rel_error']:.2e}", flush=True)
+    return row
+
+
 def greedy(rows: int, iters: int = 200) -> dict:
     from freetoken.engine import sample
 
@@ -191,7 +250,7 @@ def greedy(rows: int, iters: int = 200) -> dict:
     return row
 
 
-PARTS = {"router": router, "gated": gated, "conv": conv, "greedy": greedy}
+PARTS = {"router": router, "gated": gated, "conv": conv, "decode_norm": decode_norm, "greedy": greedy}
 
 
 def main() -> None:

@@ -1,5 +1,6 @@
 """Gated DeltaNet's decode step with its gating fused in: one launch where the layer ran eight
-(``sigmoid(b)``, the float32 ``g`` chain of casts, exp, softplus and products, and the step)."""
+(``sigmoid(b)``, the float32 ``g`` chain of casts, exp, softplus and products, and the step); and
+the same step with the layer's gated output RMS norm in its epilogue (one launch fewer again)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,21 @@ import torch.nn.functional as F
 
 from freetoken.kernels.dispatch import op
 from freetoken.kernels.gated_delta_rule import gated_delta_rule_decode_reference
+from freetoken.kernels.norm import gated_rms_norm_reference
+
+# The largest ``pow2(Dk) * pow2(Dv)`` state tile one program of the normed step's Triton launch
+# holds (it owns a head's whole row of value columns; Qwen3.6's heads are 128 x 128).
+NORM_MAX_TILE = 128 * 128
+
+
+def norm_fits_one_program(key_dim: int, value_dim: int) -> bool:
+    """Whether ``gated_delta_rule_decode_gated_norm``'s Triton launch takes heads of this size."""
+    return _pow2(key_dim) * _pow2(value_dim) <= NORM_MAX_TILE
+
+
+def _pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (the Triton launch's block sizes)."""
+    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 def gated_delta_rule_decode_gated_reference(
@@ -31,4 +47,27 @@ def gated_delta_rule_decode_gated_reference(
     return gated_delta_rule_decode_reference(q, k, v, g, beta, state, state_slots)
 
 
+def gated_delta_rule_decode_gated_norm_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    state_slots: torch.Tensor,
+    z: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """``gated_rms_norm(gated_delta_rule_decode_gated(...), z, norm_weight, eps, activation)``: the
+    step's output rounded to the activations' dtype, then the output norm of each head's row with
+    the gate ``z [B, Hv, Dv]``, rounded where the two launches round."""
+    core = gated_delta_rule_decode_gated_reference(q, k, v, a, b, A_log, dt_bias, state, state_slots)
+    return gated_rms_norm_reference(core, z, norm_weight, eps, activation)
+
+
 gated_delta_rule_decode_gated = op("gdn_decode")(gated_delta_rule_decode_gated_reference)
+gated_delta_rule_decode_gated_norm = op("gdn_decode")(gated_delta_rule_decode_gated_norm_reference)

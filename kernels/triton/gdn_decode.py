@@ -4,6 +4,12 @@ One program per (request, value head, block of value columns), as ``gated_delta_
 also computes its head's ``β = sigmoid(b)`` (rounded to the activations' dtype, as the reference)
 and ``g = -exp(A_log) · softplus(a + dt_bias)`` in float32 (softplus with torch's threshold of 20),
 so the layer's eight small gating launches go.
+
+With ``NORM`` the layer's gated output RMS norm runs in the epilogue too
+(``gated_delta_rule_decode_gated_norm``): one program owns a head's whole row of value columns
+(``BLOCK_V >= value_dim``), so the sum of squares needs nothing from another program; the output
+is the normed, gated row out_proj reads, rounded where the unfused decode + ``gated_rms_norm``
+round it.
 """
 
 from __future__ import annotations
@@ -12,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from freetoken.kernels.gdn_decode import NORM_MAX_TILE, norm_fits_one_program
+from freetoken.kernels.norm import check_gate_activation
 from freetoken.kernels.triton._common import cast, new_empty, pow2, round_as
 from freetoken.kernels.triton.moe_decode import _pdl_available
 
@@ -21,6 +29,10 @@ from freetoken.kernels.triton.moe_decode import _pdl_available
 BLOCK_V = 32
 WIDE_BATCH, WIDE_BLOCK_V = 16, 64
 NUM_WARPS = 4
+# The normed launch's warps: its program holds a ``[Dk, Dv]`` = 128 x 128 float32 state tile; ptxas
+# (sm_90, Triton 3.6) gives 255 (36 bytes spilled) / 169 / 99 registers a thread at 4 / 8 / 16 warps. Not
+# yet measured (``benchmarks/b1_fusions_sweep.py --parts decode_norm`` times all three).
+NORM_NUM_WARPS = 8
 
 
 def decode_tiles(batch: int, value_dim: int) -> int:
@@ -33,8 +45,10 @@ def _decode_gated_kernel(
     q_ptr, q_sb, q_sh, k_ptr, k_sb, k_sh, v_ptr, v_sb, v_sh,
     a_ptr, a_sb, b_ptr, b_sb, a_log_ptr, dt_bias_ptr,
     state_ptr, st_ss, st_sh, st_sk, slot_ptr, out_ptr,
+    z_ptr, z_sb, z_sh, norm_w_ptr, eps,
     num_v_heads, key_dim, value_dim, q_scale,
     HEAD_RATIO: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr,
+    NORM: tl.constexpr = False, GATE_SIGMOID: tl.constexpr = False, ROUND_PRODUCT: tl.constexpr = True,
 ):
     if PDL:  # every input may be an earlier launch's output: wait before any load, then let the next launch start
         tl.extra.cuda.gdc_wait()
@@ -57,6 +71,9 @@ def _decode_gated_kernel(
     q = q * (tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * q_scale)
     k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
     v = tl.load(v_ptr + bi * v_sb + h * v_sh + vcols, mask=v_ok, other=0.0).to(tl.float32)
+    if NORM:  # the norm's operands, loaded before the state so their latency hides behind its load
+        norm_w = tl.load(norm_w_ptr + vcols, mask=v_ok, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + bi * z_sb + h * z_sh + vcols, mask=v_ok, other=0.0).to(tl.float32)
     slot = tl.load(slot_ptr + bi).to(tl.int64)
     s_ptrs = state_ptr + slot * st_ss + h * st_sh + kcols[:, None] * st_sk + vcols[None, :]
     s_mask = k_ok[:, None] & v_ok[None, :]
@@ -65,20 +82,20 @@ def _decode_gated_kernel(
     s = s + k[:, None] * ((v - predicted) * beta)[None, :]
     tl.store(s_ptrs, s, mask=s_mask)
     out = tl.sum(s * q[:, None], 0)
+    if NORM:  # the gated output norm over this program's whole head, as ``_rms_norm_kernel`` rounds it
+        core = round_as(out, dtype)  # the decode step's output, as the unfused launch stores it
+        normed = round_as(core * tl.rsqrt(tl.sum(core * core, 0) / value_dim + eps), dtype)
+        out = norm_w * normed
+        if ROUND_PRODUCT:  # ``w · x̂`` in the activations' dtype unless the weight's is wider
+            out = round_as(out, dtype)
+        if GATE_SIGMOID:
+            out = out * tl.sigmoid(z)
+        else:
+            out = out * (z * tl.sigmoid(z))
     tl.store(out_ptr + (bi * num_v_heads + h) * value_dim + vcols, cast(out, dtype), mask=v_ok)
 
 
-def gated_delta_rule_decode_gated(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    state: torch.Tensor,
-    state_slots: torch.Tensor,
-) -> torch.Tensor:
+def _check(q, k, v, a, b, A_log, dt_bias, state) -> None:
     batch, num_v_heads, value_dim = v.shape
     num_k_heads, key_dim = k.shape[1:]
     if (
@@ -97,18 +114,77 @@ def gated_delta_rule_decode_gated(
             f"b {tuple(b.shape)}, A_log {tuple(A_log.shape)}, dt_bias {tuple(dt_bias.shape)}, "
             f"state {tuple(state.shape)} {state.dtype} disagree"
         )
+
+
+def _launch(q, k, v, a, b, A_log, dt_bias, state, state_slots, block_v, num_warps, norm=None) -> torch.Tensor:
+    """The step's launch over ``(request, value head, block of block_v columns)``; ``norm``:
+    ``(z, weight, eps, activation)`` of the output norm run in its epilogue (``block_v >= Dv``)."""
+    batch, num_v_heads, value_dim = v.shape
+    num_k_heads, key_dim = k.shape[1:]
     q, k, v, a, b = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, a, b))
     A_log, dt_bias = A_log.contiguous(), dt_bias.contiguous()
     out = new_empty((batch, num_v_heads, value_dim), v.dtype, v.device)
     if batch == 0:
         return out
-    block_v = decode_tiles(batch, value_dim)
+    if norm is None:
+        z, norm_w, eps, extra = v, A_log, 0.0, {}
+    else:
+        z, norm_w, eps, activation = norm
+        z, norm_w = (z if z.stride(-1) == 1 else z.contiguous()), norm_w.contiguous()
+        extra = dict(NORM=True, GATE_SIGMOID=activation == "sigmoid",
+                     ROUND_PRODUCT=torch.promote_types(norm_w.dtype, v.dtype) == v.dtype)
     _decode_gated_kernel[(batch, num_v_heads, triton.cdiv(value_dim, block_v))](
         q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
         a, a.stride(0), b, b.stride(0), A_log, dt_bias,
         state, state.stride(0), state.stride(1), state.stride(2), state_slots, out,
+        z, z.stride(0), z.stride(1), norm_w, eps,
         num_v_heads, key_dim, value_dim, key_dim**-0.5,
-        HEAD_RATIO=num_v_heads // num_k_heads, BLOCK_K=pow2(key_dim), BLOCK_V=block_v, num_warps=NUM_WARPS,
-        PDL=_pdl_available(), launch_pdl=_pdl_available(),
+        HEAD_RATIO=num_v_heads // num_k_heads, BLOCK_K=pow2(key_dim), BLOCK_V=block_v, num_warps=num_warps,
+        PDL=_pdl_available(), launch_pdl=_pdl_available(), **extra,
     )
     return out
+
+
+def gated_delta_rule_decode_gated(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    state_slots: torch.Tensor,
+) -> torch.Tensor:
+    _check(q, k, v, a, b, A_log, dt_bias, state)
+    block_v = decode_tiles(v.shape[0], v.shape[2])
+    return _launch(q, k, v, a, b, A_log, dt_bias, state, state_slots, block_v, NUM_WARPS)
+
+
+def gated_delta_rule_decode_gated_norm(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    state_slots: torch.Tensor,
+    z: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    activation: str = "silu",
+) -> torch.Tensor:
+    _check(q, k, v, a, b, A_log, dt_bias, state)
+    check_gate_activation(activation)
+    value_dim = v.shape[2]
+    if z.shape != v.shape or norm_weight.shape != (value_dim,):
+        raise ValueError(
+            f"gated delta rule decode + norm: z {tuple(z.shape)} must be v's {tuple(v.shape)}, "
+            f"norm weight {tuple(norm_weight.shape)} ({value_dim},)"
+        )
+    if not norm_fits_one_program(k.shape[2], value_dim):
+        raise ValueError(f"gated delta rule decode + norm: a {k.shape[2]} x {value_dim} state tile is over {NORM_MAX_TILE}")
+    return _launch(q, k, v, a, b, A_log, dt_bias, state, state_slots, pow2(value_dim), NORM_NUM_WARPS,
+                   (z, norm_weight, eps, activation))

@@ -20,7 +20,14 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_float32_greedy_tokens_equal_transformers_through_triton(case):
+def test_float32_greedy_tokens_equal_transformers_through_triton(case, monkeypatch):
+    """The defaults, which include the GDN output norm in the delta-rule decode step's launch
+    (``layers.gated_deltanet.FUSED_DECODE_NORM``; both families' GDN layers), counted."""
+    from freetoken import kernels
+
+    calls = []
+    fused = kernels.gated_delta_rule_decode_gated_norm
+    monkeypatch.setattr(kernels, "gated_delta_rule_decode_gated_norm", lambda *a: calls.append(1) or fused(*a))
     llm = LLM(
         model=str(checkpoint(case)),
         dtype="float32",
@@ -31,6 +38,7 @@ def test_float32_greedy_tokens_equal_transformers_through_triton(case):
         num_pages=64,
     )
     assert_greedy_batch(llm, case, [llm.runtime.tokenize(p) for p in PROMPTS], max_tokens=8)
+    assert calls, "the decode step's normed launch never ran"
 
 
 def test_float32_greedy_tokens_with_norms_fused_into_the_gemvs(monkeypatch):
@@ -91,7 +99,8 @@ def test_float32_greedy_tokens_with_the_moe_output_summed_in_the_next_norm(monke
 def test_float32_greedy_tokens_with_the_batch1_folds(monkeypatch):
     """Every decode fold of issue 9 forced on the CPU (the layers take them on CUDA only): the MoE
     routing in the router's launch, the GDN conv step in its input launch, the gated output norm in
-    out_proj's GEMV, and greedy steps sampled in one launch; still transformers' tokens."""
+    out_proj's GEMV (the delta-rule step's epilogue, which the layer takes before it, off), and
+    greedy steps sampled in one launch; still transformers' tokens."""
     from freetoken import kernels
     from freetoken.kernels.gemv_configs import NORMED_MAX_ROWS
     from freetoken.layers import gated_deltanet, moe, normed_linear
@@ -103,6 +112,7 @@ def test_float32_greedy_tokens_with_the_batch1_folds(monkeypatch):
         monkeypatch.setattr(module, "fuses", few_rows)
     monkeypatch.setattr(moe, "FUSED_ROUTE", True)  # the two folds off by default (slower on the H200)
     monkeypatch.setattr(gated_deltanet, "FUSED_OUTPUT_NORM", True)
+    monkeypatch.setattr(gated_deltanet, "FUSED_DECODE_NORM", False)
     monkeypatch.setattr(gated_deltanet, "takes_gemv", lambda x, weight: True)
     calls: dict[str, int] = {}
     for name in ("add_rms_norm_gemv_route", "add_rms_norm_gemv_conv", "gated_rms_norm_gemv", "greedy_sample_into_slots"):

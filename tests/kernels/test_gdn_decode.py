@@ -51,3 +51,72 @@ def test_gated_delta_rule_decode_gated_rejects_mismatched_shapes():
     slots = torch.arange(2, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="A_log"):
         gated_delta_rule_decode_gated(q, k, v, torch.zeros(2, 2), torch.zeros(2, 2), torch.zeros(3), torch.zeros(2), state, slots)
+
+
+@pytest.mark.parametrize(
+    "dtype, batch, activation, weight_dtype",
+    [
+        (torch.float32, 1, "silu", None),
+        (torch.bfloat16, 3, "silu", None),
+        (torch.bfloat16, 2, "sigmoid", None),
+        (torch.bfloat16, 2, "silu", torch.float32),  # a wider norm weight: ``w · x̂`` not rounded
+    ],
+)
+def test_gated_delta_rule_decode_gated_norm(rng, dtype, batch, activation, weight_dtype):
+    """The step with the gated output norm in its epilogue: exactly the unfused Triton chain (the
+    step, then ``gated_rms_norm``) and its state, and the composed references within the dtype's
+    bound; 80 value columns in one 128-column block, the rest masked."""
+    from freetoken.kernels.triton import gdn_decode, norm
+
+    hk, hv, dk, dv, slots_total, eps = 2, 4, 24, 80, 7, 1e-6
+
+    def randn(*shape, scale=1.0, dt=dtype):
+        return (torch.randn(*shape, generator=rng) * scale).to(dt).to(DEVICE)
+
+    # q|k|v strided views of one conv output, z a strided view of the in_proj output, as the layer passes them.
+    conv = randn(batch, 2 * hk * dk + hv * dv)
+    q = conv[:, : hk * dk].reshape(batch, hk, dk)
+    k = conv[:, hk * dk : 2 * hk * dk].reshape(batch, hk, dk)
+    v = conv[:, 2 * hk * dk :].reshape(batch, hv, dv)
+    projected = randn(batch, hv * dv + 2 * hv + 5, scale=2.0)
+    z = projected[:, : hv * dv].reshape(batch, hv, dv)
+    b, a = projected[:, hv * dv : hv * dv + hv], projected[:, hv * dv + hv : hv * dv + 2 * hv]
+    A_log, dt_bias = randn(hv, scale=0.5), randn(hv)
+    norm_w = randn(dv, scale=0.3, dt=weight_dtype or dtype) + 1
+    state = (torch.randn(slots_total, hv, dk, dv, generator=rng) * 0.1).to(DEVICE)
+    slots = torch.randperm(slots_total, generator=rng)[:batch].int().to(DEVICE)
+    args = (q, k, v, a, b, A_log, dt_bias)
+
+    chain_state, ref_state = state.clone(), state.clone()
+    got = gdn_decode.gated_delta_rule_decode_gated_norm(*args, state, slots, z, norm_w, eps, activation)
+    core = gdn_decode.gated_delta_rule_decode_gated(*args, chain_state, slots)
+    chain = norm.gated_rms_norm(core, z, norm_w, eps, activation)
+    want = ref.gated_delta_rule_decode_gated_norm_reference(*args, ref_state, slots, z, norm_w, eps, activation)
+    if weight_dtype is None:  # the unfused Triton norm rounds ``w · x̂`` to the activations' dtype whatever w's is
+        assert torch.equal(got, chain)
+    assert torch.equal(state, chain_state)
+    assert got.dtype == dtype and got.shape == (batch, hv, dv)
+    assert_close(got, want)
+    assert_close(state, ref_state, dtype=dtype)
+
+
+def test_gated_delta_rule_decode_gated_norm_rejects_bad_inputs():
+    from freetoken.kernels.triton.gdn_decode import gated_delta_rule_decode_gated_norm
+
+    q = k = torch.zeros(2, 1, 8, device=DEVICE)
+    v = torch.zeros(2, 2, 8, device=DEVICE)
+    a = b = torch.zeros(2, 2, device=DEVICE)
+    A_log = dt_bias = torch.zeros(2, device=DEVICE)
+    state = torch.zeros(3, 2, 8, 8, device=DEVICE)
+    slots = torch.arange(2, dtype=torch.int32, device=DEVICE)
+    args = (q, k, v, a, b, A_log, dt_bias, state, slots)
+    with pytest.raises(ValueError, match="z"):
+        gated_delta_rule_decode_gated_norm(*args, torch.zeros(2, 2, 4, device=DEVICE), torch.zeros(8, device=DEVICE), 1e-6)
+    with pytest.raises(ValueError, match="gate activation"):
+        gated_delta_rule_decode_gated_norm(*args, torch.zeros_like(v), torch.zeros(8, device=DEVICE), 1e-6, "relu")
+    big_k, big_v = torch.zeros(1, 1, 256), torch.zeros(1, 1, 128)
+    with pytest.raises(ValueError, match="state tile"):
+        gated_delta_rule_decode_gated_norm(
+            big_k, big_k, big_v, a[:1, :1], b[:1, :1], A_log[:1], dt_bias[:1], torch.zeros(1, 1, 256, 128),
+            slots[:1], big_v, torch.zeros(128), 1e-6,
+        )

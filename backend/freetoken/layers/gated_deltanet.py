@@ -11,6 +11,7 @@ from torch import nn
 from freetoken import kernels
 from freetoken.batch import ForwardBatch
 from freetoken.kernels.prefill_snapshots import PrefillSnapshots
+from freetoken.kernels.gdn_decode import norm_fits_one_program
 from freetoken.kernels.gemv_configs import prefers_gated_normed_gemv
 from freetoken.layers.linear import linear, takes_gemv
 from freetoken.layers.norm import RMSNorm
@@ -28,6 +29,16 @@ FUSED_OUTPUT_NORM = False
 # conv1d decode step runs in that launch too (``kernels.add_rms_norm_gemv_conv``: each program
 # convolves its own q|k|v channels): one launch a layer fewer. False: the A/B switch.
 FUSED_CONV = True
+# In a decode-only step of up to ``DECODE_NORM_MAX_BATCH`` requests the gated output norm runs in
+# the delta-rule step's epilogue (``kernels.gated_delta_rule_decode_gated_norm``: a program owns a
+# head's whole value row): one launch a layer fewer, out_proj a plain GEMV. Taken before
+# ``FUSED_OUTPUT_NORM``. False: the A/B switch (``benchmarks/b1_fusions_ab.py --off decode_norm``);
+# not yet measured (``benchmarks/b1_fusions_sweep.py --parts decode_norm``).
+FUSED_DECODE_NORM = True
+# Its program holds a 128 x 128 float32 state tile (169 registers a thread over 8 warps, ptxas for
+# sm_90: one program an SM), so up to 4 requests x 32 heads its programs are one wave on the H200's
+# 132 SMs; past that the unfused step's smaller programs (89 registers, 4 warps) share the SMs.
+DECODE_NORM_MAX_BATCH = 4
 
 
 @dataclass(frozen=True)
@@ -132,6 +143,10 @@ class GatedDeltaNet(nn.Module):
             [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1
         )
         nd = batch.num_decodes
+        z = z.reshape(num_tokens, self.num_v_heads, self.head_v_dim)
+        if not batch.has_prefill and self._norm_in_decode(num_tokens):
+            out = self._decode(mixed_qkv, a, b, batch.state_slots[:nd], conv, z)
+            return linear(out.reshape(num_tokens, self.value_dim), self.out_proj)
         if not batch.has_prefill:  # decode only: the step's output is the core
             core = self._decode(mixed_qkv, a, b, batch.state_slots[:nd], conv)
         elif not nd:  # prefill only: no copy into a shared buffer (67 MB a layer at 8k tokens)
@@ -142,11 +157,19 @@ class GatedDeltaNet(nn.Module):
             core[:nd] = self._decode(mixed_qkv[:nd], a[:nd], b[:nd], batch.state_slots[:nd])
             first, cu_seqlens, slots = batch.prefill_part()
             core[first:] = self._prefill(mixed_qkv[first:], a[first:], b[first:], slots, cu_seqlens, batch.prefill_snapshots())
-        z = z.reshape(num_tokens, self.num_v_heads, self.head_v_dim)
         if self._norm_in_out_proj(core):
             return kernels.gated_rms_norm_gemv(core, z, self.norm_weight, self.eps, self.gate_activation, self.out_proj)
         out = self.output_norm(core, z)
         return linear(out.reshape(num_tokens, self.value_dim), self.out_proj)
+
+    def _norm_in_decode(self, rows: int) -> bool:
+        """Whether a decode-only step of ``rows`` requests runs the gated output norm in the
+        delta-rule step's launch (``FUSED_DECODE_NORM``)."""
+        return (
+            FUSED_DECODE_NORM
+            and rows <= DECODE_NORM_MAX_BATCH
+            and norm_fits_one_program(self.head_k_dim, self.head_v_dim)
+        )
 
     def _norm_in_out_proj(self, core: torch.Tensor) -> bool:
         """Whether the gated output norm runs in ``out_proj``'s GEMV launch (``FUSED_OUTPUT_NORM``):
@@ -162,13 +185,19 @@ class GatedDeltaNet(nn.Module):
 
     def _decode(
         self, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
-        conv: torch.Tensor | None = None,
+        conv: torch.Tensor | None = None, z: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One token per request: the conv step (unless ``conv`` is its output already), then the
-        delta-rule step with its gating fused in."""
+        delta-rule step with its gating fused in; with the gate ``z``, the output norm too (its
+        output is then out_proj's input)."""
         if conv is None:
             conv = kernels.causal_conv1d_decode(mixed_qkv, self.conv_weight, self.conv_state, slots)
         q, k, v = self._split_heads(conv)
+        if z is not None:
+            return kernels.gated_delta_rule_decode_gated_norm(
+                q, k, v, a, b, self.A_log, self.dt_bias, self.recurrent_state, slots,
+                z, self.norm_weight, self.eps, self.gate_activation,
+            )
         return kernels.gated_delta_rule_decode_gated(
             q, k, v, a, b, self.A_log, self.dt_bias, self.recurrent_state, slots
         )
