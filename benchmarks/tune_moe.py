@@ -1,5 +1,6 @@
 """Sweep the MoE grouped-GEMM tile configurations on one GPU and print the table for
 ``kernels/triton/moe_configs.py`` (``TUNED``), with each shape's best time and TFLOP/s.
+The best tile and the table's are also tried as persistent launches (``GemmConfig.persistent``).
 
     python benchmarks/tune_moe.py [--tokens 1024 2048 4096 8192 16384] [--experts 256 --top-k 8
                                   --hidden 2048 --inter 512] [--quick]
@@ -49,6 +50,12 @@ def refine(best: GemmConfig) -> list[GemmConfig]:
     return [replace(best, group_m=g) for g in (1, 4, 16, 32)] + [replace(best, num_stages=s) for s in (2, 5)]
 
 
+def persistent(configs: list[GemmConfig]) -> list[GemmConfig]:
+    """The persistent launches of these tiles (``GemmConfig.persistent``: 1 and 2 programs an SM;
+    at the 128-row tiles the flattened loop takes ~200 registers, so one program an SM at 8 warps)."""
+    return [replace(c, persistent=p) for c in configs for p in (1, 2) if not c.persistent]
+
+
 def median_us(fn) -> float:
     return do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e3
 
@@ -85,6 +92,7 @@ def tune(tokens: int, args) -> dict[str, tuple[GemmConfig, float, float]]:
         measure(candidates(gemm, pairs / args.experts, args.quick) + [current])
         if not args.quick:
             measure(refine(results[0][1]))
+        measure(persistent(list(dict.fromkeys([results[0][1], current]))))
         us, config = results[0]
         now = next(t for t, c in results if c == current)
         print(f"T={tokens} {gemm}: best {us:.1f} us ({flops[gemm] / us / 1e6:.0f} TFLOP/s) {config}; "
