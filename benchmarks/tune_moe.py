@@ -50,10 +50,12 @@ def refine(best: GemmConfig) -> list[GemmConfig]:
     return [replace(best, group_m=g) for g in (1, 4, 16, 32)] + [replace(best, num_stages=s) for s in (2, 5)]
 
 
-def persistent(configs: list[GemmConfig]) -> list[GemmConfig]:
+def persistent(gemm: str, configs: list[GemmConfig]) -> list[GemmConfig]:
     """The persistent launches of these tiles (``GemmConfig.persistent``: 1 and 2 programs an SM;
-    at the 128-row tiles the flattened loop takes ~200 registers, so one program an SM at 8 warps)."""
-    return [replace(c, persistent=p) for c in configs for p in (1, 2) if not c.persistent]
+    at the 128-row tiles the flattened loop takes ~190-200 registers, so one program an SM at 8
+    warps), the down GEMM's also with its operands through TMA."""
+    tma = (False, True) if gemm == "down" else (False,)
+    return [replace(c, persistent=p, tma=t) for c in configs for p in (1, 2) for t in tma if not c.persistent]
 
 
 def median_us(fn) -> float:
@@ -92,7 +94,7 @@ def tune(tokens: int, args) -> dict[str, tuple[GemmConfig, float, float]]:
         measure(candidates(gemm, pairs / args.experts, args.quick) + [current])
         if not args.quick:
             measure(refine(results[0][1]))
-        measure(persistent(list(dict.fromkeys([results[0][1], current]))))
+        measure(persistent(gemm, list(dict.fromkeys([results[0][1], current]))))
         us, config = results[0]
         now = next(t for t, c in results if c == current)
         print(f"T={tokens} {gemm}: best {us:.1f} us ({flops[gemm] / us / 1e6:.0f} TFLOP/s) {config}; "

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from freetoken.kernels.triton._common import (
     INTERPRETED,
@@ -419,10 +420,34 @@ def _down_block(
         a = tl.load(h_ptr + rows[:, None] * inter + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_base + n[:, None] * w_sn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc += dot(a, tl.trans(w), PRECISION)
+    _down_store(acc, weight, y_ptr, y_rows, row_ok, n, hidden)
+
+
+@device_function
+def _down_store(acc, weight, y_ptr, y_rows, row_ok, n, hidden):
+    """``y[y_rows, n] = weight · acc``, rounded as the reference rounds."""
     dtype = y_ptr.dtype.element_ty
     y = round_as(acc, dtype) * weight[:, None]
     tl.store(y_ptr + y_rows.to(tl.int64)[:, None] * hidden + n[None, :], cast(y, dtype),
-             mask=row_ok[:, None] & n_ok[None, :])
+             mask=row_ok[:, None] & (n < hidden)[None, :])
+
+
+@device_function
+def _down_block_tma(
+    h_desc, h_row, w_desc, w_row, row_ok, weight, y_ptr, y_rows, col_block, hidden, inter,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """``_down_block`` with both operands read by TMA (``GemmConfig.tma``): ``h`` rows from
+    ``h_row`` and weight rows from ``w_row`` of 2-D descriptors. Rows past the tile's own (the next
+    expert's pairs, the next expert's weight rows) are read and never stored; past the tensors' ends
+    and past ``inter`` the descriptors read zeros, so no masks and no pointer tensors (registers)."""
+    n = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        a = h_desc.load([h_row, k0])
+        w = w_desc.load([w_row, k0])
+        acc += dot(a, tl.trans(w), PRECISION)
+    _down_store(acc, weight, y_ptr, y_rows, row_ok, n, hidden)
 
 
 @device_function
@@ -509,12 +534,13 @@ def _gate_up_persistent_kernel(
 def _down_persistent_kernel(
     h_ptr, w_ptr, w_se, w_sn, order_ptr, offsets_ptr, topk_w_ptr, y_ptr,
     hidden, inter, num_experts,
-    ws_ptr, ws_sn, gate_ptr, g_st, num_tokens, num_pairs, shared_tiles,
+    ws_ptr, ws_sn, gate_ptr, g_st, num_tokens, num_pairs, shared_tiles, h_desc, w_desc, ws_desc,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    SHARED: tl.constexpr,
+    SHARED: tl.constexpr, TMA: tl.constexpr,
 ):
-    """``_down_kernel``'s tiles, a program looping over every ``num_programs``-th (GemmConfig.persistent)."""
+    """``_down_kernel``'s tiles, a program looping over every ``num_programs``-th (GemmConfig.persistent);
+    ``TMA``: the operands through the descriptors (``_down_block_tma``), else through pointers."""
     starts, ends, tiles_end, routed = _expert_tiles(offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
     row_tiles = routed + shared_tiles
     col_blocks = tl.cdiv(hidden, BLOCK_N)
@@ -525,12 +551,24 @@ def _down_persistent_kernel(
             t_ok = tokens < num_tokens
             logit = tl.load(gate_ptr + tokens * g_st, mask=t_ok, other=0.0).to(tl.float32)
             weight = round_as(tl.sigmoid(logit), y_ptr.dtype.element_ty)
-            _down_block(h_ptr, num_pairs + tokens, t_ok, ws_ptr, ws_sn, weight, y_ptr, num_pairs + tokens, col_block,
-                        hidden, inter, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
+            if TMA:
+                _down_block_tma(h_desc, num_pairs + tile * BLOCK_M, ws_desc, col_block * BLOCK_N, t_ok, weight, y_ptr,
+                                num_pairs + tokens, col_block, hidden, inter, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+            else:
+                _down_block(h_ptr, num_pairs + tokens, t_ok, ws_ptr, ws_sn, weight, y_ptr, num_pairs + tokens,
+                            col_block, hidden, inter, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
         else:
             expert, first, end = _tile_in(tile - shared_tiles, starts, ends, tiles_end, BLOCK_M, BLOCK_E)
-            _down_rows(expert, first, end, col_block, h_ptr, w_ptr, w_se, w_sn, order_ptr, topk_w_ptr, y_ptr, hidden,
-                       inter, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
+            if TMA:
+                rows = first + tl.arange(0, BLOCK_M)
+                row_ok = rows < end
+                pair = tl.load(order_ptr + rows, mask=row_ok, other=0)
+                weight = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
+                _down_block_tma(h_desc, first, w_desc, expert * hidden + col_block * BLOCK_N, row_ok, weight, y_ptr,
+                                pair, col_block, hidden, inter, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+            else:
+                _down_rows(expert, first, end, col_block, h_ptr, w_ptr, w_se, w_sn, order_ptr, topk_w_ptr, y_ptr,
+                           hidden, inter, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
 
 
 @triton.jit
@@ -559,6 +597,12 @@ def sum_choices(y: torch.Tensor, out: torch.Tensor, top_k: int) -> None:
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def _tma_rows(t: torch.Tensor, row_len: int) -> bool:
+    """Whether rows of ``row_len`` elements of ``t``'s dtype meet TMA's 16-byte stride alignment
+    (the weights and ``h`` are contiguous, from aligned allocations)."""
+    return (row_len * t.element_size()) % 16 == 0
 
 
 def _persistent_programs(config: GemmConfig, work: int, device: torch.device) -> int:
@@ -636,13 +680,19 @@ def down(
     gate = shared.gate_logit if shared is not None else topk_weights
     work = (tiles + shared_tiles) * triton.cdiv(hidden, config.block_n)
     if config.persistent:
+        tma = config.tma and _tma_rows(h, inter)
+        descs = (
+            TensorDescriptor.from_tensor(h, [config.block_m, config.block_k]),
+            TensorDescriptor.from_tensor(w2.view(-1, inter), [config.block_n, config.block_k]),
+            TensorDescriptor.from_tensor(ws.reshape(-1, inter), [config.block_n, config.block_k]),
+        ) if tma else (None, None, None)
         _down_persistent_kernel[(_persistent_programs(config, work, h.device),)](
             h, w2, w2.stride(0), w2.stride(1), order, offsets, topk_weights, y,
             hidden, inter, num_experts,
-            ws, ws.stride(-2), gate, gate.stride(0), num_tokens, num_pairs, shared_tiles,
+            ws, ws.stride(-2), gate, gate.stride(0), num_tokens, num_pairs, shared_tiles, *descs,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             GROUP_M=config.group_m, BLOCK_E=pow2(num_experts), EVEN_K=inter % config.block_k == 0,
-            PRECISION=dot_precision(h.dtype), SHARED=shared is not None,
+            PRECISION=dot_precision(h.dtype), SHARED=shared is not None, TMA=tma,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
         return

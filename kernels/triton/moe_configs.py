@@ -34,6 +34,11 @@ class GemmConfig:
     num_warps: int
     num_stages: int
     persistent: int = 0
+    tma: bool = False  # persistent down GEMM only: its operands read by TMA (moe._down_block_tma)
+
+    def __post_init__(self) -> None:
+        if self.tma and not self.persistent:
+            raise ValueError(f"GemmConfig.tma needs persistent > 0, got persistent={self.persistent}")
 
 
 C = GemmConfig
