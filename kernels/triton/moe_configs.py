@@ -21,11 +21,12 @@ class GemmConfig:
     blocks (so a weight block is reused from L2 by them), warps and software-pipelining depth.
 
     ``persistent``: 0 launches one program per (row tile, column block); ``p > 0`` launches ``p``
-    programs per SM, each looping over tiles (``moe._grouped_tiles_loop``): the expert offsets are
-    read and summed once per program instead of once per tile, no program starts for the row
-    tiles past the real count, and the loop over tiles is flattened with the K loop so the next
-    tile's loads are issued during this tile's epilogue (the down GEMM's K = 512 is 8 steps of 64:
-    its ramp and epilogue are a large share of each tile)."""
+    programs per SM, each looping over tiles (``moe._gate_up_persistent_kernel``,
+    ``_down_persistent_kernel``): the expert offsets are read and summed once per program instead
+    of once per tile, no program starts for the row tiles past the real count, and the loop over
+    tiles is flattened with the K loop so the next tile's loads are issued during this tile's
+    epilogue (the down GEMM's K = 512 is 8 steps of 64: its ramp and epilogue are a large share of
+    each tile)."""
 
     block_m: int
     block_n: int

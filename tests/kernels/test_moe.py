@@ -158,8 +158,10 @@ def test_fused_experts_pairs(rng, dtype, tokens):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens,block_m,persistent,tma",
-                         [(1, 16, 0, False), (37, 16, 0, False), (21, 8, 0, False), (21, 8, 2, False), (21, 8, 2, True)])
+@pytest.mark.parametrize(
+    "tokens,block_m,persistent,tma",
+    [(1, 16, 0, False), (37, 16, 0, False), (21, 8, 0, False), (21, 8, 2, False), (21, 8, 2, True)],
+)
 def test_fused_experts_shared_pairs(rng, monkeypatch, dtype, tokens, block_m, persistent, tma):
     """The shared expert as the grouped GEMMs' first row tiles: the same pairs, and its gated output
     (gate logits a strided column of the router GEMM's output, as the layer passes them); one
