@@ -4,8 +4,9 @@ table entries to apply (one call, ~1-2 min with cold Triton caches):
     python3 benchmarks/prefill_sweep.py [--only moe attention gdn]
 
 - MoE grouped GEMMs at T=8192 (256 experts of 2048 x 512, top-8; target 450 TFLOP/s each): the
-  table's tiles against persistent launches (``GemmConfig.persistent``) and, for down, TMA
-  operands (``GemmConfig.tma``); prints the ``TUNED`` bucket to paste into ``moe_configs.py``.
+  table's tiles against persistent launches (``GemmConfig.persistent``: one program an SM with
+  the loops flattened, two an SM at 128 registers) and, for down, TMA operands (``tma``); prints
+  the ``TUNED`` bucket to paste into ``moe_configs.py``.
 - Attention prefill at 8k tokens, head_dim 128 (target 350 TFLOP/s) and 256: the lean softmax
   (``attention.PREFILL_LEAN_SOFTMAX``) at the default and at 128-key tiles.
 - GDN prefill at 32k (target 70 TFLOP/s) and 8k tokens: the state pass on the transposed state
@@ -77,7 +78,7 @@ def compare(case: str, flops: int, variants: dict, run, output) -> tuple[str, fl
 
 
 def short(c) -> str:
-    """``moe_configs``' spelling of a config: ``C(block_m, ..., persistent, tma)``."""
+    """``moe_configs``' spelling of a config: ``C(block_m, ..., persistent, tma, flatten, max_registers)``."""
     return "C(" + ", ".join(map(repr, vars(c).values())) + ")"
 
 
@@ -96,11 +97,12 @@ def moe_sweep(tokens: int = 8192) -> list[str]:
     entries = []
     for gemm in ("gate_up", "down"):
         table = moe_gemm_config(gemm, BF16, pairs, experts, hidden, inter)
-        configs = [table, replace(table, persistent=1), replace(table, persistent=2)]
+        # one program an SM, tile and K loops flattened; two an SM, the K loop alone, 128 registers
+        one, two = dict(persistent=1), dict(persistent=2, flatten=False, max_registers=128)
+        configs = [table, replace(table, **one), replace(table, **two)]
         if gemm == "down":
-            configs += [replace(table, persistent=1, tma=True), replace(table, persistent=2, tma=True),
-                        replace(table, block_k=128, num_stages=2, persistent=1, tma=True),
-                        replace(table, num_stages=4, persistent=1, tma=True)]
+            configs += [replace(table, **one, tma=True), replace(table, **two, tma=True),
+                        replace(table, block_k=128, num_stages=2, **one, tma=True)]
         launch = {
             "gate_up": lambda c: moe.gate_up(x, w13, order, offsets, h_out, top_k, c),
             "down": lambda c: moe.down(h, w2, order, offsets, weights, y, c),

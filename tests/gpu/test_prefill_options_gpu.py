@@ -37,10 +37,12 @@ def _triton(module: str):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("persistent,tma", [(1, False), (2, False), (1, True), (2, True)])
 def test_persistent_grouped_gemms(rng, check, monkeypatch, dtype, persistent, tma):
-    """The routed experts and the shared expert as the first row tiles, 2048 tokens."""
+    """The routed experts and the shared expert as the first row tiles, 2048 tokens: one program
+    an SM with the loops flattened, two an SM with the K loop alone at 128 registers."""
     moe = _triton("moe")
     tuned = moe.moe_gemm_config
-    monkeypatch.setattr(moe, "moe_gemm_config", lambda *a: replace(tuned(*a), persistent=persistent, tma=tma))
+    shape = dict(persistent=1) if persistent == 1 else dict(persistent=2, flatten=False, max_registers=128)
+    monkeypatch.setattr(moe, "moe_gemm_config", lambda *a: replace(tuned(*a), **shape, tma=tma))
     tokens = 2048
     x = randn(rng, tokens, HIDDEN, dtype=dtype)
     w13 = randn(rng, EXPERTS, 2 * INTER, HIDDEN, dtype=dtype, scale=HIDDEN**-0.5)
