@@ -8,7 +8,8 @@ table entries to apply (one call, ~1-2 min with cold Triton caches):
   the loops flattened, two an SM at 128 registers) and, for down, TMA operands (``tma``); prints
   the ``TUNED`` bucket to paste into ``moe_configs.py``.
 - Attention prefill at 8k tokens, head_dim 128 (target 350 TFLOP/s) and 256: the lean softmax
-  (``attention.PREFILL_LEAN_SOFTMAX``) at the default and at 128-key tiles.
+  (``attention.PREFILL_LEAN_SOFTMAX``) at the default tiles, capped at 128 registers (two programs
+  an SM, ``PREFILL_MAX_REGISTERS``), and at 128-key tiles.
 - GDN prefill at 32k (target 70 TFLOP/s) and 8k tokens: the state pass on the transposed state
   (``gated_delta_rule.STATE_PASS_TRANSPOSED``, 2 and 4 warps).
 
@@ -142,11 +143,13 @@ def attention_sweep(length: int = 8192) -> list[str]:
         gate = q_gate[..., head_dim:]
         default = attention._tile_sizes(BF16, head_dim, HQ // HKV, length)
 
-        def tiles(config, lean):
-            return lambda: patched(attention, _tile_sizes=lambda *a: config, PREFILL_LEAN_SOFTMAX=lean)
+        def tiles(config, lean, registers=0):
+            return lambda: patched(attention, _tile_sizes=lambda *a: config, PREFILL_LEAN_SOFTMAX=lean,
+                                   PREFILL_MAX_REGISTERS=registers)
 
         variants = {f"default {default}": tiles(default, False), f"lean {default}": tiles(default, True)}
         if head_dim <= 128:
+            variants[f"lean {default} 128 registers"] = tiles(default, True, 128)
             for config in ((128, 128, 8, 2), (128, 128, 8, 3)):
                 variants[f"lean {config}"] = tiles(config, True)
         flops = 2 * 2 * HQ * head_dim * length * (length + 1) // 2
@@ -159,7 +162,8 @@ def attention_sweep(length: int = 8192) -> list[str]:
         if best:
             entries.append(f"attention d{head_dim}: best {best[0]} ({best[1]:.0f} us, {flops / best[1] / 1e6:.0f} "
                            f"TFLOP/s): PREFILL_LEAN_SOFTMAX = {best[0].startswith('lean')}; _tile_sizes -> "
-                           f"{best[0].split(' ', 1)[1]}")
+                           f"{best[0].split(' ', 1)[1].removesuffix(' 128 registers')}; PREFILL_MAX_REGISTERS = "
+                           f"{128 if best[0].endswith('128 registers') else 0}")
         del k_cache, v_cache, q_gate
         torch.cuda.empty_cache()
     return entries

@@ -197,6 +197,10 @@ def _attention_kernel(
 # The prefill kernel's softmax with fewer operations per score (``_attend_block``'s ``LEAN``);
 # off until ``benchmarks/prefill_sweep.py`` measures it against the current one on the H200.
 PREFILL_LEAN_SOFTMAX = False
+# The half-precision prefill kernel's register cap (ptxas .maxnreg; 0: the compiler's choice, 190
+# at head_dim 128's 128 x 64 tiles, one 8-warp program an SM). 128 fits two programs an SM, so
+# one's softmax overlaps the other's products, at ~30 spill stores; the sweep measures it.
+PREFILL_MAX_REGISTERS = 0
 
 
 def _tile_sizes(dtype: torch.dtype, head_dim: int, group: int, max_seqlen_q: int) -> tuple[int, int, int, int]:
@@ -270,5 +274,6 @@ def paged_attention(
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=pow2(head_dim),
         HAS_GATE=gate is not None, PRECISION=dot_precision(q.dtype), LEAN=PREFILL_LEAN_SOFTMAX,
         num_warps=num_warps, num_stages=num_stages,
+        maxnreg=PREFILL_MAX_REGISTERS if PREFILL_MAX_REGISTERS and q.dtype != torch.float32 else None,
     )
     return out

@@ -59,11 +59,14 @@ def test_persistent_grouped_gemms(rng, check, monkeypatch, dtype, persistent, tm
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim,tiles", [(256, None), (128, None), (128, (128, 128, 8, 2))])
-def test_attention_lean_softmax(rng, check, monkeypatch, dtype, head_dim, tiles):
-    """Prefill chunks with cached prefixes and from an empty cache, a shuffled page table."""
+@pytest.mark.parametrize("head_dim,tiles,registers", [(256, None, 0), (128, None, 0), (128, None, 128),
+                                                      (128, (128, 128, 8, 2), 0)])
+def test_attention_lean_softmax(rng, check, monkeypatch, dtype, head_dim, tiles, registers):
+    """Prefill chunks with cached prefixes and from an empty cache, a shuffled page table; the
+    register cap (``PREFILL_MAX_REGISTERS``) at head_dim 128."""
     attention = _triton("attention")
     monkeypatch.setattr(attention, "PREFILL_LEAN_SOFTMAX", True)
+    monkeypatch.setattr(attention, "PREFILL_MAX_REGISTERS", registers)
     if tiles is not None and dtype != torch.float32:
         monkeypatch.setattr(attention, "_tile_sizes", lambda *a: tiles)
     context_lens, query_lens = [3000, 900, 1500, 333], [700, 900, 333, 333]

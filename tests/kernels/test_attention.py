@@ -82,14 +82,18 @@ def test_decode_batches_split_the_keys():
     assert num_splits(q, programs=1 * 2) > 1
 
 
-@pytest.mark.parametrize("dtype,case", [(torch.float32, "prefill_batch"), (torch.bfloat16, "prefill_long"),
-                                        (torch.bfloat16, "prefill_batch")])
-def test_paged_attention_lean_softmax(rng, monkeypatch, dtype, case):
+@pytest.mark.parametrize(
+    "dtype,case,registers",
+    [(torch.float32, "prefill_batch", 0), (torch.bfloat16, "prefill_long", 0), (torch.bfloat16, "prefill_batch", 128)],
+)
+def test_paged_attention_lean_softmax(rng, monkeypatch, dtype, case, registers):
     """The prefill kernel's lean softmax (``PREFILL_LEAN_SOFTMAX``): full and causal key blocks,
-    requests from an empty cache and with cached prefixes, 128-row GQA tiles in half precision."""
+    requests from an empty cache and with cached prefixes, 128-row GQA tiles in half precision,
+    with the register cap (``PREFILL_MAX_REGISTERS``) or without."""
     from freetoken.kernels.triton import attention
 
     monkeypatch.setattr(attention, "PREFILL_LEAN_SOFTMAX", True)
+    monkeypatch.setattr(attention, "PREFILL_MAX_REGISTERS", registers)
     context_lens, query_lens = CASES[case]
     hq, hkv, d, page_size, num_pages = 8, 2, 24, 4, 80
     table, cu, seq_lens = _layout(rng, context_lens, query_lens, page_size, num_pages)
