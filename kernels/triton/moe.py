@@ -521,7 +521,7 @@ def _gate_up_persistent_kernel(
     col_blocks = tl.cdiv(inter, BLOCK_N)
     for work in tl.range(tl.program_id(0), row_tiles * col_blocks, tl.num_programs(0), flatten=FLATTEN):
         tile, col_block = _group_index(work, row_tiles, col_blocks, GROUP_M)
-        if SHARED and tile < shared_tiles:  # SHARED constant false: one K loop in the body, flattened
+        if SHARED and tile < shared_tiles:  # SHARED constant false: one K loop in the body (as FLATTEN needs)
             tokens = tile * BLOCK_M + tl.arange(0, BLOCK_M)
             _gate_up_block(x_ptr, x_st, tokens, tokens < num_tokens, ws_ptr, ws_sn, h_ptr, num_pairs + tokens,
                            col_block, hidden, inter, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
