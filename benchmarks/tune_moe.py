@@ -1,5 +1,6 @@
 """Sweep the MoE grouped-GEMM tile configurations on one GPU and print the table for
 ``kernels/triton/moe_configs.py`` (``TUNED``), with each shape's best time and TFLOP/s.
+The best tile and the table's are also tried as persistent launches (``GemmConfig.persistent``).
 
     python benchmarks/tune_moe.py [--tokens 1024 2048 4096 8192 16384] [--experts 256 --top-k 8
                                   --hidden 2048 --inter 512] [--quick]
@@ -49,6 +50,16 @@ def refine(best: GemmConfig) -> list[GemmConfig]:
     return [replace(best, group_m=g) for g in (1, 4, 16, 32)] + [replace(best, num_stages=s) for s in (2, 5)]
 
 
+def persistent(gemm: str, configs: list[GemmConfig]) -> list[GemmConfig]:
+    """The persistent launches of these tiles (``GemmConfig.persistent``): one program an SM with
+    the tile and K loops flattened (~170-200 registers at 128-row tiles), and two an SM with the K
+    loop alone capped at 128 registers (no spills at the table's 128-row tiles on sm_90); the down
+    GEMM's also with its operands through TMA."""
+    tma = (False, True) if gemm == "down" else (False,)
+    shapes = (dict(persistent=1), dict(persistent=2, flatten=False, max_registers=128))
+    return [replace(c, **shape, tma=t) for c in configs if not c.persistent for shape in shapes for t in tma]
+
+
 def median_us(fn) -> float:
     return do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e3
 
@@ -85,6 +96,7 @@ def tune(tokens: int, args) -> dict[str, tuple[GemmConfig, float, float]]:
         measure(candidates(gemm, pairs / args.experts, args.quick) + [current])
         if not args.quick:
             measure(refine(results[0][1]))
+        measure(persistent(gemm, list(dict.fromkeys([results[0][1], current]))))
         us, config = results[0]
         now = next(t for t, c in results if c == current)
         print(f"T={tokens} {gemm}: best {us:.1f} us ({flops[gemm] / us / 1e6:.0f} TFLOP/s) {config}; "

@@ -20,11 +20,13 @@ Rounding follows the reference (the projections, SiLU and products rounded to th
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from freetoken.kernels.triton._common import (
     INTERPRETED,
@@ -279,10 +281,25 @@ def moe_sort_tokens(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Ten
 def _tile_of(pid, offsets_ptr, num_experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
     """(expert, first sorted pair, end of the expert's pairs) of grouped-GEMM tile ``pid``; the
     expert is ``num_experts`` for tiles past the last one."""
+    starts, ends, tiles_end, _ = _expert_tiles(offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
+    return _tile_in(pid, starts, ends, tiles_end, BLOCK_M, BLOCK_E)
+
+
+@device_function
+def _expert_tiles(offsets_ptr, num_experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Each expert's first and end sorted pair and the row tiles of the experts up to it
+    (``[BLOCK_E]`` each), and the count of real row tiles."""
     e = tl.arange(0, BLOCK_E)
     starts = tl.load(offsets_ptr + e, mask=e < num_experts, other=0)
     ends = tl.load(offsets_ptr + e + 1, mask=e < num_experts, other=0)
     tiles_end = tl.cumsum((ends - starts + BLOCK_M - 1) // BLOCK_M, 0)  # tiles of experts <= e
+    return starts, ends, tiles_end, tl.max(tiles_end, 0)
+
+
+@device_function
+def _tile_in(pid, starts, ends, tiles_end, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """``_tile_of`` from ``_expert_tiles``' vectors."""
+    e = tl.arange(0, BLOCK_E)
     expert = tl.sum((tiles_end <= pid).to(tl.int32), 0)
     tiles_before = tl.sum(tl.where(e == expert - 1, tiles_end, 0), 0)
     first = tl.sum(tl.where(e == expert, starts, 0), 0) + (pid - tiles_before) * BLOCK_M
@@ -295,7 +312,12 @@ def _grouped_tile(num_row_tiles, num_col_blocks, GROUP_M: tl.constexpr):
     """(row tile, column block) of this program in a 1-D grid: ``GROUP_M`` row tiles (mostly of one
     expert) run over all column blocks before the next group, so their weight blocks and gathered
     rows are reused from L2."""
-    pid = tl.program_id(0)
+    return _group_index(tl.program_id(0), num_row_tiles, num_col_blocks, GROUP_M)
+
+
+@device_function
+def _group_index(pid, num_row_tiles, num_col_blocks, GROUP_M: tl.constexpr):
+    """``_grouped_tile`` of work item ``pid``."""
     per_group = GROUP_M * num_col_blocks
     first = (pid // per_group) * GROUP_M
     size = tl.minimum(num_row_tiles - first, GROUP_M)
@@ -337,11 +359,22 @@ def _gate_up_routed(
 ):
     expert, first, end = _tile_of(tile, offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
     if expert < num_experts:
-        rows = first + tl.arange(0, BLOCK_M)
-        row_ok = rows < end
-        token = tl.load(order_ptr + rows, mask=row_ok, other=0) // TOP_K
-        _gate_up_block(x_ptr, x_st, token, row_ok, w_ptr + expert.to(tl.int64) * w_se, w_sn, h_ptr, rows, col_block,
-                       hidden, inter, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
+        _gate_up_rows(expert, first, end, col_block, x_ptr, x_st, w_ptr, w_se, w_sn, order_ptr, h_ptr, hidden, inter,
+                      TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
+
+
+@device_function
+def _gate_up_rows(
+    expert, first, end, col_block, x_ptr, x_st, w_ptr, w_se, w_sn, order_ptr, h_ptr, hidden, inter,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """The routed tile of ``expert``'s sorted pairs ``[first, min(first + BLOCK_M, end))``."""
+    rows = first + tl.arange(0, BLOCK_M)
+    row_ok = rows < end
+    token = tl.load(order_ptr + rows, mask=row_ok, other=0) // TOP_K
+    _gate_up_block(x_ptr, x_st, token, row_ok, w_ptr + expert.to(tl.int64) * w_se, w_sn, h_ptr, rows, col_block,
+                   hidden, inter, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
 
 
 @triton.jit
@@ -387,10 +420,34 @@ def _down_block(
         a = tl.load(h_ptr + rows[:, None] * inter + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_base + n[:, None] * w_sn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc += dot(a, tl.trans(w), PRECISION)
+    _down_store(acc, weight, y_ptr, y_rows, row_ok, n, hidden)
+
+
+@device_function
+def _down_store(acc, weight, y_ptr, y_rows, row_ok, n, hidden):
+    """``y[y_rows, n] = weight · acc``, rounded as the reference rounds."""
     dtype = y_ptr.dtype.element_ty
     y = round_as(acc, dtype) * weight[:, None]
     tl.store(y_ptr + y_rows.to(tl.int64)[:, None] * hidden + n[None, :], cast(y, dtype),
-             mask=row_ok[:, None] & n_ok[None, :])
+             mask=row_ok[:, None] & (n < hidden)[None, :])
+
+
+@device_function
+def _down_block_tma(
+    h_desc, h_row, w_desc, w_row, row_ok, weight, y_ptr, y_rows, col_block, hidden, inter,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """``_down_block`` with both operands read by TMA (``GemmConfig.tma``): ``h`` rows from
+    ``h_row`` and weight rows from ``w_row`` of 2-D descriptors. Rows past the tile's own (the next
+    expert's pairs, the next expert's weight rows) are read and never stored; past the tensors' ends
+    and past ``inter`` the descriptors read zeros, so no masks and no pointer tensors (registers)."""
+    n = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        a = h_desc.load([h_row, k0])
+        w = w_desc.load([w_row, k0])
+        acc += dot(a, tl.trans(w), PRECISION)
+    _down_store(acc, weight, y_ptr, y_rows, row_ok, n, hidden)
 
 
 @device_function
@@ -401,12 +458,23 @@ def _down_routed(
 ):
     expert, first, end = _tile_of(tile, offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
     if expert < num_experts:
-        rows = first + tl.arange(0, BLOCK_M)
-        row_ok = rows < end
-        pair = tl.load(order_ptr + rows, mask=row_ok, other=0)
-        weight = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
-        _down_block(h_ptr, rows, row_ok, w_ptr + expert.to(tl.int64) * w_se, w_sn, weight, y_ptr, pair, col_block,
-                    hidden, inter, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
+        _down_rows(expert, first, end, col_block, h_ptr, w_ptr, w_se, w_sn, order_ptr, topk_w_ptr, y_ptr, hidden, inter,
+                   BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
+
+
+@device_function
+def _down_rows(
+    expert, first, end, col_block, h_ptr, w_ptr, w_se, w_sn, order_ptr, topk_w_ptr, y_ptr, hidden, inter,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """The routed tile of ``expert``'s sorted pairs ``[first, min(first + BLOCK_M, end))``."""
+    rows = first + tl.arange(0, BLOCK_M)
+    row_ok = rows < end
+    pair = tl.load(order_ptr + rows, mask=row_ok, other=0)
+    weight = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
+    _down_block(h_ptr, rows, row_ok, w_ptr + expert.to(tl.int64) * w_se, w_sn, weight, y_ptr, pair, col_block,
+                hidden, inter, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
 
 
 @triton.jit
@@ -438,6 +506,73 @@ def _down_kernel(
 
 
 @triton.jit
+def _gate_up_persistent_kernel(
+    x_ptr, x_st, w_ptr, w_se, w_sn, order_ptr, offsets_ptr, h_ptr,
+    hidden, inter, num_experts,
+    ws_ptr, ws_sn, num_tokens, num_pairs, shared_tiles,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    SHARED: tl.constexpr, FLATTEN: tl.constexpr,
+):
+    """``_gate_up_kernel``'s tiles, a program looping over every ``num_programs``-th (GemmConfig.persistent);
+    ``FLATTEN``: the tile loop and the K loop pipelined as one (``GemmConfig.flatten``)."""
+    starts, ends, tiles_end, routed = _expert_tiles(offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
+    row_tiles = routed + shared_tiles
+    col_blocks = tl.cdiv(inter, BLOCK_N)
+    for work in tl.range(tl.program_id(0), row_tiles * col_blocks, tl.num_programs(0), flatten=FLATTEN):
+        tile, col_block = _group_index(work, row_tiles, col_blocks, GROUP_M)
+        if SHARED and tile < shared_tiles:  # SHARED constant false: one K loop in the body (as FLATTEN needs)
+            tokens = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+            _gate_up_block(x_ptr, x_st, tokens, tokens < num_tokens, ws_ptr, ws_sn, h_ptr, num_pairs + tokens,
+                           col_block, hidden, inter, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
+        else:
+            expert, first, end = _tile_in(tile - shared_tiles, starts, ends, tiles_end, BLOCK_M, BLOCK_E)
+            _gate_up_rows(expert, first, end, col_block, x_ptr, x_st, w_ptr, w_se, w_sn, order_ptr, h_ptr, hidden,
+                          inter, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
+
+
+@triton.jit
+def _down_persistent_kernel(
+    h_ptr, w_ptr, w_se, w_sn, order_ptr, offsets_ptr, topk_w_ptr, y_ptr,
+    hidden, inter, num_experts,
+    ws_ptr, ws_sn, gate_ptr, g_st, num_tokens, num_pairs, shared_tiles, h_desc, w_desc, ws_desc,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    SHARED: tl.constexpr, TMA: tl.constexpr, FLATTEN: tl.constexpr,
+):
+    """``_down_kernel``'s tiles, a program looping over every ``num_programs``-th (GemmConfig.persistent);
+    ``TMA``: the operands through the descriptors (``_down_block_tma``), else through pointers."""
+    starts, ends, tiles_end, routed = _expert_tiles(offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
+    row_tiles = routed + shared_tiles
+    col_blocks = tl.cdiv(hidden, BLOCK_N)
+    for work in tl.range(tl.program_id(0), row_tiles * col_blocks, tl.num_programs(0), flatten=FLATTEN):
+        tile, col_block = _group_index(work, row_tiles, col_blocks, GROUP_M)
+        if SHARED and tile < shared_tiles:
+            tokens = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+            t_ok = tokens < num_tokens
+            logit = tl.load(gate_ptr + tokens * g_st, mask=t_ok, other=0.0).to(tl.float32)
+            weight = round_as(tl.sigmoid(logit), y_ptr.dtype.element_ty)
+            if TMA:
+                _down_block_tma(h_desc, num_pairs + tile * BLOCK_M, ws_desc, col_block * BLOCK_N, t_ok, weight, y_ptr,
+                                num_pairs + tokens, col_block, hidden, inter, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+            else:
+                _down_block(h_ptr, num_pairs + tokens, t_ok, ws_ptr, ws_sn, weight, y_ptr, num_pairs + tokens,
+                            col_block, hidden, inter, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
+        else:
+            expert, first, end = _tile_in(tile - shared_tiles, starts, ends, tiles_end, BLOCK_M, BLOCK_E)
+            if TMA:
+                rows = first + tl.arange(0, BLOCK_M)
+                row_ok = rows < end
+                pair = tl.load(order_ptr + rows, mask=row_ok, other=0)
+                weight = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
+                _down_block_tma(h_desc, first, w_desc, expert * hidden + col_block * BLOCK_N, row_ok, weight, y_ptr,
+                                pair, col_block, hidden, inter, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+            else:
+                _down_rows(expert, first, end, col_block, h_ptr, w_ptr, w_se, w_sn, order_ptr, topk_w_ptr, y_ptr,
+                           hidden, inter, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
+
+
+@triton.jit
 def _sum_choices_kernel(y_ptr, out_ptr, num_tokens, hidden, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
                         BLOCK: tl.constexpr):
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T))[:, None]
@@ -458,6 +593,23 @@ def sum_choices(y: torch.Tensor, out: torch.Tensor, top_k: int) -> None:
     _sum_choices_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(hidden, block))](
         y, out, num_tokens, hidden, TOP_K=top_k, BLOCK_T=block_t, BLOCK=block
     )
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def _tma_rows(t: torch.Tensor, row_len: int) -> bool:
+    """Whether rows of ``row_len`` elements of ``t``'s dtype meet TMA's 16-byte stride alignment
+    (the weights and ``h`` are contiguous, from aligned allocations)."""
+    return (row_len * t.element_size()) % 16 == 0
+
+
+def _persistent_programs(config: GemmConfig, work: int, device: torch.device) -> int:
+    """Programs of a persistent launch: ``config.persistent`` per SM, at most one per work item
+    (``work``: the row-tile upper bound times the column blocks)."""
+    return max(1, min(work, config.persistent * _num_sms(device)))
 
 
 def _row_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -491,7 +643,19 @@ def gate_up(
     tiles = _row_tiles(num_pairs, num_experts, config.block_m)
     shared_tiles = shared.tiles(x.shape[0], config.block_m) if shared is not None else 0
     ws = shared.gate_up if shared is not None else w13
-    _gate_up_kernel[((tiles + shared_tiles) * triton.cdiv(inter, config.block_n),)](
+    work = (tiles + shared_tiles) * triton.cdiv(inter, config.block_n)
+    if config.persistent:
+        _gate_up_persistent_kernel[(_persistent_programs(config, work, x.device),)](
+            x, x.stride(0), w13, w13.stride(0), w13.stride(1), order, offsets, h,
+            hidden, inter, num_experts,
+            ws, ws.stride(-2), x.shape[0], num_pairs, shared_tiles,
+            TOP_K=top_k, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            GROUP_M=config.group_m, BLOCK_E=pow2(num_experts), EVEN_K=hidden % config.block_k == 0,
+            PRECISION=dot_precision(x.dtype), SHARED=shared is not None, FLATTEN=config.flatten and shared is None,
+            num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.max_registers or None,
+        )
+        return
+    _gate_up_kernel[(work,)](
         x, x.stride(0), w13, w13.stride(0), w13.stride(1), order, offsets, h,
         hidden, inter, num_experts, tiles,
         ws, ws.stride(-2), x.shape[0], num_pairs, shared_tiles,
@@ -515,7 +679,26 @@ def down(
     shared_tiles = shared.tiles(num_tokens, config.block_m) if shared is not None else 0
     ws = shared.down if shared is not None else w2
     gate = shared.gate_logit if shared is not None else topk_weights
-    _down_kernel[((tiles + shared_tiles) * triton.cdiv(hidden, config.block_n),)](
+    work = (tiles + shared_tiles) * triton.cdiv(hidden, config.block_n)
+    if config.persistent:
+        tma = config.tma and _tma_rows(h, inter)
+        descs = (
+            TensorDescriptor.from_tensor(h, [config.block_m, config.block_k]),
+            TensorDescriptor.from_tensor(w2.view(-1, inter), [config.block_n, config.block_k]),
+            TensorDescriptor.from_tensor(ws.reshape(-1, inter), [config.block_n, config.block_k]),
+        ) if tma else (None, None, None)
+        _down_persistent_kernel[(_persistent_programs(config, work, h.device),)](
+            h, w2, w2.stride(0), w2.stride(1), order, offsets, topk_weights, y,
+            hidden, inter, num_experts,
+            ws, ws.stride(-2), gate, gate.stride(0), num_tokens, num_pairs, shared_tiles, *descs,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            GROUP_M=config.group_m, BLOCK_E=pow2(num_experts), EVEN_K=inter % config.block_k == 0,
+            PRECISION=dot_precision(h.dtype), SHARED=shared is not None, TMA=tma,
+            FLATTEN=config.flatten and shared is None,
+            num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.max_registers or None,
+        )
+        return
+    _down_kernel[(work,)](
         h, w2, w2.stride(0), w2.stride(1), order, offsets, topk_weights, y,
         hidden, inter, num_experts, tiles,
         ws, ws.stride(-2), gate, gate.stride(0), num_tokens, num_pairs, shared_tiles,

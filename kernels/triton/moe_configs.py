@@ -18,7 +18,15 @@ from freetoken.kernels.triton._common import INTERPRETED
 @dataclass(frozen=True)
 class GemmConfig:
     """One grouped-GEMM launch: tile sizes, ``group_m`` row tiles run together over all column
-    blocks (so a weight block is reused from L2 by them), warps and software-pipelining depth."""
+    blocks (so a weight block is reused from L2 by them), warps and software-pipelining depth.
+
+    ``persistent``: 0 launches one program per (row tile, column block); ``p > 0`` launches ``p``
+    programs per SM, each looping over tiles (``moe._gate_up_persistent_kernel``,
+    ``_down_persistent_kernel``): the expert offsets are read and summed once per program instead
+    of once per tile, no program starts for the row tiles past the real count, and (``flatten``)
+    the loop over tiles is pipelined with the K loop so the next tile's loads are issued during
+    this tile's epilogue (the down GEMM's K = 512 is 8 steps of 64: its ramp and epilogue are a
+    large share of each tile)."""
 
     block_m: int
     block_n: int
@@ -26,6 +34,21 @@ class GemmConfig:
     group_m: int
     num_warps: int
     num_stages: int
+    persistent: int = 0
+    tma: bool = False  # persistent down GEMM only: its operands read by TMA (moe._down_block_tma)
+    # Persistent launches: the tile and K loops pipelined as one (the flattened loop holds the next
+    # tiles' rows: 190-200 registers at 128 x 128 tiles, 1 program an SM), or the K loop alone.
+    flatten: bool = True
+    # The persistent launches' register cap (ptxas .maxnreg; 0: the compiler's choice). 128 fits two
+    # 8-warp programs an SM: the unflattened 128 x 128 x 64 down GEMM compiles there without spills.
+    max_registers: int = 0
+
+    def __post_init__(self) -> None:
+        if (self.tma or self.max_registers) and not self.persistent:
+            raise ValueError(
+                f"GemmConfig.tma / max_registers need persistent > 0, got persistent={self.persistent}, "
+                f"tma={self.tma}, max_registers={self.max_registers}"
+            )
 
 
 C = GemmConfig

@@ -80,3 +80,26 @@ def test_decode_batches_split_the_keys():
 
     q = torch.empty(1, 6, 24, device=DEVICE)
     assert num_splits(q, programs=1 * 2) > 1
+
+
+@pytest.mark.parametrize(
+    "dtype,case,registers",
+    [(torch.float32, "prefill_batch", 0), (torch.bfloat16, "prefill_long", 0), (torch.bfloat16, "prefill_batch", 128)],
+)
+def test_paged_attention_lean_softmax(rng, monkeypatch, dtype, case, registers):
+    """The prefill kernel's lean softmax (``PREFILL_LEAN_SOFTMAX``): full and causal key blocks,
+    requests from an empty cache and with cached prefixes, 128-row GQA tiles in half precision,
+    with the register cap (``PREFILL_MAX_REGISTERS``) or without."""
+    from freetoken.kernels.triton import attention
+
+    monkeypatch.setattr(attention, "PREFILL_LEAN_SOFTMAX", True)
+    monkeypatch.setattr(attention, "PREFILL_MAX_REGISTERS", registers)
+    context_lens, query_lens = CASES[case]
+    hq, hkv, d, page_size, num_pages = 8, 2, 24, 4, 80
+    table, cu, seq_lens = _layout(rng, context_lens, query_lens, page_size, num_pages)
+    k_cache = torch.randn(num_pages, page_size, hkv, d, generator=rng).to(dtype).to(DEVICE)
+    v_cache = torch.randn(num_pages, page_size, hkv, d, generator=rng).to(dtype).to(DEVICE)
+    q_gate = torch.randn(sum(query_lens), hq, 2 * d, generator=rng).to(dtype).to(DEVICE)
+    q, gate = q_gate[..., :d], q_gate[..., d:]
+    args = (q, k_cache, v_cache, table, cu, seq_lens, d**-0.5, max(query_lens))
+    assert_close(attention.paged_attention(*args, gate=gate), ref.paged_attention_reference(*args, gate=gate))

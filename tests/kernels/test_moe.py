@@ -102,14 +102,19 @@ def test_fused_experts(rng, dtype, tokens):
     assert_close(got, ref.fused_experts_reference(x, w13, w2, weights, ids))
 
 
+# one program per tile; 3 programs looping over the tiles (flattened with the K loop or not, a
+# register cap), the down GEMM's operands through pointers or TMA
+@pytest.mark.parametrize("persistent,tma,flatten,max_registers",
+                         [(0, False, True, 0), (3, False, True, 0), (3, True, True, 0), (3, True, False, 128)])
 @pytest.mark.parametrize("hidden,block_k", [(72, 32), (64, 32)])  # a partial and no partial column tile
-def test_fused_experts_grouped_tiles(rng, monkeypatch, hidden, block_k):
+def test_fused_experts_grouped_tiles(rng, monkeypatch, hidden, block_k, persistent, tma, flatten, max_registers):
     """Row tiles grouped 3 at a time over the column blocks (the last group partial), as the tuned
     prefill configurations run them."""
     from freetoken.kernels.triton.moe_configs import GemmConfig
 
     moe = _triton()
-    config = GemmConfig(block_m=16, block_n=32, block_k=block_k, group_m=3, num_warps=4, num_stages=1)
+    config = GemmConfig(block_m=16, block_n=32, block_k=block_k, group_m=3, num_warps=4, num_stages=1,
+                        persistent=persistent, tma=tma, flatten=flatten, max_registers=max_registers)
     monkeypatch.setattr(moe, "moe_gemm_config", lambda *args: config)
     e, k, tokens, inter = 5, 2, 45, 48
     x = torch.randn(tokens, hidden, generator=rng).to(DEVICE)
@@ -155,15 +160,21 @@ def test_fused_experts_pairs(rng, dtype, tokens):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens,block_m", [(1, 16), (37, 16), (21, 8)])  # one partial shared tile; several
-def test_fused_experts_shared_pairs(rng, monkeypatch, dtype, tokens, block_m):
+@pytest.mark.parametrize(
+    "tokens,block_m,persistent,tma",
+    [(1, 16, 0, False), (37, 16, 0, False), (21, 8, 0, False), (21, 8, 2, False), (21, 8, 2, True)],
+)
+def test_fused_experts_shared_pairs(rng, monkeypatch, dtype, tokens, block_m, persistent, tma):
     """The shared expert as the grouped GEMMs' first row tiles: the same pairs, and its gated output
-    (gate logits a strided column of the router GEMM's output, as the layer passes them)."""
+    (gate logits a strided column of the router GEMM's output, as the layer passes them); one
+    partial shared tile, several, and several in the persistent loop (the down GEMM's operands
+    through pointers or TMA)."""
     from freetoken.kernels.triton.moe_configs import GemmConfig
 
     moe = _triton()
     if block_m != 16:
-        config = GemmConfig(block_m=block_m, block_n=32, block_k=32, group_m=3, num_warps=4, num_stages=1)
+        config = GemmConfig(block_m=block_m, block_n=32, block_k=32, group_m=3, num_warps=4, num_stages=1,
+                            persistent=persistent, tma=tma)
         monkeypatch.setattr(moe, "moe_gemm_config", lambda *args: config)
     e, k, hidden, inter = 7, 3, 72, 40
     x = torch.randn(tokens, hidden, generator=rng).to(dtype).to(DEVICE)
@@ -212,3 +223,10 @@ def test_moe_combine_add_rms_norm(rng, dtype, gated, zero_centered, selected):
     moe = ref.shared_expert_combine_reference(moe, shared, gate) if gated else moe + shared
     chain = add_rms_norm_reference(moe[picked], residual[picked], weight, 1e-6, zero_centered)
     assert torch.equal(want_normed, chain[0]) and torch.equal(want_summed, chain[1])
+
+
+def test_gemm_config_tma_needs_persistent():
+    from freetoken.kernels.triton.moe_configs import GemmConfig
+
+    with pytest.raises(ValueError, match="need persistent"):
+        GemmConfig(128, 128, 64, 8, 8, 3, persistent=0, tma=True)

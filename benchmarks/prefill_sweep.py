@@ -1,0 +1,227 @@
+"""Issue 10's three kernel sub-targets on one GPU, each option against today's default, and the
+table entries to apply (one call, ~1-2 min with cold Triton caches):
+
+    python3 benchmarks/prefill_sweep.py [--only moe attention gdn]
+
+- MoE grouped GEMMs at T=8192 (256 experts of 2048 x 512, top-8; target 450 TFLOP/s each): the
+  table's tiles against persistent launches (``GemmConfig.persistent``: one program an SM with
+  the loops flattened, two an SM at 128 registers) and, for down, TMA operands (``tma``); prints
+  the ``TUNED`` bucket to paste into ``moe_configs.py``.
+- Attention prefill at 8k tokens, head_dim 128 (target 350 TFLOP/s) and 256: the lean softmax
+  (``attention.PREFILL_LEAN_SOFTMAX``) at the default tiles, capped at 128 registers (two programs
+  an SM, ``PREFILL_MAX_REGISTERS``), and at 128-key tiles.
+- GDN prefill at 32k (target 70 TFLOP/s) and 8k tokens: the state pass on the transposed state
+  (``gated_delta_rule.STATE_PASS_TRANSPOSED``, 2 and 4 warps).
+
+Times are medians of ``triton.testing.do_bench``; every option's output is compared with the
+default's (relative L2 difference; the tests against the torch references are tests/kernels and
+tests/gpu). FLOP counts as ``bench_prefill.py`` and ``tune_moe.py`` count them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_prefill import DK, DV, HK, HKV, HQ, HV, PAGE, rel_diff  # noqa: E402
+
+from freetoken.kernels.triton import attention, gated_delta_rule, moe  # noqa: E402
+from freetoken.kernels.triton.moe_configs import moe_gemm_config  # noqa: E402
+
+CUDA = torch.device("cuda")
+BF16 = torch.bfloat16
+
+
+def median_us(fn) -> float:
+    return do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e3
+
+
+@contextlib.contextmanager
+def patched(module, **values):
+    old = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in old.items():
+            setattr(module, name, value)
+
+
+def compare(case: str, flops: int, variants: dict, run, output) -> tuple[str, float] | None:
+    """Times ``run`` under every variant (``{name: context manager factory}``; the first is the
+    default), compares ``output()`` after a run with the default's, prints a row each, returns the
+    fastest agreeing variant (name, us)."""
+    reference, best = None, None
+    for name, context in variants.items():
+        try:
+            with context():
+                run()
+                out = output()
+                us = median_us(run)
+        except Exception as exc:  # does not fit this GPU (shared memory, registers)
+            print(f"| {case} | {name} | failed: {type(exc).__name__}: {str(exc)[:80]} | | |", flush=True)
+            continue
+        reference = out if reference is None else reference
+        diff = rel_diff(out, reference)
+        print(f"| {case} | {name} | {us:.1f} | {flops / us / 1e6:.1f} | {diff:.1e} |", flush=True)
+        if diff < 2e-2 and (best is None or us < best[1]):
+            best = (name, us)
+    return best
+
+
+def short(c) -> str:
+    """``moe_configs``' spelling of a config: ``C(block_m, ..., persistent, tma, flatten, max_registers)``."""
+    return "C(" + ", ".join(map(repr, vars(c).values())) + ")"
+
+
+def moe_sweep(tokens: int = 8192) -> list[str]:
+    experts, top_k, hidden, inter = 256, 8, 2048, 512
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+    x = torch.randn(tokens, hidden, dtype=BF16, device=CUDA, generator=gen)
+    w13 = torch.randn(experts, 2 * inter, hidden, dtype=BF16, device=CUDA, generator=gen) * hidden**-0.5
+    w2 = torch.randn(experts, hidden, inter, dtype=BF16, device=CUDA, generator=gen) * inter**-0.5
+    logits = torch.randn(tokens, experts, dtype=BF16, device=CUDA, generator=gen)
+    weights, ids = moe.moe_topk_softmax(logits, top_k, True)
+    order, offsets = moe.moe_sort_tokens(ids, experts)
+    pairs = tokens * top_k
+    h = torch.randn(pairs, inter, dtype=BF16, device=CUDA, generator=gen)
+    h_out, y = torch.empty_like(h), torch.empty(pairs, hidden, dtype=BF16, device=CUDA)
+    entries = []
+    for gemm in ("gate_up", "down"):
+        table = moe_gemm_config(gemm, BF16, pairs, experts, hidden, inter)
+        # one program an SM, tile and K loops flattened; two an SM, the K loop alone, 128 registers
+        one, two = dict(persistent=1), dict(persistent=2, flatten=False, max_registers=128)
+        configs = [table, replace(table, **one), replace(table, **two)]
+        if gemm == "down":
+            configs += [replace(table, **one, tma=True), replace(table, **two, tma=True),
+                        replace(table, block_k=128, num_stages=2, **one, tma=True)]
+        launch = {
+            "gate_up": lambda c: moe.gate_up(x, w13, order, offsets, h_out, top_k, c),
+            "down": lambda c: moe.down(h, w2, order, offsets, weights, y, c),
+        }[gemm]
+        result = h_out if gemm == "gate_up" else y
+        flops = 2 * pairs * (2 if gemm == "gate_up" else 1) * inter * hidden
+        state = {}
+
+        def variant(config):
+            @contextlib.contextmanager
+            def use():
+                state["config"] = config
+                yield
+            return use
+
+        variants = {("table " if c == table else "") + short(c): variant(c) for c in configs}
+        best = compare(f"MoE {gemm} T={tokens}", flops, variants, lambda: launch(state["config"]), result.float)
+        if best:
+            entries.append(f'moe_configs.TUNED[("{gemm}", {hidden}, {inter}, {experts})] last bucket: '
+                           f'(float("inf"), {best[0].removeprefix("table ")}),  # T={tokens}: {best[1]:.0f} us, '
+                           f'{flops / best[1] / 1e6:.0f} TFLOP/s')
+        torch.cuda.empty_cache()
+    return entries
+
+
+def attention_sweep(length: int = 8192) -> list[str]:
+    entries = []
+    for head_dim in (128, 256):
+        num_pages = -(-length // PAGE) + 1
+        k_cache = torch.randn(num_pages, PAGE, HKV, head_dim, dtype=BF16, device=CUDA)
+        v_cache = torch.randn_like(k_cache)
+        table = torch.arange(1, num_pages, dtype=torch.int32, device=CUDA)[None]
+        q_gate = torch.randn(length, HQ, 2 * head_dim, dtype=BF16, device=CUDA)
+        cu = torch.tensor([0, length], dtype=torch.int32, device=CUDA)
+        seq_lens = torch.tensor([length], dtype=torch.int32, device=CUDA)
+        args = (q_gate[..., :head_dim], k_cache, v_cache, table, cu, seq_lens, head_dim**-0.5, length)
+        gate = q_gate[..., head_dim:]
+        default = attention._tile_sizes(BF16, head_dim, HQ // HKV, length)
+
+        def tiles(config, lean, registers=0):
+            return lambda: patched(attention, _tile_sizes=lambda *a: config, PREFILL_LEAN_SOFTMAX=lean,
+                                   PREFILL_MAX_REGISTERS=registers)
+
+        variants = {f"default {default}": tiles(default, False), f"lean {default}": tiles(default, True)}
+        if head_dim <= 128:
+            variants[f"lean {default} 128 registers"] = tiles(default, True, 128)
+            for config in ((128, 128, 8, 2), (128, 128, 8, 3)):
+                variants[f"lean {config}"] = tiles(config, True)
+        flops = 2 * 2 * HQ * head_dim * length * (length + 1) // 2
+        result = {}
+
+        def run():
+            result["out"] = attention.paged_attention(*args, gate=gate)
+
+        best = compare(f"attention {length} d{head_dim}", flops, variants, run, lambda: result["out"].float())
+        if best:
+            entries.append(f"attention d{head_dim}: best {best[0]} ({best[1]:.0f} us, {flops / best[1] / 1e6:.0f} "
+                           f"TFLOP/s): PREFILL_LEAN_SOFTMAX = {best[0].startswith('lean')}; _tile_sizes -> "
+                           f"{best[0].split(' ', 1)[1].removesuffix(' 128 registers')}; PREFILL_MAX_REGISTERS = "
+                           f"{128 if best[0].endswith('128 registers') else 0}")
+        del k_cache, v_cache, q_gate
+        torch.cuda.empty_cache()
+    return entries
+
+
+def gdn_sweep(lengths: tuple[int, ...] = (32768, 8192)) -> list[str]:
+    entries = []
+    for tokens in lengths:
+        conv = torch.randn(tokens, 2 * HK * DK + HV * DV, dtype=BF16, device=CUDA)
+        q = conv[:, : HK * DK].view(tokens, HK, DK)
+        k = conv[:, HK * DK : 2 * HK * DK].view(tokens, HK, DK)
+        v = conv[:, 2 * HK * DK :].view(tokens, HV, DV)
+        g = -F.softplus(torch.randn(tokens, HV, device=CUDA)) * 0.3
+        beta = torch.rand(tokens, HV, device=CUDA).to(BF16)
+        state0 = torch.randn(2, HV, DK, DV, device=CUDA) * 0.1
+        state = state0.clone()
+        slots = torch.tensor([1], dtype=torch.int32, device=CUDA)
+        cu = torch.tensor([0, tokens], dtype=torch.int32, device=CUDA)
+
+        result = {}
+
+        def run():  # from the same initial state each time (a 32 x 128 x 128 float32 copy, ~2 us)
+            state.copy_(state0)
+            result["out"] = gated_delta_rule.gated_delta_rule_prefill(q, k, v, g, beta, state, slots, cu)
+
+        def output():
+            return torch.cat([result["out"].flatten().float(), state[1].flatten()])
+
+        variants = {"default": lambda: patched(gated_delta_rule, STATE_PASS_TRANSPOSED=False)}
+        for warps in (4, 2):
+            variants[f"transposed state pass, {warps} warps"] = (
+                lambda w=warps: patched(gated_delta_rule, STATE_PASS_TRANSPOSED=True, STATE_PASS_T_WARPS=w))
+        chunks = -(-tokens // 64)
+        flops = chunks * HV * 2 * 64 * (64 * DK + 64 * DV + 3 * DK * DV + 2 * 64 * DK)
+        best = compare(f"GDN 1x{tokens}", flops, variants, run, output)
+        if best:
+            entries.append(f"GDN 1x{tokens}: best {best[0]} ({best[1]:.0f} us, {flops / best[1] / 1e6:.1f} TFLOP/s)")
+        del conv
+        torch.cuda.empty_cache()
+    return entries
+
+
+SWEEPS = {"moe": moe_sweep, "attention": attention_sweep, "gdn": gdn_sweep}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--only", nargs="+", choices=list(SWEEPS), default=list(SWEEPS))
+    args = parser.parse_args()
+    print("| case | variant | us | TFLOP/s | rel. diff to default |")
+    print("|---|---|---:|---:|---:|")
+    entries = []
+    for name in args.only:
+        entries += SWEEPS[name]()
+    print("\n# to apply (only where the best is not the default):")
+    for line in entries:
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
