@@ -43,18 +43,31 @@ GROUP = 16
 # of ``q << 4`` (the low nibble in bits 7-4) in the low half's high byte and byte j of ``q`` (the high
 # nibble there) in the high half's; the sign then sits at bit 15 of each half and exponent / mantissa
 # at bits 14-12, moved to 8-6: ``e2m1 · 2^-126`` (0.5 a bf16 subnormal); one ``mul.bf16x2`` by 2^126
-# (as Marlin does) and one by the scale. ``SCALED`` 0: the codes alone (inputs $4 only).
-def _pairs_asm(scaled: bool) -> str:
-    lines = ["{", ".reg .b32 q4, t, s, bias;", "mov.b32 bias, 0x7E807E80;", "shl.b32 q4, $4, 4;"]
+# (as Marlin does) and one by the scale. ``SCALED`` 0: the codes alone (inputs $4 only). ``FOLDED``:
+# the bias folded into the scale operand, one ``mul.bf16x2`` a pair: $5 holds ``e4m3 · 2^118``
+# (``_FOLDED_SCALE``, exact in bf16 for every e4m3 value), so the product is ``e2m1 · e4m3 · 2^-8``, a
+# bf16 normal with at most 6 significant bits in [2^-18, 10.5] (exact; a subnormal ``e2m1 · 2^-126``
+# operand is multiplied as the bias multiply already does), and the caller's float32 row scale
+# takes the ``2^8`` (``FOLD``) back, a power of two, so the float32 result is unchanged.
+def _pairs_asm(scaled: bool, folded: bool = False) -> str:
+    bias = [] if folded else [".reg .b32 bias;", "mov.b32 bias, 0x7E807E80;"]
+    lines = ["{", ".reg .b32 q4, t, s;", *bias, "shl.b32 q4, $4, 4;"]
     for out, sel in enumerate(("0x0044", "0x1155", "0x2266", "0x3377")):
         lines += [f"prmt.b32 t, $4, q4, {sel};", "shr.b32 s, t, 6;", "and.b32 s, s, 0x01C001C0;",
                   "and.b32 t, t, 0x80008000;", "or.b32 t, t, s;"]
-        lines += ["mul.rn.bf16x2 t, t, bias;", f"mul.rn.bf16x2 ${out}, t, $5;"] if scaled else [f"mul.rn.bf16x2 ${out}, t, bias;"]
+        if folded:
+            lines += [f"mul.rn.bf16x2 ${out}, t, $5;"]
+        else:
+            lines += ["mul.rn.bf16x2 t, t, bias;", f"mul.rn.bf16x2 ${out}, t, $5;"] if scaled else [f"mul.rn.bf16x2 ${out}, t, bias;"]
     return "\n".join(lines + ["}"])
 
 
 _PAIRS_TO_BF16 = tl.constexpr(_pairs_asm(False))
 _SCALED_PAIRS_TO_BF16 = tl.constexpr(_pairs_asm(True))
+_FOLDED_PAIRS_TO_BF16 = tl.constexpr(_pairs_asm(True, folded=True))
+_FOLDED_SCALE = tl.constexpr(2.0**118)  # the e4m3 scale's factor in the folded decode's bf16 operand
+FOLD = tl.constexpr(256.0)  # what a folded tile is short of (2^126 / 2^118), the row scale takes it back
+_UNFOLD = tl.constexpr(1.0 / 256.0)
 
 
 @device_function
@@ -66,9 +79,12 @@ def _words_to_tile(lo, hi, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @device_function
-def _decode_tile(packed, scale_bytes, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _decode_tile(packed, scale_bytes, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 FOLDED: tl.constexpr = False):
     """uint8 ``[BLOCK_N, BLOCK_K / 2]`` codes and ``[BLOCK_N, BLOCK_K / 16]`` e4m3 bytes -> ``dtype``
-    ``[BLOCK_N, BLOCK_K]`` weights ``e2m1 · e4m3`` (the row scale is applied by the caller).
+    ``[BLOCK_N, BLOCK_K]`` weights ``e2m1 · e4m3`` (the row scale is applied by the caller); with
+    ``FOLDED`` ``e2m1 · e4m3 · 2^-8`` on every path (the caller's row scale times ``FOLD``), which
+    compiled in bf16 saves one ``mul.bf16x2`` a pair (``_pairs_asm``).
 
     ``e2m1 · e4m3`` has at most 6 significant bits and lies in [2^-10, 2688]: exact in bf16 and fp16,
     so the scale multiplies in ``dtype``, with no float32 round trip. Compiled, the codes go straight
@@ -82,19 +98,32 @@ def _decode_tile(packed, scale_bytes, dtype: tl.constexpr, BLOCK_N: tl.constexpr
     scales = scale_bytes.to(tl.float8e4nv, bitcast=True)
     if _INTERPRETED:
         codes = tl.reshape(_e4m3_codes(packed), (BLOCK_N, BLOCK_K)).to(tl.float8e4nv, bitcast=True)
-        groups = tl.reshape(codes.to(tl.float32), (BLOCK_N, BLOCK_K // 16, 16)) * (scales.to(tl.float32) * 64.0)[:, :, None]
+        if FOLDED:
+            factor = 64.0 * _UNFOLD
+        else:
+            factor = 64.0
+        groups = tl.reshape(codes.to(tl.float32), (BLOCK_N, BLOCK_K // 16, 16)) * (scales.to(tl.float32) * factor)[:, :, None]
         return tl.reshape(groups, (BLOCK_N, BLOCK_K)).to(dtype)
     elif dtype == tl.bfloat16:
-        per_byte = tl.reshape(tl.broadcast_to(scales.to(tl.bfloat16)[:, :, None], (BLOCK_N, BLOCK_K // 16, 8)),
-                              (BLOCK_N, BLOCK_K // 2))
-        lo, hi = tl.inline_asm_elementwise(_SCALED_PAIRS_TO_BF16, "=r,=r,=r,=r,r,r,r", [packed, per_byte],
+        if FOLDED:
+            scale_pairs = (scales.to(tl.float32) * _FOLDED_SCALE).to(tl.bfloat16)
+            asm = _FOLDED_PAIRS_TO_BF16
+        else:
+            scale_pairs = scales.to(tl.bfloat16)
+            asm = _SCALED_PAIRS_TO_BF16
+        per_byte = tl.reshape(tl.broadcast_to(scale_pairs[:, :, None], (BLOCK_N, BLOCK_K // 16, 8)), (BLOCK_N, BLOCK_K // 2))
+        lo, hi = tl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r,r,r", [packed, per_byte],
                                            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
         return _words_to_tile(lo, hi, BLOCK_N, BLOCK_K)
     else:
         lo, hi = tl.inline_asm_elementwise(_PAIRS_TO_BF16, "=r,=r,=r,=r,r", [packed], dtype=(tl.bfloat16, tl.bfloat16),
                                            is_pure=True, pack=4)
         values = _words_to_tile(lo, hi, BLOCK_N, BLOCK_K).to(dtype)
-        groups = tl.reshape(values, (BLOCK_N, BLOCK_K // 16, 16)) * scales.to(dtype)[:, :, None]
+        if FOLDED:
+            group_scales = (scales.to(tl.float32) * _UNFOLD).to(dtype)
+        else:
+            group_scales = scales.to(dtype)
+        groups = tl.reshape(values, (BLOCK_N, BLOCK_K // 16, 16)) * group_scales[:, :, None]
         return tl.reshape(groups, (BLOCK_N, BLOCK_K)).to(dtype)
 
 
@@ -228,12 +257,21 @@ def _rows_first(acc, SWAP_AB: tl.constexpr):
         return acc
 
 
+@device_function
+def _row_scales(r_ptr, rows, rows_ok, FOLDED: tl.constexpr):
+    """The float32 row scales of ``rows``, times ``FOLD`` for a ``FOLDED`` decode's tiles."""
+    scales = tl.load(r_ptr + rows, mask=rows_ok, other=0.0)
+    if FOLDED:
+        scales = scales * FOLD
+    return scales
+
+
 @triton.jit
 def _gate_up_kernel(
     x_ptr, x_st, w_ptr, s_ptr, r_ptr, order_ptr, tiles_ptr, h_ptr,
     hidden, inter, num_experts, num_row_tiles,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, FOLDED: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     tile, col_block = _grouped_tile(num_row_tiles, tl.cdiv(inter, BLOCK_N), GROUP_M)
@@ -259,15 +297,15 @@ def _gate_up_kernel(
             s_gate = _scale_tile(s_ptr, gate_rows, n_ok, k0, hidden, BLOCK_K)
             s_up = _scale_tile(s_ptr, up_rows, n_ok, k0, hidden, BLOCK_K)
             w_gate = _decode_tile(_packed_tile(w_ptr, gate_rows, n_ok, k0, hidden, BLOCK_K, EVEN_K), s_gate,
-                                  dtype, BLOCK_N, BLOCK_K)
+                                  dtype, BLOCK_N, BLOCK_K, FOLDED)
             w_up = _decode_tile(_packed_tile(w_ptr, up_rows, n_ok, k0, hidden, BLOCK_K, EVEN_K), s_up,
-                                dtype, BLOCK_N, BLOCK_K)
+                                dtype, BLOCK_N, BLOCK_K, FOLDED)
             acc_gate = _mma(acc_gate, a, w_gate, SWAP_AB, PRECISION)
             acc_up = _mma(acc_up, a, w_up, SWAP_AB, PRECISION)
         acc_gate = _rows_first(acc_gate, SWAP_AB)
         acc_up = _rows_first(acc_up, SWAP_AB)
-        gate = round_as(acc_gate * tl.load(r_ptr + gate_rows, mask=n_ok, other=0.0)[None, :], dtype)
-        up = round_as(acc_up * tl.load(r_ptr + up_rows, mask=n_ok, other=0.0)[None, :], dtype)
+        gate = round_as(acc_gate * _row_scales(r_ptr, gate_rows, n_ok, FOLDED)[None, :], dtype)
+        up = round_as(acc_up * _row_scales(r_ptr, up_rows, n_ok, FOLDED)[None, :], dtype)
         h = round_as(gate * tl.sigmoid(gate), dtype) * up
         tl.store(h_ptr + rows[:, None].to(tl.int64) * inter + n[None, :], cast(h, dtype), mask=row_ok[:, None] & n_ok[None, :])
 
@@ -277,7 +315,7 @@ def _down_kernel(
     h_ptr, w_ptr, s_ptr, r_ptr, order_ptr, tiles_ptr, topk_w_ptr, y_ptr,
     hidden, inter, num_experts, num_row_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, FOLDED: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     tile, col_block = _grouped_tile(num_row_tiles, tl.cdiv(hidden, BLOCK_N), GROUP_M)
@@ -299,11 +337,11 @@ def _down_kernel(
             a = tl.load(h_ptr + rows[:, None].to(tl.int64) * inter + k[None, :],
                         mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = _decode_tile(_packed_tile(w_ptr, w_rows, n_ok, k0, inter, BLOCK_K, EVEN_K),
-                             _scale_tile(s_ptr, w_rows, n_ok, k0, inter, BLOCK_K), dtype, BLOCK_N, BLOCK_K)
+                             _scale_tile(s_ptr, w_rows, n_ok, k0, inter, BLOCK_K), dtype, BLOCK_N, BLOCK_K, FOLDED)
             acc = _mma(acc, a, w, SWAP_AB, PRECISION)
         acc = _rows_first(acc, SWAP_AB)
         weight = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
-        y = round_as(acc * tl.load(r_ptr + w_rows, mask=n_ok, other=0.0)[None, :], dtype) * weight[:, None]
+        y = round_as(acc * _row_scales(r_ptr, w_rows, n_ok, FOLDED)[None, :], dtype) * weight[:, None]
         tl.store(y_ptr + pair.to(tl.int64)[:, None] * hidden + n[None, :], cast(y, dtype),
                  mask=row_ok[:, None] & n_ok[None, :])
 
@@ -429,7 +467,7 @@ def gate_up_nvfp4(x: torch.Tensor, w13: Packed, order: torch.Tensor, offsets: to
         x, x.stride(0), packed, scale_bytes, row_scales, order, tile_info, h, hidden, inter, num_experts, tiles,
         TOP_K=top_k, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, EVEN_K=hidden % config.block_k == 0,
-        SWAP_AB=config.swap_ab, PRECISION=dot_precision(x.dtype), num_warps=config.num_warps,
+        SWAP_AB=config.swap_ab, FOLDED=config.fold_bias, PRECISION=dot_precision(x.dtype), num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
 
@@ -451,7 +489,7 @@ def down_nvfp4(h: torch.Tensor, w2: Packed, order: torch.Tensor, offsets: torch.
         h, packed, scale_bytes, row_scales, order, tile_info, topk_weights, y, hidden, inter, num_experts, tiles,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, EVEN_K=inter % config.block_k == 0,
-        SWAP_AB=config.swap_ab, PRECISION=dot_precision(h.dtype), num_warps=config.num_warps,
+        SWAP_AB=config.swap_ab, FOLDED=config.fold_bias, PRECISION=dot_precision(h.dtype), num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
 

@@ -26,10 +26,14 @@ from freetoken.kernels.triton.moe_configs import GemmConfig
 
 @dataclass(frozen=True)
 class Nvfp4GemmConfig(GemmConfig):
-    """``GemmConfig`` (tiles, row-tile groups, warps, stages) and ``swap_ab``: the kernel computes
-    the transposed product, decoded weights as the MMA's first operand (``nvfp4._mma``)."""
+    """``GemmConfig`` (tiles, row-tile groups, warps, stages), ``swap_ab``: the kernel computes
+    the transposed product, decoded weights as the MMA's first operand (``nvfp4._mma``), and
+    ``fold_bias``: the decode's ``2^126`` bias folded into the group scale, one bf16x2 multiply a
+    weight pair instead of two, the rest of the power of two taken by the row scale (exact;
+    ``nvfp4._pairs_asm``)."""
 
     swap_ab: bool = False
+    fold_bias: bool = False
 
 
 C = Nvfp4GemmConfig

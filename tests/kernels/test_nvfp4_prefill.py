@@ -47,10 +47,11 @@ def _config(*fields):
     return None if fields == (None,) else _configs().Nvfp4GemmConfig(*fields)
 
 
-# (gate/up, down) configurations: block_m, block_n, block_k, group_m, warps, stages, swap_ab. hidden
-# 80 and inter 48: K steps of 64 leave a ragged last step, 16 divide both (no column masks); 16-row
-# tiles give several tiles an expert; swap_ab the transposed product; None: dequantize and run the
-# bf16 GEMM.
+# (gate/up, down) configurations: block_m, block_n, block_k, group_m, warps, stages, swap_ab,
+# fold_bias. hidden 80 and inter 48: K steps of 64 leave a ragged last step, 16 divide both (no
+# column masks); 16-row tiles give several tiles an expert; swap_ab the transposed product;
+# fold_bias the tiles decoded short of 2^8, the row scales taking it back; None: dequantize and run
+# the bf16 GEMM.
 CONFIG_CASES = [
     ((16, 32, 64, 1, 4, 1), (16, 16, 64, 1, 4, 1)),
     ((32, 64, 16, 4, 4, 1, True), (32, 64, 16, 8, 4, 1, True)),
@@ -58,12 +59,15 @@ CONFIG_CASES = [
     ((16, 64, 64, 1, 4, 1, True), (64, 16, 64, 4, 4, 1)),
     ((None,), (None,)),
     ((16, 64, 64, 8, 4, 1, True), (None,)),
+    ((16, 64, 64, 1, 4, 1, True, True), (32, 64, 16, 8, 4, 1, True, True)),
+    ((32, 16, 32, 4, 4, 1, False, True), (16, 16, 64, 1, 4, 1, False, True)),
 ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("configs", CONFIG_CASES,
-                         ids=lambda c: "-".join("dequant" if f == (None,) else "x".join(map(str, f[:3])) + ("s" if f[6:] else "") for f in c))
+                         ids=lambda c: "-".join("dequant" if f == (None,) else "x".join(map(str, f[:3])) + ("s" if f[6:7] == (True,) else "")
+                                           + ("f" if f[7:] == (True,) else "") for f in c))
 def test_fused_experts_nvfp4_in_every_config(rng, dtype, configs, monkeypatch):
     """Each tile shape and the dequantize path (two experts a group: four groups for seven experts)
     give the float32 reference's result; 37 tokens of top-3 over 7 experts: ~16 pairs an expert."""
