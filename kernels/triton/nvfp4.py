@@ -79,6 +79,12 @@ def _words_to_tile(lo, hi, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @device_function
+def _per_byte(group_scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """bf16 ``[BLOCK_N, BLOCK_K / 16]`` group scales repeated for each of a group's 8 code bytes."""
+    return tl.reshape(tl.broadcast_to(group_scales[:, :, None], (BLOCK_N, BLOCK_K // 16, 8)), (BLOCK_N, BLOCK_K // 2))
+
+
+@device_function
 def _decode_tile(packed, scale_bytes, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  FOLDED: tl.constexpr = False):
     """uint8 ``[BLOCK_N, BLOCK_K / 2]`` codes and ``[BLOCK_N, BLOCK_K / 16]`` e4m3 bytes -> ``dtype``
@@ -105,15 +111,14 @@ def _decode_tile(packed, scale_bytes, dtype: tl.constexpr, BLOCK_N: tl.constexpr
         groups = tl.reshape(codes.to(tl.float32), (BLOCK_N, BLOCK_K // 16, 16)) * (scales.to(tl.float32) * factor)[:, :, None]
         return tl.reshape(groups, (BLOCK_N, BLOCK_K)).to(dtype)
     elif dtype == tl.bfloat16:
-        if FOLDED:
-            scale_pairs = (scales.to(tl.float32) * _FOLDED_SCALE).to(tl.bfloat16)
-            asm = _FOLDED_PAIRS_TO_BF16
+        if FOLDED:  # (a string assigned to a variable would stop being a constexpr)
+            per_byte = _per_byte((scales.to(tl.float32) * _FOLDED_SCALE).to(tl.bfloat16), BLOCK_N, BLOCK_K)
+            lo, hi = tl.inline_asm_elementwise(_FOLDED_PAIRS_TO_BF16, "=r,=r,=r,=r,r,r,r", [packed, per_byte],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
         else:
-            scale_pairs = scales.to(tl.bfloat16)
-            asm = _SCALED_PAIRS_TO_BF16
-        per_byte = tl.reshape(tl.broadcast_to(scale_pairs[:, :, None], (BLOCK_N, BLOCK_K // 16, 8)), (BLOCK_N, BLOCK_K // 2))
-        lo, hi = tl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r,r,r", [packed, per_byte],
-                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+            per_byte = _per_byte(scales.to(tl.bfloat16), BLOCK_N, BLOCK_K)
+            lo, hi = tl.inline_asm_elementwise(_SCALED_PAIRS_TO_BF16, "=r,=r,=r,=r,r,r,r", [packed, per_byte],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
         return _words_to_tile(lo, hi, BLOCK_N, BLOCK_K)
     else:
         lo, hi = tl.inline_asm_elementwise(_PAIRS_TO_BF16, "=r,=r,=r,=r,r", [packed], dtype=(tl.bfloat16, tl.bfloat16),
