@@ -112,7 +112,8 @@ def cases():
                                             *random_nvfp4(EXPERTS, HIDDEN, INTER),
                                             torch.full((t, TOP_K), 0.125, dtype=BF16), ids, configs)
 
-        yield f"tail 528 candidate{' folded' if gate_up.fold_bias else ''}", tail
+        kind = " split" if gate_up.split else " folded" if gate_up.fold_bias else ""
+        yield f"tail 528 candidate{kind}", tail
 
 
 _INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)([^;]*);")
@@ -158,7 +159,7 @@ def report(label: str, dump: str | None) -> None:
         counts = {cls: sum(body[op] for op in ops) for cls, ops in CLASSES.items()}
         total = sum(body.values())
         per_weight = total / weights_per_thread(name, config)
-        tiles = {k: config[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SWAP_AB", "FOLDED", "num_warps", "num_stages") if k in config}
+        tiles = {k: config[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SWAP_AB", "FOLDED", "SPLIT", "num_warps", "num_stages") if k in config}
         mix = " ".join(f"{cls}={n}" for cls, n in counts.items())
         print(f"| {label} | {name} | {tiles} | {resources} | {kernel.metadata.shared} | {total} | {mix} | {per_weight:.2f} |")
     compiled.clear()

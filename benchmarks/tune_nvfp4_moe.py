@@ -15,8 +15,9 @@ over the floor: max(packed bytes + scales of the experts the pairs touch / HBM, 
 
 ``--tail`` times only the prefix hit's tail (528 tokens, no dense projections) over
 ``tail_candidates``: the table's tiles with and without ``fold_bias`` (the decode's bias folded
-into the group scale) and small-M tiles around them (16-row tiles, wider N, longer K steps), and
-prints the ``TUNED`` entries the best would make.
+into the group scale), small-M tiles around them (16-row tiles, wider N, longer K steps) and
+``split`` (the even and odd columns decoded elementwise and multiplied apart), and prints the
+``TUNED`` entries the best would make.
 
 ``--apply`` rewrites ``TUNED`` (between its markers) with the best configuration of each GEMM in
 the bucket holding each tuned size (the other buckets keep ``DEFAULT``'s), and
@@ -70,20 +71,21 @@ def candidates(mean_rows: float, full: bool, gemm: str = "gate_up"):
 def tail_candidates(gemm: str):
     """The tail's (~16 pairs an expert) tiles for ``--tail``: the measured best (``TUNED``: gate/up
     32 x 64 x 128 4 warps, down 32 x 128 x 64 8 warps, both ``swap_ab``) without and with
-    ``fold_bias``, and folded variants with 16-row tiles (the pairs as wgmma's N side: no half-empty
-    tile at 16 pairs, but experts past 16 pairs decode twice), wider N (more MMAs in flight a K step),
-    longer K steps (128 contiguous bytes a weight row a step) and a deeper pipeline."""
+    ``fold_bias``; folded variants with 16-row tiles (the pairs as wgmma's N side: no half-empty tile
+    at 16 pairs, but experts past 16 pairs decode twice), wider N or longer K steps, a deeper
+    pipeline; and ``split`` (no shared-memory round trip of the decoded weights, more instructions)
+    at the best and the first two of those. 8 a GEMM: ~16 compiles."""
     from freetoken.kernels.triton.nvfp4_configs import C
 
     if gemm == "gate_up":
         best = (32, 64, 128, 8, 4, 3)
-        others = [(16, 64, 128, 8, 4, 3), (32, 64, 256, 8, 4, 3), (32, 128, 128, 8, 8, 3), (16, 128, 128, 8, 8, 4),
-                  (32, 64, 128, 8, 4, 4)]
+        others = [(16, 64, 128, 8, 4, 3), (32, 128, 128, 8, 8, 3), (32, 64, 128, 8, 4, 4)]
     else:
         best = (32, 128, 64, 8, 8, 3)
-        others = [(16, 128, 64, 8, 8, 3), (32, 128, 128, 8, 8, 3), (32, 256, 64, 8, 8, 3), (32, 64, 128, 8, 4, 3),
-                  (16, 64, 128, 8, 4, 4)]
-    return [C(*best, True, False), C(*best, True, True)] + [C(*shape, True, True) for shape in others]
+        others = [(16, 128, 64, 8, 8, 3), (32, 128, 128, 8, 8, 3), (32, 256, 64, 8, 8, 3)]
+    folded = [C(*shape, True, True) for shape in others]
+    split = [C(*shape, True, True, True) for shape in (best, *others[:2])]
+    return [C(*best, True, False), C(*best, True, True), *folded, *split]
 
 
 def _random_nvfp4(*shape: int):

@@ -65,6 +65,23 @@ def _pairs_asm(scaled: bool, folded: bool = False) -> str:
 _PAIRS_TO_BF16 = tl.constexpr(_pairs_asm(False))
 _SCALED_PAIRS_TO_BF16 = tl.constexpr(_pairs_asm(True))
 _FOLDED_PAIRS_TO_BF16 = tl.constexpr(_pairs_asm(True, folded=True))
+
+
+# The split decode (``Nvfp4GemmConfig.split``): 4 packed bytes and their 4 bf16 scales (``e4m3 ·
+# 2^118``, as folded; $5 bytes 0-1, $6 bytes 2-3) -> the 4 low-nibble (even-column) values as $0
+# (bytes 0, 1) and $1 (2, 3), the 4 high-nibble (odd-column) ones as $2 and $3, each
+# ``e2m1 · e4m3 · 2^-8``: output element i is byte i's, so the decode is elementwise over the byte
+# tile and keeps whatever layout it is in (the MMA operand's: no shared-memory round trip).
+def _split_asm() -> str:
+    lines = ["{", ".reg .b32 q4, t, s;", "shl.b32 q4, $4, 4;"]
+    for out, (src, sel, scale) in enumerate((("q4", "0x1100", "$5"), ("q4", "0x3322", "$6"),
+                                             ("$4", "0x1100", "$5"), ("$4", "0x3322", "$6"))):
+        lines += [f"prmt.b32 t, {src}, {src}, {sel};", "shr.b32 s, t, 6;", "and.b32 s, s, 0x01C001C0;",
+                  "and.b32 t, t, 0x80008000;", "or.b32 t, t, s;", f"mul.rn.bf16x2 ${out}, t, {scale};"]
+    return "\n".join(lines + ["}"])
+
+
+_SPLIT_TO_BF16 = tl.constexpr(_split_asm())
 _FOLDED_SCALE = tl.constexpr(2.0**118)  # the e4m3 scale's factor in the folded decode's bf16 operand
 FOLD = tl.constexpr(256.0)  # what a folded tile is short of (2^126 / 2^118), the row scale takes it back
 _UNFOLD = tl.constexpr(1.0 / 256.0)
@@ -80,7 +97,7 @@ def _words_to_tile(lo, hi, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 
 @device_function
 def _per_byte(group_scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """bf16 ``[BLOCK_N, BLOCK_K / 16]`` group scales repeated for each of a group's 8 code bytes."""
+    """``[BLOCK_N, BLOCK_K / 16]`` group scales repeated for each of a group's 8 code bytes."""
     return tl.reshape(tl.broadcast_to(group_scales[:, :, None], (BLOCK_N, BLOCK_K // 16, 8)), (BLOCK_N, BLOCK_K // 2))
 
 
@@ -130,6 +147,27 @@ def _decode_tile(packed, scale_bytes, dtype: tl.constexpr, BLOCK_N: tl.constexpr
             group_scales = scales.to(dtype)
         groups = tl.reshape(values, (BLOCK_N, BLOCK_K // 16, 16)) * group_scales[:, :, None]
         return tl.reshape(groups, (BLOCK_N, BLOCK_K)).to(dtype)
+
+
+@device_function
+def _decode_split(packed, scale_bytes, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """uint8 ``[BLOCK_N, BLOCK_K / 2]`` codes and their ``[BLOCK_N, BLOCK_K / 16]`` e4m3 bytes -> the
+    even and the odd columns' weights, two ``dtype`` ``[BLOCK_N, BLOCK_K / 2]`` tiles of
+    ``e2m1 · e4m3 · 2^-8`` (folded: the caller's row scale times ``FOLD``), element j of each from
+    byte j: no join or reshape of the weights, so their layout can be the MMA operand's."""
+    scales = scale_bytes.to(tl.float8e4nv, bitcast=True).to(tl.float32)  # converted a group at a time
+    if _INTERPRETED or dtype != tl.bfloat16:
+        lo = ((packed & 0x08) << 4) | ((packed & 0x07) << 2)  # e2m1 · 2^-6 as e4m3 bytes (_e4m3_codes)
+        hi = (packed & 0x80) | ((packed & 0x70) >> 2)
+        factor = _per_byte(scales * (64.0 * _UNFOLD), BLOCK_N, BLOCK_K)
+        even = lo.to(tl.float8e4nv, bitcast=True).to(tl.float32) * factor
+        odd = hi.to(tl.float8e4nv, bitcast=True).to(tl.float32) * factor
+        return even.to(dtype), odd.to(dtype)
+    else:
+        per_byte = _per_byte((scales * _FOLDED_SCALE).to(tl.bfloat16), BLOCK_N, BLOCK_K)
+        even, odd = tl.inline_asm_elementwise(_SPLIT_TO_BF16, "=r,=r,=r,=r,r,r,r", [packed, per_byte],
+                                              dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        return even, odd
 
 
 @device_function
@@ -230,6 +268,17 @@ def _scale_tile(s_ptr, rows, rows_ok, k0, K, BLOCK_K: tl.constexpr):
 
 
 @device_function
+def _split_activations(x_ptr, x_st, rows, rows_ok, k0, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """For a split decode: the even and the odd columns ``k0 ...`` of activation rows, two contiguous
+    ``[BLOCK_M, BLOCK_K / 2]`` tiles of the column-split activations (``split_columns``: the even
+    columns, then the odd ones)."""
+    half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    mask = rows_ok[:, None] & ((half < K // 2) | EVEN_K)[None, :]
+    base = x_ptr + rows[:, None].to(tl.int64) * x_st + half[None, :]
+    return tl.load(base, mask=mask, other=0.0), tl.load(base + K // 2, mask=mask, other=0.0)
+
+
+@device_function
 def _zero_acc(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
     """The float32 accumulator: ``[BLOCK_M, BLOCK_N]``, or transposed with ``SWAP_AB``."""
     if SWAP_AB:
@@ -277,7 +326,7 @@ def _gate_up_kernel(
     hidden, inter, num_experts, num_row_tiles,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, FOLDED: tl.constexpr,
-    PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     tile, col_block = _grouped_tile(num_row_tiles, tl.cdiv(inter, BLOCK_N), GROUP_M)
     expert = tl.load(tiles_ptr + tile)
@@ -295,18 +344,25 @@ def _gate_up_kernel(
         acc_gate = _zero_acc(BLOCK_M, BLOCK_N, SWAP_AB)
         acc_up = _zero_acc(BLOCK_M, BLOCK_N, SWAP_AB)
         for k0 in range(0, hidden, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = (k < hidden) | EVEN_K  # constant true when the tiles divide the dim: no column mask
-            a = tl.load(x_ptr + token[:, None].to(tl.int64) * x_st + k[None, :],
-                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             s_gate = _scale_tile(s_ptr, gate_rows, n_ok, k0, hidden, BLOCK_K)
             s_up = _scale_tile(s_ptr, up_rows, n_ok, k0, hidden, BLOCK_K)
-            w_gate = _decode_tile(_packed_tile(w_ptr, gate_rows, n_ok, k0, hidden, BLOCK_K, EVEN_K), s_gate,
-                                  dtype, BLOCK_N, BLOCK_K, FOLDED)
-            w_up = _decode_tile(_packed_tile(w_ptr, up_rows, n_ok, k0, hidden, BLOCK_K, EVEN_K), s_up,
-                                dtype, BLOCK_N, BLOCK_K, FOLDED)
-            acc_gate = _mma(acc_gate, a, w_gate, SWAP_AB, PRECISION)
-            acc_up = _mma(acc_up, a, w_up, SWAP_AB, PRECISION)
+            gate_codes = _packed_tile(w_ptr, gate_rows, n_ok, k0, hidden, BLOCK_K, EVEN_K)
+            up_codes = _packed_tile(w_ptr, up_rows, n_ok, k0, hidden, BLOCK_K, EVEN_K)
+            if SPLIT:
+                a_even, a_odd = _split_activations(x_ptr, x_st, token, row_ok, k0, hidden, BLOCK_K, EVEN_K)
+                g_even, g_odd = _decode_split(gate_codes, s_gate, dtype, BLOCK_N, BLOCK_K)
+                u_even, u_odd = _decode_split(up_codes, s_up, dtype, BLOCK_N, BLOCK_K)
+                acc_gate = _mma(_mma(acc_gate, a_even, g_even, SWAP_AB, PRECISION), a_odd, g_odd, SWAP_AB, PRECISION)
+                acc_up = _mma(_mma(acc_up, a_even, u_even, SWAP_AB, PRECISION), a_odd, u_odd, SWAP_AB, PRECISION)
+            else:
+                k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = (k < hidden) | EVEN_K  # constant true when the tiles divide the dim: no column mask
+                a = tl.load(x_ptr + token[:, None].to(tl.int64) * x_st + k[None, :],
+                            mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                w_gate = _decode_tile(gate_codes, s_gate, dtype, BLOCK_N, BLOCK_K, FOLDED)
+                w_up = _decode_tile(up_codes, s_up, dtype, BLOCK_N, BLOCK_K, FOLDED)
+                acc_gate = _mma(acc_gate, a, w_gate, SWAP_AB, PRECISION)
+                acc_up = _mma(acc_up, a, w_up, SWAP_AB, PRECISION)
         acc_gate = _rows_first(acc_gate, SWAP_AB)
         acc_up = _rows_first(acc_up, SWAP_AB)
         gate = round_as(acc_gate * _row_scales(r_ptr, gate_rows, n_ok, FOLDED)[None, :], dtype)
@@ -321,7 +377,7 @@ def _down_kernel(
     hidden, inter, num_experts, num_row_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, FOLDED: tl.constexpr,
-    PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     tile, col_block = _grouped_tile(num_row_tiles, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     expert = tl.load(tiles_ptr + tile)
@@ -337,13 +393,18 @@ def _down_kernel(
         w_rows = expert * hidden + n  # rows of the flattened [E * H, I] weight
         acc = _zero_acc(BLOCK_M, BLOCK_N, SWAP_AB)
         for k0 in range(0, inter, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = (k < inter) | EVEN_K
-            a = tl.load(h_ptr + rows[:, None].to(tl.int64) * inter + k[None, :],
-                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w = _decode_tile(_packed_tile(w_ptr, w_rows, n_ok, k0, inter, BLOCK_K, EVEN_K),
-                             _scale_tile(s_ptr, w_rows, n_ok, k0, inter, BLOCK_K), dtype, BLOCK_N, BLOCK_K, FOLDED)
-            acc = _mma(acc, a, w, SWAP_AB, PRECISION)
+            codes = _packed_tile(w_ptr, w_rows, n_ok, k0, inter, BLOCK_K, EVEN_K)
+            scales = _scale_tile(s_ptr, w_rows, n_ok, k0, inter, BLOCK_K)
+            if SPLIT:
+                a_even, a_odd = _split_activations(h_ptr, inter, rows, row_ok, k0, inter, BLOCK_K, EVEN_K)
+                w_even, w_odd = _decode_split(codes, scales, dtype, BLOCK_N, BLOCK_K)
+                acc = _mma(_mma(acc, a_even, w_even, SWAP_AB, PRECISION), a_odd, w_odd, SWAP_AB, PRECISION)
+            else:
+                k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = (k < inter) | EVEN_K
+                a = tl.load(h_ptr + rows[:, None].to(tl.int64) * inter + k[None, :],
+                            mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                acc = _mma(acc, a, _decode_tile(codes, scales, dtype, BLOCK_N, BLOCK_K, FOLDED), SWAP_AB, PRECISION)
         acc = _rows_first(acc, SWAP_AB)
         weight = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
         y = round_as(acc * _row_scales(r_ptr, w_rows, n_ok, FOLDED)[None, :], dtype) * weight[:, None]
@@ -453,6 +514,12 @@ def _dequantized_groups(w: Packed, dtype: torch.dtype, device: torch.device) -> 
         yield e0, weights
 
 
+def split_columns(x: torch.Tensor) -> torch.Tensor:
+    """``x [rows, K]``'s even columns, then its odd ones (``[rows, K]``, contiguous): the activations
+    of a ``split`` decode, whose MMAs take the low-nibble and the high-nibble columns apart."""
+    return torch.cat((x[:, 0::2], x[:, 1::2]), dim=1)
+
+
 def gate_up_nvfp4(x: torch.Tensor, w13: Packed, order: torch.Tensor, offsets: torch.Tensor, h: torch.Tensor,
                   top_k: int, config: Nvfp4GemmConfig | None) -> None:
     """``h[sorted pair] = silu(x w_gateᵀ) · (x w_upᵀ)`` of the pair's expert over NVFP4 ``w13``
@@ -468,11 +535,12 @@ def gate_up_nvfp4(x: torch.Tensor, w13: Packed, order: torch.Tensor, offsets: to
             moe.gate_up(x, weights, order, offsets[e0:], h, top_k, bf16_config)
         return
     tile_info, tiles = tile_map(offsets, h.shape[0], config.block_m)
+    x = split_columns(x) if config.split else x
     _gate_up_kernel[(tiles * triton.cdiv(inter, config.block_n),)](
         x, x.stride(0), packed, scale_bytes, row_scales, order, tile_info, h, hidden, inter, num_experts, tiles,
         TOP_K=top_k, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, EVEN_K=hidden % config.block_k == 0,
-        SWAP_AB=config.swap_ab, FOLDED=config.fold_bias, PRECISION=dot_precision(x.dtype), num_warps=config.num_warps,
+        SWAP_AB=config.swap_ab, FOLDED=config.fold_bias or config.split, SPLIT=config.split, PRECISION=dot_precision(x.dtype), num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
 
@@ -490,11 +558,12 @@ def down_nvfp4(h: torch.Tensor, w2: Packed, order: torch.Tensor, offsets: torch.
             moe.down(h, weights, order, offsets[e0:], topk_weights, y, bf16_config)
         return
     tile_info, tiles = tile_map(offsets, h.shape[0], config.block_m)
+    h = split_columns(h) if config.split else h
     _down_kernel[(tiles * triton.cdiv(hidden, config.block_n),)](
         h, packed, scale_bytes, row_scales, order, tile_info, topk_weights, y, hidden, inter, num_experts, tiles,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, EVEN_K=inter % config.block_k == 0,
-        SWAP_AB=config.swap_ab, FOLDED=config.fold_bias, PRECISION=dot_precision(h.dtype), num_warps=config.num_warps,
+        SWAP_AB=config.swap_ab, FOLDED=config.fold_bias or config.split, SPLIT=config.split, PRECISION=dot_precision(h.dtype), num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
 
