@@ -14,7 +14,10 @@ tiles, and past ``nvfp4_configs.LINEAR_DEQUANT_MIN_ROWS`` rows the weight is deq
 grouped gate/up GEMM with SiLU-and-mul, grouped down GEMM, per-token sum) with these weight tiles,
 their sizes from ``nvfp4_configs`` by pairs per expert; where that table says ``DEQUANT`` (an 8k
 prefill's hundreds of pairs an expert) the experts are dequantized a group at a time and run through
-the bf16 grouped GEMMs instead.
+the bf16 grouped GEMMs instead. Two decode variants are table choices (``Nvfp4GemmConfig``):
+``fold_bias`` (one bf16x2 multiply a weight pair, the bias in the scale) and ``split`` (the even and
+odd columns decoded elementwise and multiplied apart, so the decoded weights need no layout
+conversion through shared memory into the MMA operand's).
 """
 
 from __future__ import annotations
