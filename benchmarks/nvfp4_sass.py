@@ -101,6 +101,19 @@ def cases():
 
         yield f"routed experts {label}", experts
         yield f"attention qkv {label}", qkv
+    # The tuner's tail tiles (tune_nvfp4_moe.tail_candidates), gate/up and down side by side.
+    from tune_nvfp4_moe import tail_candidates
+
+    for gate_up, down in zip(tail_candidates("gate_up"), tail_candidates("down")):
+        def tail(configs=(gate_up, down), t=528):
+            x = torch.zeros(t, HIDDEN, dtype=BF16)
+            ids = torch.arange(t * TOP_K, dtype=torch.int32).remainder(EXPERTS).view(t, TOP_K)
+            nvfp4.fused_experts_nvfp4_tiled(x, *random_nvfp4(EXPERTS, 2 * INTER, HIDDEN),
+                                            *random_nvfp4(EXPERTS, HIDDEN, INTER),
+                                            torch.full((t, TOP_K), 0.125, dtype=BF16), ids, configs)
+
+        kind = " split" if gate_up.split else " folded" if gate_up.fold_bias else ""
+        yield f"tail 528 candidate{kind}", tail
 
 
 _INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)([^;]*);")
@@ -146,7 +159,7 @@ def report(label: str, dump: str | None) -> None:
         counts = {cls: sum(body[op] for op in ops) for cls, ops in CLASSES.items()}
         total = sum(body.values())
         per_weight = total / weights_per_thread(name, config)
-        tiles = {k: config[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SWAP_AB", "num_warps", "num_stages") if k in config}
+        tiles = {k: config[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SWAP_AB", "FOLDED", "SPLIT", "num_warps", "num_stages") if k in config}
         mix = " ".join(f"{cls}={n}" for cls, n in counts.items())
         print(f"| {label} | {name} | {tiles} | {resources} | {kernel.metadata.shared} | {total} | {mix} | {per_weight:.2f} |")
     compiled.clear()

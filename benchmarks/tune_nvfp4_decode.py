@@ -10,12 +10,12 @@ The candidates: the one-program-per-tile kernels (the default) and the stream ke
 loads issued before the current one's decode), varying rows a tile, warps, programs an SM (sized
 to the registers each shape compiles to, so that all its programs are resident: ``nvfp4_sass.py``),
 routing fused into the passes or not, the shared expert's gate/up tiles first (loaded before
-the wait and the routing) or not, both passes as one persistent launch (``nvfp4_decode_fused.py``;
-``--only "fused gate/up"`` times those alone), prefetch and PDL off as controls. ``--old`` adds the frozen
+the wait and the routing) or not, prefetch and PDL off as controls (one persistent launch for both
+passes was measured 2.7-3.4x slower and removed: docs/benchmarks.md). ``--old`` adds the frozen
 two-launch kernels (``nvfp4_decode_baseline.py``), ``--dense`` the one-row dense GEMVs (attention
 qkv and o) against the frozen tensor-core tile, and the attention input norm + qkv GEMV as two
-launches against the fused one (``normed_nvfp4_gemv.py``). The default run (26 distinct shapes, two token counts)
-takes about three minutes with a cold Triton cache, most of it compiling.
+launches against the fused one (``normed_nvfp4_gemv.py``). The default run (18 distinct shapes, two token counts)
+takes under three minutes with a cold Triton cache, most of it compiling.
 
 As ``tune_moe_decode.py`` (whose graph check and profiler breakdown this reuses): each timing runs
 the block over ``LAYERS`` layers' distinct packed experts (about 1.8 GB, far more than the 60 MB
@@ -64,12 +64,6 @@ def stream(gate_up: tuple[int, int, int], down: tuple[int, int, int], **flags) -
                    down_per_sm=dp, **flags)
 
 
-def fused(gate_up_rows: int, down_rows: int, warps: int, per_sm: int, **flags) -> NVFP4DecodeTiles:
-    """Both passes as one persistent launch: rows a gate/up and a down tile, warps, programs an SM."""
-    return replace(DEFAULT, fused_per_sm=per_sm, gate_up_block_n=gate_up_rows, down_block_n=down_rows,
-                   gate_up_warps=warps, **flags)
-
-
 # Registers by nvfp4_sass.py (sm_90, Triton 3.6): gate/up 8 rows 8 warps 124 (2 programs an SM),
 # 4 rows 4 warps 96 (5), 8 rows 4 warps 166 (3); down 4 rows 8 warps 128 (2), 2 rows 4 warps 123 (4),
 # 8 rows 4 warps 254 (2); gate/up 16 rows 8 warps 168 (1).
@@ -96,18 +90,6 @@ CANDIDATES = [
     replace(DEFAULT, shared_first=True, fuse_route=True),
     stream((4, 4, 5), D2, shared_first=True),
     stream((4, 4, 5), D2, shared_first=True, fuse_route=True),
-    # One persistent launch (nvfp4_decode_fused: tiles drawn from counters, down tiles start when their
-    # token's gate/up tiles are stored), after the routing launch or with the routing as its first task.
-    # Registers (sm_90, Triton 3.6): 4 rows both passes, 4 warps 250 (2 programs an SM); down 2 rows 206;
-    # gate/up 8 rows 8 warps 208 (1); capped at 168 / 128 they spill 288 / 544 bytes.
-    fused(4, 4, 4, 2),
-    fused(4, 4, 4, 2, fuse_route=True),
-    fused(4, 2, 4, 2),
-    fused(4, 2, 4, 2, fuse_route=True),
-    fused(4, 4, 4, 3, gate_up_regs=168),
-    fused(4, 2, 4, 4, gate_up_regs=128, fuse_route=True),
-    fused(8, 4, 8, 1),
-    fused(4, 4, 4, 2, prefetch=False),
     stream(G8, D4, prefetch=False),  # controls
     stream(G8, D4, pdl=False),
 ]
@@ -122,11 +104,6 @@ def layer_weights() -> tuple[torch.Tensor, ...]:
 
 def label(tiles: NVFP4DecodeTiles) -> str:
     t = tiles
-    if t.fused_per_sm:
-        flags = [name for name, on in (("pdl", t.pdl), ("routing task", t.fuse_route), ("no prefetch", not t.prefetch)) if on]
-        regs = [f"regs {t.gate_up_regs}"] if t.gate_up_regs else []
-        return ", ".join([f"fused gate/up {t.gate_up_block_n} + down {t.down_block_n} rows w{t.gate_up_warps} "
-                          f"x{t.fused_per_sm}/SM", *flags, *regs])
     gate_up = (f"gate/up stream {t.gate_up_block_n} rows w{t.gate_up_warps} x{t.gate_up_per_sm}/SM"
                if t.gate_up_per_sm else f"gate/up {t.gate_up_block_n}x{t.gate_up_block_k} p{t.gate_up_pairs} w{t.gate_up_warps}")
     down = (f"down stream {t.down_block_n} rows w{t.down_warps} x{t.down_per_sm}/SM"

@@ -2,6 +2,7 @@
 and write the table of ``kernels/triton/nvfp4_configs.py`` from the result.
 
     python benchmarks/tune_nvfp4_moe.py [--tokens 528 8192] [--full] [--json FILE]   # on the GPU
+    python benchmarks/tune_nvfp4_moe.py --tail [--json FILE]                          # on the GPU, < 90 s
     python benchmarks/tune_nvfp4_moe.py --apply FILE                                  # anywhere
 
 At each token count (528: the tail of an 8k prompt whose first 7,664 tokens are a prefix-cache
@@ -11,6 +12,12 @@ SiLU-and-mul, down) alone over the same sorted pairs, for every candidate tile (
 projections (attention qkv 9216 x 2048, o 2048 x 4096) through the W4A16 tiles and through
 dequantize-then-cuBLAS. Each line prints the time, the packed bytes read per second and the time
 over the floor: max(packed bytes + scales of the experts the pairs touch / HBM, FLOPs / bf16 peak).
+
+``--tail`` times only the prefix hit's tail (528 tokens, no dense projections) over
+``tail_candidates``: the table's tiles with and without ``fold_bias`` (the decode's bias folded
+into the group scale), small-M tiles around them (16-row tiles, wider N, longer K steps) and
+``split`` (the even and odd columns decoded elementwise and multiplied apart), and prints the
+``TUNED`` entries the best would make.
 
 ``--apply`` rewrites ``TUNED`` (between its markers) with the best configuration of each GEMM in
 the bucket holding each tuned size (the other buckets keep ``DEFAULT``'s), and
@@ -61,6 +68,26 @@ def candidates(mean_rows: float, full: bool, gemm: str = "gate_up"):
     return out
 
 
+def tail_candidates(gemm: str):
+    """The tail's (~16 pairs an expert) tiles for ``--tail``: the measured best (``TUNED``: gate/up
+    32 x 64 x 128 4 warps, down 32 x 128 x 64 8 warps, both ``swap_ab``) without and with
+    ``fold_bias``; folded variants with 16-row tiles (the pairs as wgmma's N side: no half-empty tile
+    at 16 pairs, but experts past 16 pairs decode twice), wider N or longer K steps, a deeper
+    pipeline; and ``split`` (no shared-memory round trip of the decoded weights, more instructions)
+    at the best and the first two of those. 8 a GEMM: ~16 compiles."""
+    from freetoken.kernels.triton.nvfp4_configs import C
+
+    if gemm == "gate_up":
+        best = (32, 64, 128, 8, 4, 3)
+        others = [(16, 64, 128, 8, 4, 3), (32, 128, 128, 8, 8, 3), (32, 64, 128, 8, 4, 4)]
+    else:
+        best = (32, 128, 64, 8, 8, 3)
+        others = [(16, 128, 64, 8, 8, 3), (32, 128, 128, 8, 8, 3), (32, 256, 64, 8, 8, 3)]
+    folded = [C(*shape, True, True) for shape in others]
+    split = [C(*shape, True, True, True) for shape in (best, *others[:2])]
+    return [C(*best, True, False), C(*best, True, True), *folded, *split]
+
+
 def _random_nvfp4(*shape: int):
     *lead, rows, cols = shape
     packed = torch.randint(0, 256, (*lead, rows, cols // 2), dtype=torch.uint8, device="cuda")
@@ -78,6 +105,11 @@ def _median_us(fn) -> float:
     return do_bench(fn, warmup=5, rep=25, return_mode="median") * 1e3
 
 
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest difference over the largest magnitude (bf16 outputs of other tiles differ by ulps)."""
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30)).item()
+
+
 def _describe(config) -> dict | str:
     return "DEQUANT" if config is None else {k: v for k, v in vars(config).items()}
 
@@ -87,7 +119,7 @@ def _line(label: str, us: float, bytes_read: int, flops: int) -> str:
     return f"{label}: {us:8.1f} us  {bytes_read / us / 1e3:7.0f} GB/s  {us / floor_us:5.2f}x floor ({floor_us:.1f} us)"
 
 
-def tune_experts(tokens: int, full: bool) -> dict:
+def tune_experts(tokens: int, full: bool, tail: bool = False) -> dict:
     from freetoken.kernels.triton import moe, nvfp4
     from freetoken.kernels.triton.nvfp4_configs import nvfp4_moe_config
 
@@ -101,18 +133,27 @@ def tune_experts(tokens: int, full: bool) -> dict:
     w13, w2 = _random_nvfp4(EXPERTS, 2 * INTER, HIDDEN), _random_nvfp4(EXPERTS, HIDDEN, INTER)
     h = torch.randn(pairs, INTER, dtype=torch.bfloat16, device="cuda", generator=gen)
     y = torch.empty(pairs, HIDDEN, dtype=torch.bfloat16, device="cuda")
-    runs = {
-        "gate_up": (lambda c: nvfp4.gate_up_nvfp4(x, w13, order, offsets, h, TOP_K, c),
+    runs = {  # launch, its output, bytes, FLOPs
+        "gate_up": (lambda c: nvfp4.gate_up_nvfp4(x, w13, order, offsets, h, TOP_K, c), h,
                     touched * _packed_bytes(2 * INTER, HIDDEN), 2 * pairs * 2 * INTER * HIDDEN),
-        "down": (lambda c: nvfp4.down_nvfp4(h, w2, order, offsets, weights, y, c),
+        "down": (lambda c: nvfp4.down_nvfp4(h, w2, order, offsets, weights, y, c), y,
                  touched * _packed_bytes(HIDDEN, INTER), 2 * pairs * INTER * HIDDEN),
     }
     out = {"tokens": tokens, "pairs_per_expert": pairs / EXPERTS, "touched_experts": touched}
-    for gemm, (launch, bytes_read, flops) in runs.items():
+    for gemm, (launch, output, bytes_read, flops) in runs.items():
         current = nvfp4_moe_config(gemm, torch.bfloat16, pairs, EXPERTS, HIDDEN, INTER)
         results = []
-        for config in dict.fromkeys([current, None, *candidates(pairs / EXPERTS, full, gemm)]):
+        tried = tail_candidates(gemm) if tail else [None, *candidates(pairs / EXPERTS, full, gemm)]
+        want = None
+        for config in dict.fromkeys([current, *tried]):
             try:
+                output.fill_(float("nan"))  # what a launch leaves unwritten fails the check
+                launch(config)
+                want = output.clone() if want is None else want
+                error = _relative_error(output, want)
+                if not error <= 2e-2:  # the current table's output is the check (its tests hold it exact)
+                    print(f"  T={tokens} {gemm} WRONG {_describe(config)}: {error:.3g} off the table's output")
+                    continue
                 us = _median_us(lambda: launch(config))
             except Exception as exc:  # out of shared memory / registers: not a candidate on this GPU
                 print(f"  T={tokens} {gemm} skip {_describe(config)}: {type(exc).__name__}")
@@ -182,22 +223,27 @@ def dense_threshold(dense: dict) -> int | None:
     return threshold
 
 
-def apply(path: str, configs_py: str = CONFIGS_PY) -> None:
-    """Write ``TUNED`` and ``LINEAR_DEQUANT_MIN_ROWS`` of ``nvfp4_configs.py`` from a tuning JSON."""
+def entry_lines(run: dict) -> list[str]:
+    """``TUNED``'s entries (Python source lines) from a tuning run: each GEMM's best per bucket."""
     from freetoken.kernels.triton.nvfp4_configs import DEFAULT, format_buckets
 
-    with open(path) as f:
-        run = json.load(f)
-    lines = ["# BEGIN TUNED (written by benchmarks/tune_nvfp4_moe.py --apply)",
-             f"# {run['device']}, {run['date']}, tokens {[r['tokens'] for r in run['experts']]}",
-             "TUNED: dict[tuple[str, int, int, int], Buckets] = {"]
+    lines = []
     for gemm in ("gate_up", "down"):
         results = [{**r, "best": r[gemm]["results"][0]} for r in run["experts"]]
         buckets, notes = table_entry(results, DEFAULT[gemm])
         lines.append(f'    ("{gemm}", {run["hidden"]}, {run["inter"]}, {run["experts_count"]}): (')
-        lines.append(format_buckets(buckets, notes))
+        lines += format_buckets(buckets, notes).splitlines()
         lines.append("    ),")
-    lines.append("}")
+    return lines
+
+
+def apply(path: str, configs_py: str = CONFIGS_PY) -> None:
+    """Write ``TUNED`` and ``LINEAR_DEQUANT_MIN_ROWS`` of ``nvfp4_configs.py`` from a tuning JSON."""
+    with open(path) as f:
+        run = json.load(f)
+    lines = ["# BEGIN TUNED (written by benchmarks/tune_nvfp4_moe.py --apply)",
+             f"# {run['device']}, {run['date']}, tokens {[r['tokens'] for r in run['experts']]}",
+             "TUNED: dict[tuple[str, int, int, int], Buckets] = {", *entry_lines(run), "}"]
     with open(configs_py) as f:
         source = f.read()
     block = re.compile(r"# BEGIN TUNED.*?# END TUNED", re.S)
@@ -215,6 +261,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[528, 8192])
     parser.add_argument("--full", action="store_true", help="more tiles, stages and row groups (minutes)")
     parser.add_argument("--no-dense", action="store_true", help="skip the dense projections")
+    parser.add_argument("--tail", action="store_true", help="only the 528-token tail's tiles (tail_candidates), < 90 s")
     parser.add_argument("--json", default=None, help="write the results here (for --apply)")
     parser.add_argument("--apply", default=None, metavar="JSON", help="patch nvfp4_configs.py from a result file")
     args = parser.parse_args()
@@ -224,9 +271,11 @@ def main() -> None:
     start = time.time()
     run = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "hidden": HIDDEN,
            "inter": INTER, "experts_count": EXPERTS, "top_k": TOP_K,
-           "experts": [tune_experts(t, args.full) for t in sorted(args.tokens)],
-           "dense": {} if args.no_dense else {str(t): tune_dense(t) for t in sorted(args.tokens)}}
+           "experts": [tune_experts(t, args.full, args.tail) for t in ([528] if args.tail else sorted(args.tokens))],
+           "dense": {} if args.no_dense or args.tail else {str(t): tune_dense(t) for t in sorted(args.tokens)}}
     print(f"swept in {time.time() - start:.0f} s")
+    print("TUNED entries (--apply writes them; or paste between the markers of nvfp4_configs.py):")
+    print("\n".join("apply: " + line for line in entry_lines(run)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(run, f, indent=1)

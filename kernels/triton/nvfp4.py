@@ -14,7 +14,10 @@ tiles, and past ``nvfp4_configs.LINEAR_DEQUANT_MIN_ROWS`` rows the weight is deq
 grouped gate/up GEMM with SiLU-and-mul, grouped down GEMM, per-token sum) with these weight tiles,
 their sizes from ``nvfp4_configs`` by pairs per expert; where that table says ``DEQUANT`` (an 8k
 prefill's hundreds of pairs an expert) the experts are dequantized a group at a time and run through
-the bf16 grouped GEMMs instead.
+the bf16 grouped GEMMs instead. Two decode variants are table choices (``Nvfp4GemmConfig``):
+``fold_bias`` (one bf16x2 multiply a weight pair, the bias in the scale) and ``split`` (the even and
+odd columns decoded elementwise and multiplied apart, so the decoded weights need no layout
+conversion through shared memory into the MMA operand's).
 """
 
 from __future__ import annotations
@@ -43,18 +46,48 @@ GROUP = 16
 # of ``q << 4`` (the low nibble in bits 7-4) in the low half's high byte and byte j of ``q`` (the high
 # nibble there) in the high half's; the sign then sits at bit 15 of each half and exponent / mantissa
 # at bits 14-12, moved to 8-6: ``e2m1 · 2^-126`` (0.5 a bf16 subnormal); one ``mul.bf16x2`` by 2^126
-# (as Marlin does) and one by the scale. ``SCALED`` 0: the codes alone (inputs $4 only).
-def _pairs_asm(scaled: bool) -> str:
-    lines = ["{", ".reg .b32 q4, t, s, bias;", "mov.b32 bias, 0x7E807E80;", "shl.b32 q4, $4, 4;"]
+# (as Marlin does) and one by the scale. ``SCALED`` 0: the codes alone (inputs $4 only). ``FOLDED``:
+# the bias folded into the scale operand, one ``mul.bf16x2`` a pair: $5 holds ``e4m3 · 2^118``
+# (``_FOLDED_SCALE``, exact in bf16 for every e4m3 value), so the product is ``e2m1 · e4m3 · 2^-8``, a
+# bf16 normal with at most 6 significant bits in [2^-18, 10.5] (exact; a subnormal ``e2m1 · 2^-126``
+# operand is multiplied as the bias multiply already does), and the caller's float32 row scale
+# takes the ``2^8`` (``FOLD``) back, a power of two, so the float32 result is unchanged.
+def _pairs_asm(scaled: bool, folded: bool = False) -> str:
+    bias = [] if folded else [".reg .b32 bias;", "mov.b32 bias, 0x7E807E80;"]
+    lines = ["{", ".reg .b32 q4, t, s;", *bias, "shl.b32 q4, $4, 4;"]
     for out, sel in enumerate(("0x0044", "0x1155", "0x2266", "0x3377")):
         lines += [f"prmt.b32 t, $4, q4, {sel};", "shr.b32 s, t, 6;", "and.b32 s, s, 0x01C001C0;",
                   "and.b32 t, t, 0x80008000;", "or.b32 t, t, s;"]
-        lines += ["mul.rn.bf16x2 t, t, bias;", f"mul.rn.bf16x2 ${out}, t, $5;"] if scaled else [f"mul.rn.bf16x2 ${out}, t, bias;"]
+        if folded:
+            lines += [f"mul.rn.bf16x2 ${out}, t, $5;"]
+        else:
+            lines += ["mul.rn.bf16x2 t, t, bias;", f"mul.rn.bf16x2 ${out}, t, $5;"] if scaled else [f"mul.rn.bf16x2 ${out}, t, bias;"]
     return "\n".join(lines + ["}"])
 
 
 _PAIRS_TO_BF16 = tl.constexpr(_pairs_asm(False))
 _SCALED_PAIRS_TO_BF16 = tl.constexpr(_pairs_asm(True))
+_FOLDED_PAIRS_TO_BF16 = tl.constexpr(_pairs_asm(True, folded=True))
+
+
+# The split decode (``Nvfp4GemmConfig.split``): 4 packed bytes and their 4 bf16 scales (``e4m3 ·
+# 2^118``, as folded; $5 bytes 0-1, $6 bytes 2-3) -> the 4 low-nibble (even-column) values as $0
+# (bytes 0, 1) and $1 (2, 3), the 4 high-nibble (odd-column) ones as $2 and $3, each
+# ``e2m1 · e4m3 · 2^-8``: output element i is byte i's, so the decode is elementwise over the byte
+# tile and keeps whatever layout it is in (the MMA operand's: no shared-memory round trip).
+def _split_asm() -> str:
+    lines = ["{", ".reg .b32 q4, t, s;", "shl.b32 q4, $4, 4;"]
+    for out, (src, sel, scale) in enumerate((("q4", "0x1100", "$5"), ("q4", "0x3322", "$6"),
+                                             ("$4", "0x1100", "$5"), ("$4", "0x3322", "$6"))):
+        lines += [f"prmt.b32 t, {src}, {src}, {sel};", "shr.b32 s, t, 6;", "and.b32 s, s, 0x01C001C0;",
+                  "and.b32 t, t, 0x80008000;", "or.b32 t, t, s;", f"mul.rn.bf16x2 ${out}, t, {scale};"]
+    return "\n".join(lines + ["}"])
+
+
+_SPLIT_TO_BF16 = tl.constexpr(_split_asm())
+_FOLDED_SCALE = tl.constexpr(2.0**118)  # the e4m3 scale's factor in the folded decode's bf16 operand
+FOLD = tl.constexpr(256.0)  # what a folded tile is short of (2^126 / 2^118), the row scale takes it back
+_UNFOLD = tl.constexpr(1.0 / 256.0)
 
 
 @device_function
@@ -66,9 +99,18 @@ def _words_to_tile(lo, hi, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @device_function
-def _decode_tile(packed, scale_bytes, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _per_byte(group_scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``[BLOCK_N, BLOCK_K / 16]`` group scales repeated for each of a group's 8 code bytes."""
+    return tl.reshape(tl.broadcast_to(group_scales[:, :, None], (BLOCK_N, BLOCK_K // 16, 8)), (BLOCK_N, BLOCK_K // 2))
+
+
+@device_function
+def _decode_tile(packed, scale_bytes, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 FOLDED: tl.constexpr = False):
     """uint8 ``[BLOCK_N, BLOCK_K / 2]`` codes and ``[BLOCK_N, BLOCK_K / 16]`` e4m3 bytes -> ``dtype``
-    ``[BLOCK_N, BLOCK_K]`` weights ``e2m1 · e4m3`` (the row scale is applied by the caller).
+    ``[BLOCK_N, BLOCK_K]`` weights ``e2m1 · e4m3`` (the row scale is applied by the caller); with
+    ``FOLDED`` ``e2m1 · e4m3 · 2^-8`` on every path (the caller's row scale times ``FOLD``), which
+    compiled in bf16 saves one ``mul.bf16x2`` a pair (``_pairs_asm``).
 
     ``e2m1 · e4m3`` has at most 6 significant bits and lies in [2^-10, 2688]: exact in bf16 and fp16,
     so the scale multiplies in ``dtype``, with no float32 round trip. Compiled, the codes go straight
@@ -82,20 +124,53 @@ def _decode_tile(packed, scale_bytes, dtype: tl.constexpr, BLOCK_N: tl.constexpr
     scales = scale_bytes.to(tl.float8e4nv, bitcast=True)
     if _INTERPRETED:
         codes = tl.reshape(_e4m3_codes(packed), (BLOCK_N, BLOCK_K)).to(tl.float8e4nv, bitcast=True)
-        groups = tl.reshape(codes.to(tl.float32), (BLOCK_N, BLOCK_K // 16, 16)) * (scales.to(tl.float32) * 64.0)[:, :, None]
+        if FOLDED:
+            factor = 64.0 * _UNFOLD
+        else:
+            factor = 64.0
+        groups = tl.reshape(codes.to(tl.float32), (BLOCK_N, BLOCK_K // 16, 16)) * (scales.to(tl.float32) * factor)[:, :, None]
         return tl.reshape(groups, (BLOCK_N, BLOCK_K)).to(dtype)
     elif dtype == tl.bfloat16:
-        per_byte = tl.reshape(tl.broadcast_to(scales.to(tl.bfloat16)[:, :, None], (BLOCK_N, BLOCK_K // 16, 8)),
-                              (BLOCK_N, BLOCK_K // 2))
-        lo, hi = tl.inline_asm_elementwise(_SCALED_PAIRS_TO_BF16, "=r,=r,=r,=r,r,r,r", [packed, per_byte],
-                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        if FOLDED:  # (a string assigned to a variable would stop being a constexpr)
+            per_byte = _per_byte((scales.to(tl.float32) * _FOLDED_SCALE).to(tl.bfloat16), BLOCK_N, BLOCK_K)
+            lo, hi = tl.inline_asm_elementwise(_FOLDED_PAIRS_TO_BF16, "=r,=r,=r,=r,r,r,r", [packed, per_byte],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        else:
+            per_byte = _per_byte(scales.to(tl.bfloat16), BLOCK_N, BLOCK_K)
+            lo, hi = tl.inline_asm_elementwise(_SCALED_PAIRS_TO_BF16, "=r,=r,=r,=r,r,r,r", [packed, per_byte],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
         return _words_to_tile(lo, hi, BLOCK_N, BLOCK_K)
     else:
         lo, hi = tl.inline_asm_elementwise(_PAIRS_TO_BF16, "=r,=r,=r,=r,r", [packed], dtype=(tl.bfloat16, tl.bfloat16),
                                            is_pure=True, pack=4)
         values = _words_to_tile(lo, hi, BLOCK_N, BLOCK_K).to(dtype)
-        groups = tl.reshape(values, (BLOCK_N, BLOCK_K // 16, 16)) * scales.to(dtype)[:, :, None]
+        if FOLDED:
+            group_scales = (scales.to(tl.float32) * _UNFOLD).to(dtype)
+        else:
+            group_scales = scales.to(dtype)
+        groups = tl.reshape(values, (BLOCK_N, BLOCK_K // 16, 16)) * group_scales[:, :, None]
         return tl.reshape(groups, (BLOCK_N, BLOCK_K)).to(dtype)
+
+
+@device_function
+def _decode_split(packed, scale_bytes, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """uint8 ``[BLOCK_N, BLOCK_K / 2]`` codes and their ``[BLOCK_N, BLOCK_K / 16]`` e4m3 bytes -> the
+    even and the odd columns' weights, two ``dtype`` ``[BLOCK_N, BLOCK_K / 2]`` tiles of
+    ``e2m1 · e4m3 · 2^-8`` (folded: the caller's row scale times ``FOLD``), element j of each from
+    byte j: no join or reshape of the weights, so their layout can be the MMA operand's."""
+    scales = scale_bytes.to(tl.float8e4nv, bitcast=True).to(tl.float32)  # converted a group at a time
+    if _INTERPRETED or dtype != tl.bfloat16:
+        lo = ((packed & 0x08) << 4) | ((packed & 0x07) << 2)  # e2m1 · 2^-6 as e4m3 bytes (_e4m3_codes)
+        hi = (packed & 0x80) | ((packed & 0x70) >> 2)
+        factor = _per_byte(scales * (64.0 * _UNFOLD), BLOCK_N, BLOCK_K)
+        even = lo.to(tl.float8e4nv, bitcast=True).to(tl.float32) * factor
+        odd = hi.to(tl.float8e4nv, bitcast=True).to(tl.float32) * factor
+        return even.to(dtype), odd.to(dtype)
+    else:
+        per_byte = _per_byte((scales * _FOLDED_SCALE).to(tl.bfloat16), BLOCK_N, BLOCK_K)
+        even, odd = tl.inline_asm_elementwise(_SPLIT_TO_BF16, "=r,=r,=r,=r,r,r,r", [packed, per_byte],
+                                              dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        return even, odd
 
 
 @device_function
@@ -196,6 +271,17 @@ def _scale_tile(s_ptr, rows, rows_ok, k0, K, BLOCK_K: tl.constexpr):
 
 
 @device_function
+def _split_activations(x_ptr, x_st, rows, rows_ok, k0, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """For a split decode: the even and the odd columns ``k0 ...`` of activation rows, two contiguous
+    ``[BLOCK_M, BLOCK_K / 2]`` tiles of the column-split activations (``split_columns``: the even
+    columns, then the odd ones)."""
+    half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    mask = rows_ok[:, None] & ((half < K // 2) | EVEN_K)[None, :]
+    base = x_ptr + rows[:, None].to(tl.int64) * x_st + half[None, :]
+    return tl.load(base, mask=mask, other=0.0), tl.load(base + K // 2, mask=mask, other=0.0)
+
+
+@device_function
 def _zero_acc(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
     """The float32 accumulator: ``[BLOCK_M, BLOCK_N]``, or transposed with ``SWAP_AB``."""
     if SWAP_AB:
@@ -228,13 +314,22 @@ def _rows_first(acc, SWAP_AB: tl.constexpr):
         return acc
 
 
+@device_function
+def _row_scales(r_ptr, rows, rows_ok, FOLDED: tl.constexpr):
+    """The float32 row scales of ``rows``, times ``FOLD`` for a ``FOLDED`` decode's tiles."""
+    scales = tl.load(r_ptr + rows, mask=rows_ok, other=0.0)
+    if FOLDED:
+        scales = scales * FOLD
+    return scales
+
+
 @triton.jit
 def _gate_up_kernel(
     x_ptr, x_st, w_ptr, s_ptr, r_ptr, order_ptr, tiles_ptr, h_ptr,
     hidden, inter, num_experts, num_row_tiles,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr,
-    PRECISION: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, FOLDED: tl.constexpr,
+    SPLIT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     tile, col_block = _grouped_tile(num_row_tiles, tl.cdiv(inter, BLOCK_N), GROUP_M)
     expert = tl.load(tiles_ptr + tile)
@@ -252,22 +347,29 @@ def _gate_up_kernel(
         acc_gate = _zero_acc(BLOCK_M, BLOCK_N, SWAP_AB)
         acc_up = _zero_acc(BLOCK_M, BLOCK_N, SWAP_AB)
         for k0 in range(0, hidden, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = (k < hidden) | EVEN_K  # constant true when the tiles divide the dim: no column mask
-            a = tl.load(x_ptr + token[:, None].to(tl.int64) * x_st + k[None, :],
-                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             s_gate = _scale_tile(s_ptr, gate_rows, n_ok, k0, hidden, BLOCK_K)
             s_up = _scale_tile(s_ptr, up_rows, n_ok, k0, hidden, BLOCK_K)
-            w_gate = _decode_tile(_packed_tile(w_ptr, gate_rows, n_ok, k0, hidden, BLOCK_K, EVEN_K), s_gate,
-                                  dtype, BLOCK_N, BLOCK_K)
-            w_up = _decode_tile(_packed_tile(w_ptr, up_rows, n_ok, k0, hidden, BLOCK_K, EVEN_K), s_up,
-                                dtype, BLOCK_N, BLOCK_K)
-            acc_gate = _mma(acc_gate, a, w_gate, SWAP_AB, PRECISION)
-            acc_up = _mma(acc_up, a, w_up, SWAP_AB, PRECISION)
+            gate_codes = _packed_tile(w_ptr, gate_rows, n_ok, k0, hidden, BLOCK_K, EVEN_K)
+            up_codes = _packed_tile(w_ptr, up_rows, n_ok, k0, hidden, BLOCK_K, EVEN_K)
+            if SPLIT:
+                a_even, a_odd = _split_activations(x_ptr, x_st, token, row_ok, k0, hidden, BLOCK_K, EVEN_K)
+                g_even, g_odd = _decode_split(gate_codes, s_gate, dtype, BLOCK_N, BLOCK_K)
+                u_even, u_odd = _decode_split(up_codes, s_up, dtype, BLOCK_N, BLOCK_K)
+                acc_gate = _mma(_mma(acc_gate, a_even, g_even, SWAP_AB, PRECISION), a_odd, g_odd, SWAP_AB, PRECISION)
+                acc_up = _mma(_mma(acc_up, a_even, u_even, SWAP_AB, PRECISION), a_odd, u_odd, SWAP_AB, PRECISION)
+            else:
+                k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = (k < hidden) | EVEN_K  # constant true when the tiles divide the dim: no column mask
+                a = tl.load(x_ptr + token[:, None].to(tl.int64) * x_st + k[None, :],
+                            mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                w_gate = _decode_tile(gate_codes, s_gate, dtype, BLOCK_N, BLOCK_K, FOLDED)
+                w_up = _decode_tile(up_codes, s_up, dtype, BLOCK_N, BLOCK_K, FOLDED)
+                acc_gate = _mma(acc_gate, a, w_gate, SWAP_AB, PRECISION)
+                acc_up = _mma(acc_up, a, w_up, SWAP_AB, PRECISION)
         acc_gate = _rows_first(acc_gate, SWAP_AB)
         acc_up = _rows_first(acc_up, SWAP_AB)
-        gate = round_as(acc_gate * tl.load(r_ptr + gate_rows, mask=n_ok, other=0.0)[None, :], dtype)
-        up = round_as(acc_up * tl.load(r_ptr + up_rows, mask=n_ok, other=0.0)[None, :], dtype)
+        gate = round_as(acc_gate * _row_scales(r_ptr, gate_rows, n_ok, FOLDED)[None, :], dtype)
+        up = round_as(acc_up * _row_scales(r_ptr, up_rows, n_ok, FOLDED)[None, :], dtype)
         h = round_as(gate * tl.sigmoid(gate), dtype) * up
         tl.store(h_ptr + rows[:, None].to(tl.int64) * inter + n[None, :], cast(h, dtype), mask=row_ok[:, None] & n_ok[None, :])
 
@@ -277,8 +379,8 @@ def _down_kernel(
     h_ptr, w_ptr, s_ptr, r_ptr, order_ptr, tiles_ptr, topk_w_ptr, y_ptr,
     hidden, inter, num_experts, num_row_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr,
-    PRECISION: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, FOLDED: tl.constexpr,
+    SPLIT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     tile, col_block = _grouped_tile(num_row_tiles, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     expert = tl.load(tiles_ptr + tile)
@@ -294,16 +396,21 @@ def _down_kernel(
         w_rows = expert * hidden + n  # rows of the flattened [E * H, I] weight
         acc = _zero_acc(BLOCK_M, BLOCK_N, SWAP_AB)
         for k0 in range(0, inter, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = (k < inter) | EVEN_K
-            a = tl.load(h_ptr + rows[:, None].to(tl.int64) * inter + k[None, :],
-                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w = _decode_tile(_packed_tile(w_ptr, w_rows, n_ok, k0, inter, BLOCK_K, EVEN_K),
-                             _scale_tile(s_ptr, w_rows, n_ok, k0, inter, BLOCK_K), dtype, BLOCK_N, BLOCK_K)
-            acc = _mma(acc, a, w, SWAP_AB, PRECISION)
+            codes = _packed_tile(w_ptr, w_rows, n_ok, k0, inter, BLOCK_K, EVEN_K)
+            scales = _scale_tile(s_ptr, w_rows, n_ok, k0, inter, BLOCK_K)
+            if SPLIT:
+                a_even, a_odd = _split_activations(h_ptr, inter, rows, row_ok, k0, inter, BLOCK_K, EVEN_K)
+                w_even, w_odd = _decode_split(codes, scales, dtype, BLOCK_N, BLOCK_K)
+                acc = _mma(_mma(acc, a_even, w_even, SWAP_AB, PRECISION), a_odd, w_odd, SWAP_AB, PRECISION)
+            else:
+                k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = (k < inter) | EVEN_K
+                a = tl.load(h_ptr + rows[:, None].to(tl.int64) * inter + k[None, :],
+                            mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                acc = _mma(acc, a, _decode_tile(codes, scales, dtype, BLOCK_N, BLOCK_K, FOLDED), SWAP_AB, PRECISION)
         acc = _rows_first(acc, SWAP_AB)
         weight = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
-        y = round_as(acc * tl.load(r_ptr + w_rows, mask=n_ok, other=0.0)[None, :], dtype) * weight[:, None]
+        y = round_as(acc * _row_scales(r_ptr, w_rows, n_ok, FOLDED)[None, :], dtype) * weight[:, None]
         tl.store(y_ptr + pair.to(tl.int64)[:, None] * hidden + n[None, :], cast(y, dtype),
                  mask=row_ok[:, None] & n_ok[None, :])
 
@@ -410,6 +517,12 @@ def _dequantized_groups(w: Packed, dtype: torch.dtype, device: torch.device) -> 
         yield e0, weights
 
 
+def split_columns(x: torch.Tensor) -> torch.Tensor:
+    """``x [rows, K]``'s even columns, then its odd ones (``[rows, K]``, contiguous): the activations
+    of a ``split`` decode, whose MMAs take the low-nibble and the high-nibble columns apart."""
+    return torch.cat((x[:, 0::2], x[:, 1::2]), dim=1)
+
+
 def gate_up_nvfp4(x: torch.Tensor, w13: Packed, order: torch.Tensor, offsets: torch.Tensor, h: torch.Tensor,
                   top_k: int, config: Nvfp4GemmConfig | None) -> None:
     """``h[sorted pair] = silu(x w_gateᵀ) · (x w_upᵀ)`` of the pair's expert over NVFP4 ``w13``
@@ -425,11 +538,12 @@ def gate_up_nvfp4(x: torch.Tensor, w13: Packed, order: torch.Tensor, offsets: to
             moe.gate_up(x, weights, order, offsets[e0:], h, top_k, bf16_config)
         return
     tile_info, tiles = tile_map(offsets, h.shape[0], config.block_m)
+    x = split_columns(x) if config.split else x
     _gate_up_kernel[(tiles * triton.cdiv(inter, config.block_n),)](
         x, x.stride(0), packed, scale_bytes, row_scales, order, tile_info, h, hidden, inter, num_experts, tiles,
         TOP_K=top_k, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, EVEN_K=hidden % config.block_k == 0,
-        SWAP_AB=config.swap_ab, PRECISION=dot_precision(x.dtype), num_warps=config.num_warps,
+        SWAP_AB=config.swap_ab, FOLDED=config.fold_bias or config.split, SPLIT=config.split, PRECISION=dot_precision(x.dtype), num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
 
@@ -447,11 +561,12 @@ def down_nvfp4(h: torch.Tensor, w2: Packed, order: torch.Tensor, offsets: torch.
             moe.down(h, weights, order, offsets[e0:], topk_weights, y, bf16_config)
         return
     tile_info, tiles = tile_map(offsets, h.shape[0], config.block_m)
+    h = split_columns(h) if config.split else h
     _down_kernel[(tiles * triton.cdiv(hidden, config.block_n),)](
         h, packed, scale_bytes, row_scales, order, tile_info, topk_weights, y, hidden, inter, num_experts, tiles,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, EVEN_K=inter % config.block_k == 0,
-        SWAP_AB=config.swap_ab, PRECISION=dot_precision(h.dtype), num_warps=config.num_warps,
+        SWAP_AB=config.swap_ab, FOLDED=config.fold_bias or config.split, SPLIT=config.split, PRECISION=dot_precision(h.dtype), num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
 

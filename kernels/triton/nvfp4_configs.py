@@ -26,10 +26,22 @@ from freetoken.kernels.triton.moe_configs import GemmConfig
 
 @dataclass(frozen=True)
 class Nvfp4GemmConfig(GemmConfig):
-    """``GemmConfig`` (tiles, row-tile groups, warps, stages) and ``swap_ab``: the kernel computes
-    the transposed product, decoded weights as the MMA's first operand (``nvfp4._mma``)."""
+    """``GemmConfig`` (tiles, row-tile groups, warps, stages), ``swap_ab``: the kernel computes
+    the transposed product, decoded weights as the MMA's first operand (``nvfp4._mma``), and
+    ``fold_bias``: the decode's ``2^126`` bias folded into the group scale, one bf16x2 multiply a
+    weight pair instead of two, the rest of the power of two taken by the row scale (exact;
+    ``nvfp4._pairs_asm``). ``split`` (folded too): the codes decoded elementwise into their even
+    (low-nibble) and odd (high-nibble) columns, two MMAs a K step against the activations' even and
+    odd columns (``nvfp4.split_columns``, one copy a call), so the decoded weights need no layout
+    conversion into the MMA operand's (``nvfp4._decode_split``)."""
 
     swap_ab: bool = False
+    fold_bias: bool = False
+    split: bool = False
+
+    def __post_init__(self) -> None:
+        if self.split and self.block_k < 32:  # each half of a K step is one MMA's K, at least 16
+            raise ValueError(f"Nvfp4GemmConfig.split needs block_k >= 32, got {self.block_k}")
 
 
 C = Nvfp4GemmConfig

@@ -19,10 +19,9 @@ finishes. ``benchmarks/tune_nvfp4_decode.py`` times the launch shapes on the GPU
 Either pass can instead run as a stream (``nvfp4_decode_stream.py``; ``NVFP4DecodeTiles.gate_up_per_sm``
 / ``down_per_sm``): a grid sized to the GPU, each program looping over row tiles with the next
 tile's loads in flight during the current decode, optionally with the routing computed in both
-passes (``fuse_route``: two launches). Or both passes run as one persistent launch
-(``nvfp4_decode_fused.py``; ``NVFP4DecodeTiles.fused_per_sm``): tiles drawn from counters, a down
-tile starting once its token's gate/up tiles are stored, the routing launched before it or done as
-its first task. The defaults are the two streams the H200 sweep picked (``NVFP4DecodeTiles``).
+passes (``fuse_route``: two launches). The defaults are the two streams the H200 sweep picked
+(``NVFP4DecodeTiles``); one persistent launch for both passes was measured 2.7-3.4x slower and
+removed (docs/benchmarks.md).
 
 The weights are never formed: one row against one token has no tensor-core work, so
 ``nvfp4_rows._row_dots`` reduces the e2m1 codes (decoded a 32-bit word at a time where compiled)
@@ -45,7 +44,6 @@ import triton.language as tl
 from freetoken.kernels.triton._common import INTERPRETED, cast, device_function, new_empty, pow2, round_as
 from freetoken.kernels.triton.moe_decode import DecodeTiles, _pdl_available, route
 from freetoken.kernels.triton.nvfp4 import GROUP
-from freetoken.kernels.triton.nvfp4_decode_fused import MAX_TOKENS, _counters, _fused_block_kernel
 from freetoken.kernels.triton.nvfp4_decode_stream import _down_stream_kernel, _gate_up_stream_kernel
 from freetoken.kernels.triton.nvfp4_rows import _row_dots
 
@@ -63,12 +61,7 @@ class NVFP4DecodeTiles(DecodeTiles):
     ``shared_first`` (gate/up a stream): the shared expert's tiles first, the first of them loaded
     before the wait for the previous launch and the routing.
     ``fuse_route`` (both passes streams): the routing computed in both passes' programs, no routing
-    launch; with ``fused_per_sm``, the routing computed once a token, as the launch's first task.
-    ``fused_per_sm``: above 0, both passes as one persistent launch (``nvfp4_decode_fused``) of that
-    many programs an SM, drawing gate/up tiles (``gate_up_block_n`` rows, the shared expert's first)
-    and then down tiles (``down_block_n`` rows) from counters, in ``gate_up_warps`` warps capped at
-    ``gate_up_regs`` registers; the ``*_per_sm``, ``*_block_k``, ``gate_up_pairs``, ``down_warps``,
-    ``down_regs`` and ``shared_first`` fields are unused there. ``gate_up_regs`` / ``down_regs``: a register cap per thread (Triton's ``maxnreg``; 0: the
+    launch. ``gate_up_regs`` / ``down_regs``: a register cap per thread (Triton's ``maxnreg``; 0: the
     compiler's choice), for more resident programs an SM."""
 
     # The defaults: the H200 sweep's best at one token (tune_nvfp4_decode.py: 13.8 us a layer against
@@ -88,10 +81,9 @@ class NVFP4DecodeTiles(DecodeTiles):
     gate_up_regs: int = 0
     down_regs: int = 0
     shared_first: bool = False
-    fused_per_sm: int = 0
 
     def __post_init__(self) -> None:
-        counts = ("gate_up_per_sm", "down_per_sm", "gate_up_regs", "down_regs", "fused_per_sm")
+        counts = ("gate_up_per_sm", "down_per_sm", "gate_up_regs", "down_regs")
         for field in fields(self):
             value = getattr(self, field.name)
             if isinstance(value, bool):
@@ -104,9 +96,8 @@ class NVFP4DecodeTiles(DecodeTiles):
         for name in ("gate_up_block_k", "down_block_k"):
             if getattr(self, name) < GROUP:
                 raise ValueError(f"NVFP4DecodeTiles.{name} must be at least {GROUP}, got {getattr(self, name)}")
-        if self.fuse_route and not (self.fused_per_sm or (self.gate_up_per_sm and self.down_per_sm)):
-            raise ValueError("NVFP4DecodeTiles.fuse_route needs both passes as streams (gate_up_per_sm, down_per_sm > 0) "
-                             "or one fused launch (fused_per_sm > 0)")
+        if self.fuse_route and not (self.gate_up_per_sm and self.down_per_sm):
+            raise ValueError("NVFP4DecodeTiles.fuse_route needs both passes as streams (gate_up_per_sm, down_per_sm > 0)")
         if self.shared_first and not self.gate_up_per_sm:
             raise ValueError("NVFP4DecodeTiles.shared_first needs gate/up as a stream (gate_up_per_sm > 0)")
 
@@ -116,7 +107,7 @@ TILES_ENV = "FREETOKEN_NVFP4_DECODE_TILES"
 
 def tiles_from_text(text: str) -> NVFP4DecodeTiles:
     """``NVFP4DecodeTiles`` from ``"field=value,..."`` (the sweep's "apply:" line, e.g.
-    ``fused_per_sm=2,fuse_route=True``; booleans as true/false or 1/0), the other fields default."""
+    ``down_per_sm=2,fuse_route=True``; booleans as true/false or 1/0), the other fields default."""
     kinds = {f.name: f.type for f in fields(NVFP4DecodeTiles)}
     values: dict[str, int | bool] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
@@ -326,8 +317,6 @@ def sparse_moe_decode_nvfp4_tiled(
     _check("shared_gate_up", shared_gate_up_packed, shared_gate_up_scales, shared_gate_up_row_scales,
            (2 * shared_inter, hidden))
     _check("shared_down", shared_down_packed, shared_down_scales, shared_down_row_scales, (hidden, shared_inter))
-    if tiles.fused_per_sm and num_tokens > MAX_TOKENS:
-        raise ValueError(f"sparse_moe_decode_nvfp4: the fused launch takes at most {MAX_TOKENS} tokens, got {num_tokens}")
     out = new_empty((num_tokens, hidden), x.dtype, x.device)
     if num_tokens == 0:
         return out
@@ -354,19 +343,6 @@ def sparse_moe_decode_nvfp4_tiled(
     def words(weight):  # the packed codes as int32 words (8 codes each) for the stream kernels
         return (weight[0].view(torch.int32), *weight[1:])
 
-    if tiles.fused_per_sm:
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.device.type == "cuda" else 1
-        _fused_block_kernel[(sms * tiles.fused_per_sm,)](
-            x, x.stride(0), *words(w13), *words(shared_gate_up), *words(w2), *words(shared_down), top_w, top_i,
-            gate_logits, gate_logits.stride(0), h, h_width, out, _counters(x.device), num_tokens, hidden, inter,
-            shared_inter, num_experts, hidden // 8, hidden // GROUP, inter // 8, inter // GROUP, shared_inter // 8,
-            shared_inter // GROUP,
-            TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=pow2(num_experts), BLOCK_C=pow2(top_k),
-            GU_N=tiles.gate_up_block_n, NB=triton.cdiv(h_width, tiles.gate_up_block_n), GU_K=pow2(hidden),
-            DN_N=tiles.down_block_n, DN_K=pow2(h_width), FUSE_ROUTE=tiles.fuse_route, PREFETCH=tiles.prefetch,
-            PDL=pdl, launch_pdl=pdl, num_warps=tiles.gate_up_warps, **_regs(tiles.gate_up_regs),
-        )
-        return out
     if tiles.gate_up_per_sm:
         tiles_per_token = (top_k + 1) * triton.cdiv(h_width, tiles.gate_up_block_n)
         _gate_up_stream_kernel[(num_tokens, _stream_programs(x.device, tiles.gate_up_per_sm, num_tokens, tiles_per_token))](

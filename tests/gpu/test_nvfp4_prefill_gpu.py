@@ -60,6 +60,7 @@ def _table_configs() -> list:
     spec.loader.exec_module(tuner)
     for mean_rows in (16.5, 256):
         found.update(tuner.candidates(mean_rows, full=False, gemm="down"))
+    found.update(tuner.tail_candidates("gate_up") + tuner.tail_candidates("down"))
     return sorted(found, key=lambda c: (c is not None, str(c)))
 
 
@@ -78,6 +79,21 @@ def test_fused_experts_nvfp4_every_config(experts, dtype, tokens):
         except AssertionError as exc:
             raise AssertionError(f"{launched}: {exc}") from exc
     assert_close(_nvfp4().fused_experts_nvfp4(x, *w13, *w2, weights, ids), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_folded_decode_is_the_unfolded_bit_for_bit(experts, dtype):
+    """``fold_bias`` at the tail (528 tokens): the tiles short of 2^8 and the row scales taking it
+    back give the same bits as the two multiplies a pair, in gate/up and in down."""
+    import dataclasses
+
+    w13, w2 = experts
+    x, weights, ids = _routing(528, dtype, 528)
+    for config in _configs().TUNED[("gate_up", HIDDEN, INTER, EXPERTS)][1][1], _configs().C(16, 64, 128, 8, 4, 3, True):
+        plain = _configs().for_dtype(config, dtype)
+        folded = dataclasses.replace(plain, fold_bias=True)
+        want = _nvfp4().fused_experts_nvfp4_tiled(x, *w13, *w2, weights, ids, (plain, plain))
+        assert torch.equal(_nvfp4().fused_experts_nvfp4_tiled(x, *w13, *w2, weights, ids, (folded, folded)), want)
 
 
 def test_decode_is_bit_exact_at_real_sizes(experts):

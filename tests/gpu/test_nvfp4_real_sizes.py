@@ -95,12 +95,6 @@ STREAM_TILES = [
     dict(gate_up_per_sm=3, gate_up_warps=4, down_per_sm=3, down_regs=168, prefetch=False, pdl=False),
     dict(gate_up_per_sm=4, gate_up_block_n=4, gate_up_warps=4, shared_first=True),
     dict(gate_up_per_sm=4, gate_up_block_n=4, gate_up_warps=4, shared_first=True, fuse_route=True),
-    # One persistent launch (nvfp4_decode_fused.py), after the routing launch or routing as its first task,
-    # with more programs than fit (capped registers or not), without prefetch or PDL.
-    dict(fused_per_sm=2, gate_up_block_n=4, down_block_n=4, gate_up_warps=4),
-    dict(fused_per_sm=2, gate_up_block_n=4, down_block_n=2, gate_up_warps=4, fuse_route=True),
-    dict(fused_per_sm=4, gate_up_block_n=4, down_block_n=2, gate_up_warps=4, gate_up_regs=128, fuse_route=True),
-    dict(fused_per_sm=8, gate_up_block_n=8, down_block_n=4, gate_up_warps=8, prefetch=False, pdl=False),
 ]
 
 
@@ -131,37 +125,6 @@ def test_sparse_moe_decode_nvfp4_stream_real_sizes(rng, dtype, tokens, tiles):
     logits.copy_(torch.randn(tokens, EXPERTS + 1, generator=rng).to(dtype))
     graph.replay()
     assert_close(out, ref.sparse_moe_decode_nvfp4_reference(x, logits, *weights, TOP_K, True))
-
-
-@pytest.mark.parametrize("fuse_route", [False, True])
-def test_fused_block_layers_replay_from_a_cuda_graph(rng, fuse_route):
-    """The persistent launch as the engine runs it: three layers' blocks back to back in one graph,
-    replayed twice on new inputs (each launch leaves its counters zero for the next), equal to the
-    reference every time."""
-    from freetoken.kernels.triton import nvfp4_decode, nvfp4_decode_fused
-
-    layers = [(*random_nvfp4(rng, EXPERTS, 2 * INTER, HIDDEN), *random_nvfp4(rng, EXPERTS, HIDDEN, INTER),
-               *random_nvfp4(rng, 2 * INTER, HIDDEN), *random_nvfp4(rng, HIDDEN, INTER)) for _ in range(3)]
-    x = torch.randn(1, HIDDEN, generator=rng).to(torch.bfloat16).to(CUDA)
-    logits = [torch.randn(1, EXPERTS + 1, generator=rng).to(torch.bfloat16).to(CUDA) for _ in layers]
-    config = nvfp4_decode.NVFP4DecodeTiles(fused_per_sm=2, gate_up_block_n=4, down_block_n=4, gate_up_warps=4,
-                                           fuse_route=fuse_route)
-
-    def blocks():
-        return [nvfp4_decode.sparse_moe_decode_nvfp4_tiled(x, g, *w, TOP_K, True, config) for g, w in zip(logits, layers)]
-
-    blocks()  # compiles, allocates the counters
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = blocks()
-    for _ in range(2):
-        x.copy_(torch.randn(1, HIDDEN, generator=rng).to(torch.bfloat16))
-        for g in logits:
-            g.copy_(torch.randn(1, EXPERTS + 1, generator=rng).to(torch.bfloat16))
-        graph.replay()
-        for out, g, w in zip(outs, logits, layers):
-            assert_close(out, ref.sparse_moe_decode_nvfp4_reference(x, g, *w, TOP_K, True))
-    assert not nvfp4_decode_fused._counters(CUDA).any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -179,17 +179,12 @@ NVFP4_TILE_CASES = [
     dict(gate_up_per_sm=2, gate_up_block_n=16, down_block_n=8, shared_first=True),
     dict(gate_up_per_sm=3, gate_up_block_n=16, shared_first=True, fuse_route=True, down_per_sm=2, prefetch=False),
     dict(gate_up_per_sm=9, gate_up_block_n=4, shared_first=True, fuse_route=True, down_per_sm=2, down_block_n=4),
-    # One persistent launch (nvfp4_decode_fused): tiles drawn from counters, routing launched or the
-    # launch's first task, prefetching or not, tiles that do not divide the rows.
-    dict(fused_per_sm=2, gate_up_block_n=16, down_block_n=8, gate_up_warps=2),
-    dict(fused_per_sm=3, fuse_route=True, gate_up_block_n=8, down_block_n=16, prefetch=False),
-    dict(fused_per_sm=1, fuse_route=True, gate_up_block_n=32, down_block_n=4, pdl=False),
 ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tiles", NVFP4_TILE_CASES,
-                         ids=lambda t: "fused-" * ("fused_per_sm" in t) + "-".join(f"{v}" for v in t.values()))
+                         ids=lambda t: "-".join(f"{v}" for v in t.values()))
 def test_sparse_moe_decode_nvfp4_tiles(rng, dtype, tiles):
     """Every launch shape gives the reference's result; shared_inter above inter, so the shared
     expert's rows run past the routed ones' in both passes, and not renormalized."""
@@ -203,40 +198,16 @@ def test_sparse_moe_decode_nvfp4_tiles(rng, dtype, tiles):
     assert_close_to_float32(got, ref.sparse_moe_decode_nvfp4_reference, x, logits, *weights, k, False, scale=2.0)
 
 
-@pytest.mark.parametrize("fuse_route", [False, True])
-def test_fused_block_leaves_its_counters_zero(rng, fuse_route):
-    """The persistent launch twice in a row (as two layers): each equals the reference, and the last
-    program out leaves every counter zero for the next launch (what graph replays rely on)."""
-    from freetoken.kernels.triton import nvfp4_decode, nvfp4_decode_fused
-
-    e, k, hidden, inter, shared_inter = 5, 2, 32, 16, 32
-    tiles = nvfp4_decode.NVFP4DecodeTiles(fused_per_sm=2, gate_up_block_n=16, down_block_n=16, fuse_route=fuse_route)
-    for tokens in (2, 1):
-        x, logits, weights = _decode_block_inputs(rng, torch.float32, tokens, e, hidden, inter, shared_inter)
-        got = nvfp4_decode.sparse_moe_decode_nvfp4_tiled(x, logits, *weights, k, True, tiles)
-        assert_close(got, ref.sparse_moe_decode_nvfp4_reference(x, logits, *weights, k, True))
-        assert not nvfp4_decode_fused._counters(DEVICE).any()
-
-
-def test_fused_block_rejects_more_tokens_than_its_counters():
-    from freetoken.kernels.triton import nvfp4_decode, nvfp4_decode_fused
-
-    tokens = nvfp4_decode_fused.MAX_TOKENS + 1
-    x, logits, weights = _decode_block_inputs(torch.Generator().manual_seed(0), torch.float32, tokens, 3, 16, 16, 16)
-    with pytest.raises(ValueError, match="at most"):
-        nvfp4_decode.sparse_moe_decode_nvfp4_tiled(x, logits, *weights, 2, True, nvfp4_decode.NVFP4DecodeTiles(fused_per_sm=1))
-
-
 def test_decode_tiles_from_the_environment_text():
     from freetoken.kernels.triton.nvfp4_decode import NVFP4DecodeTiles, tiles_from_text
 
     assert tiles_from_text("") == NVFP4DecodeTiles()
-    assert tiles_from_text(" fused_per_sm=2, fuse_route=True,pdl=0") == NVFP4DecodeTiles(fused_per_sm=2, fuse_route=True,
-                                                                                        pdl=False)
+    assert tiles_from_text(" down_per_sm=3, fuse_route=True,pdl=0") == NVFP4DecodeTiles(down_per_sm=3, fuse_route=True,
+                                                                                       pdl=False)
     with pytest.raises(ValueError, match="not an NVFP4DecodeTiles field"):
         tiles_from_text("fused=2")
     with pytest.raises(ValueError, match="fuse_route must be true or false"):
-        tiles_from_text("fused_per_sm=1,fuse_route=yes")
+        tiles_from_text("down_per_sm=1,fuse_route=yes")
     with pytest.raises(ValueError, match="down_block_n must be an integer"):
         tiles_from_text("down_block_n=four")
 

@@ -102,3 +102,40 @@ def test_scaled_pair_decode_ptx_is_e2m1_times_e4m3_exactly():
             want = ref.unpack_e2m1(word) * scale
             got = torch.tensor(_decode(_SCALED_PAIRS_TO_BF16.value, word, s | s << 16))
             assert torch.equal(got, want), (scale_byte, word.tolist())
+
+
+def test_folded_pair_decode_ptx_is_the_product_short_of_2_to_the_8():
+    """The folded decode (``fold_bias``: no bias multiply, the scale operand ``e4m3 · 2^118``) gives
+    ``e2m1 · e4m3 · 2^-8`` exactly, subnormal 0.5 codes and e4m3 subnormal scales included, and its
+    text keeps no bias multiply."""
+    from freetoken.kernels.triton.nvfp4 import _FOLDED_PAIRS_TO_BF16, _FOLDED_SCALE, FOLD
+
+    asm = _FOLDED_PAIRS_TO_BF16.value
+    assert "bias" not in asm and asm.count("mul.rn.bf16x2") == 4
+    words = _words()
+    for scale_byte in range(0x7F):
+        scale = torch.tensor([scale_byte], dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+        s = _to_bf16_bits(scale.item() * _FOLDED_SCALE.value)
+        for word in words[scale_byte % 5 :: 29]:
+            want = ref.unpack_e2m1(word) * scale / FOLD.value
+            got = torch.tensor(_decode(asm, word, s | s << 16))
+            assert torch.equal(got, want), (scale_byte, word.tolist())
+
+
+def test_split_decode_ptx_gives_each_byte_its_even_and_odd_value():
+    """The split decode (``split``): byte i's low-nibble value is element i of the even output ($0,
+    $1), its high-nibble value element i of the odd one ($2, $3), each times its own byte's scale
+    (``e4m3 · 2^118`` in, ``e2m1 · e4m3 · 2^-8`` out), scales differing byte to byte."""
+    from freetoken.kernels.triton.nvfp4 import _SPLIT_TO_BF16, _FOLDED_SCALE, FOLD
+
+    asm = _SPLIT_TO_BF16.value
+    e4m3 = torch.arange(0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    for i, word in enumerate(_words()):
+        scales = e4m3[[(i + 31 * b) % 0x7F for b in range(4)]]  # subnormal scales among them
+        bits = [_to_bf16_bits(v.item() * _FOLDED_SCALE.value) for v in scales]
+        operands = {"$4": int.from_bytes(bytes(word.tolist()), "little"),
+                    "$5": bits[0] | bits[1] << 16, "$6": bits[2] | bits[3] << 16}
+        regs = run_ptx(asm, operands)
+        got = torch.tensor([_bf16(regs[f"${out}"] >> shift) for out in range(4) for shift in (0, 16)])
+        values = ref.unpack_e2m1(word).view(4, 2) * scales[:, None] / FOLD.value  # [byte, (even, odd)]
+        assert torch.equal(got, torch.cat((values[:, 0], values[:, 1]))), (i, word.tolist())

@@ -47,10 +47,11 @@ def _config(*fields):
     return None if fields == (None,) else _configs().Nvfp4GemmConfig(*fields)
 
 
-# (gate/up, down) configurations: block_m, block_n, block_k, group_m, warps, stages, swap_ab. hidden
-# 80 and inter 48: K steps of 64 leave a ragged last step, 16 divide both (no column masks); 16-row
-# tiles give several tiles an expert; swap_ab the transposed product; None: dequantize and run the
-# bf16 GEMM.
+# (gate/up, down) configurations: block_m, block_n, block_k, group_m, warps, stages, swap_ab,
+# fold_bias, split. hidden 80 and inter 48: K steps of 64 leave a ragged last step, 16 divide both (no
+# column masks); 16-row tiles give several tiles an expert; swap_ab the transposed product;
+# fold_bias the tiles decoded short of 2^8, the row scales taking it back; split the even and odd
+# columns decoded and multiplied apart; None: dequantize and run the bf16 GEMM.
 CONFIG_CASES = [
     ((16, 32, 64, 1, 4, 1), (16, 16, 64, 1, 4, 1)),
     ((32, 64, 16, 4, 4, 1, True), (32, 64, 16, 8, 4, 1, True)),
@@ -58,12 +59,18 @@ CONFIG_CASES = [
     ((16, 64, 64, 1, 4, 1, True), (64, 16, 64, 4, 4, 1)),
     ((None,), (None,)),
     ((16, 64, 64, 8, 4, 1, True), (None,)),
+    ((16, 64, 64, 1, 4, 1, True, True), (32, 64, 16, 8, 4, 1, True, True)),
+    ((32, 16, 32, 4, 4, 1, False, True), (16, 16, 64, 1, 4, 1, False, True)),
+    ((32, 64, 64, 4, 4, 1, True, False, True), (16, 64, 32, 8, 4, 1, True, True, True)),
+    ((16, 32, 32, 1, 4, 1, False, False, True), (None,)),
 ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("configs", CONFIG_CASES,
-                         ids=lambda c: "-".join("dequant" if f == (None,) else "x".join(map(str, f[:3])) + ("s" if f[6:] else "") for f in c))
+                         ids=lambda c: "-".join("dequant" if f == (None,) else "x".join(map(str, f[:3])) + ("s" if f[6:7] == (True,) else "")
+                                           + ("f" if f[7:8] == (True,) else "") + ("p" if f[8:] == (True,) else "")
+                                           for f in c))
 def test_fused_experts_nvfp4_in_every_config(rng, dtype, configs, monkeypatch):
     """Each tile shape and the dequantize path (two experts a group: four groups for seven experts)
     give the float32 reference's result; 37 tokens of top-3 over 7 experts: ~16 pairs an expert."""
@@ -103,6 +110,11 @@ def test_nvfp4_moe_config_buckets_by_pairs_per_expert(monkeypatch):
     assert configs.nvfp4_moe_config("down", torch.bfloat16, 16 * 256, 256, 2048, 512).block_m == 32
     assert configs.nvfp4_moe_config("down", torch.bfloat16, 64 * 256, 256, 2048, 512) is None
     assert configs.nvfp4_moe_config("gate_up", torch.bfloat16, 8 * 256, 256, 2048, 512) is not None
+
+
+def test_split_config_needs_two_mma_steps_of_k():
+    with pytest.raises(ValueError, match="block_k >= 32"):
+        _config(16, 64, 16, 8, 4, 1, True, True, True)
 
 
 def test_format_buckets_is_python_for_the_table():
