@@ -1,7 +1,7 @@
 """Host time of an offloaded prompt chunk's per-layer expert bookkeeping (``OffloadedExperts.prepare``),
 on the CPU:
 
-    python benchmarks/offload_prefill_host_time.py [--tokens 8192] [--slots 5120] [--chunks 3]
+    python benchmarks/offload_prefill_host_time.py [--tokens 8192] [--slots 5120] [--chunks 3] [--depth 1]
 
 The sizes the host work scales with are the H200 bench's (``freetoken bench --preset
 qwen3.6-35b-a3b --input-len 8192 --moe-offload --expert-cache-slots 5120 --routing trace``): 40
@@ -67,8 +67,8 @@ class Timer:
         setattr(owner, name, timed)
 
 
-def build(slots: int, timer: Timer) -> tuple[ExpertOffload, list[OffloadedExperts]]:
-    offload = ExpertOffload("lrfu", pin=False)
+def build(slots: int, timer: Timer, depth: int = 1) -> tuple[ExpertOffload, list[OffloadedExperts]]:
+    offload = ExpertOffload("lrfu", pin=False, stream_depth=depth)
     layers = [OffloadedExperts(EXPERTS, INTERMEDIATE, HIDDEN, TOP_K, offload) for _ in range(LAYERS)]
     for layer in layers:
         torch.nn.init.normal_(layer.w13)
@@ -138,10 +138,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--slots", type=int, default=5120)
     parser.add_argument("--chunks", type=int, default=3, help="chunks run; the first (cold cache) is not counted")
+    parser.add_argument("--depth", type=int, default=1, help="the stream's depth (prefill_stream_depth)")
     args = parser.parse_args()
     trace = generate_trace(LAYERS, EXPERTS, TOP_K, args.tokens, seed=0)
     timer = Timer()
-    offload, layers = build(args.slots, timer)
+    offload, layers = build(args.slots, timer, args.depth)
     total, launch = 0.0, [0.0, 0.0]
     for chunk in range(args.chunks):
         ids = chunk_ids(trace, chunk)

@@ -1,14 +1,15 @@
 """How well the offloaded prefill stream predicts a chunk's experts on the bench's ``--routing
 trace`` (random weights, routers driven by ``bench.routing_trace.TraceRouting``), on the CPU:
 
-    python benchmarks/prefill_stream_accuracy.py [--layers 8] [--tokens 2048] [--requests 3]
+    python benchmarks/prefill_stream_accuracy.py [--layers 8] [--tokens 2048] [--requests 3] [--depth 1]
 
 The Qwen3.6-35B-A3B preset's routing shape (256 experts, top-8, its layer pattern) on a shrunk
 width (hidden 256, experts of 64), so a CPU runs it; half of the experts cached. Per request (one
 chunk, then one decode step): the experts it needed that the cache did not hold, those streamed
 in ahead of their layer, those of them used (``prefetch_hits``: a use of a streamed expert not used
 since, which may be a later request's), and those copied on demand after the router (not
-predicted). The first request starts from an empty cache.
+predicted). The first request starts from an empty cache. ``--depth``: the engine's
+``prefill_stream_depth`` (how many layers ahead the stream predicts).
 """
 
 from __future__ import annotations
@@ -46,12 +47,14 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--requests", type=int, default=3)
+    parser.add_argument("--depth", type=int, default=1, help="prefill_stream_depth (1)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = shrunk_preset(args.layers, Path(tmp))
         llm = LLM(model=str(model_dir), load_format="dummy", device="cpu", dtype="float32", moe_offload=True,
                   expert_cache_slots=args.layers * 256 // 2, max_prefill_length=args.tokens,
-                  max_model_len=args.tokens + 64, max_running_requests=1)
+                  max_model_len=args.tokens + 64, max_running_requests=1,
+                  prefill_stream_depth=args.depth)
         engine = llm.runtime.engine
         driver, launch = TraceRouting(engine.model, 0), engine.launch
 

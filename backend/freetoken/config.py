@@ -59,6 +59,11 @@ class EngineConfig:
         "next layer's router picks for this layer's input while this layer computes, the first layer's from the "
         "token embeddings at the chunk's start"
     )
+    prefill_stream_depth: int = option(
+        1, "with moe_offload and expert_prefill_stream: how many layers ahead a prompt chunk's experts are "
+        "streamed in; at each layer's routing the routers of the next N layers pick from its input (N > 1 keeps "
+        "that many layers' copies queued; the cache needs room for them)"
+    )
     expert_prefetch: bool = option(
         False, "with moe_offload: every eager forward (decode batches over 8 too) streams the next layer's "
         "experts in as prompt chunks do"
@@ -119,6 +124,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_gib must be > 0, got {self.gpu_memory_gib}")
         if self.expert_cache_slots is not None and self.expert_cache_slots < 1:
             raise ValueError(f"expert_cache_slots must be >= 1, got {self.expert_cache_slots}")
+        if self.prefill_stream_depth < 1:
+            raise ValueError(f"prefill_stream_depth must be >= 1, got {self.prefill_stream_depth}")
         from freetoken.experts.eviction import POLICIES
 
         if self.expert_cache_policy not in POLICIES:

@@ -3,9 +3,11 @@ next layer's predicted experts into cache slots while a layer computes, the firs
 token embeddings at the chunk's start (``experts.offload``). The demo prompts are short, so the
 chunk threshold is lowered to stream their 16-token chunks (decode forwards never stream). On the
 CPU there is no copy stream: the copies are plain copies in the same order, and nothing is timed.
-Checked: float32 greedy tokens equal transformers' with the stream on, with a cache far smaller
-than one layer's experts and with room for it, batched, chunked and preempted, for both families;
-the stream's counters and order; the slot map's invariant after it."""
+Checked: float32 greedy tokens equal transformers' with the stream on, one, two and three layers
+deep, with a cache far smaller than one layer's experts and with room for it, batched, chunked and
+preempted, for both families; the stream's counters and order (at every depth, all copies queued
+before the launch); a deeper stream never taking a nearer pending layer's slots; the slot map's
+invariant after it."""
 
 from __future__ import annotations
 
@@ -36,23 +38,24 @@ def _llm(family: str, slots: int, **kwargs) -> LLM:
                page_size=PAGE_SIZE, moe_offload=True, expert_cache_slots=slots, **kwargs)
 
 
-def _record_streams(offload: ExpertOffload, monkeypatch) -> list[tuple[int, int, list[int]]]:
-    """Each ``stream_ahead`` call as (layer, how many experts were predicted, the running ones)."""
-    calls: list[tuple[int, int, list[int]]] = []
+def _record_streams(offload: ExpertOffload, monkeypatch) -> list[tuple[list[int], list[int]]]:
+    """Each ``stream_ahead`` call as (the layers it streams, nearest first; the running experts)."""
+    calls: list[tuple[list[int], list[int]]] = []
     original = offload.stream_ahead
 
-    def stream_ahead(layer: int, predicted: list[int], running: list[int]) -> None:
-        calls.append((layer, len(predicted), list(running)))
-        original(layer, predicted, running)
+    def stream_ahead(first: int, predicted: list[list[int]], running: list[int]) -> None:
+        calls.append((list(range(first, first + len(predicted))), list(running)))
+        original(first, predicted, running)
 
     monkeypatch.setattr(offload, "stream_ahead", stream_ahead)
     return calls
 
 
+@pytest.mark.parametrize("depth", [1, 2, 3], ids=lambda d: f"depth{d}")
 @pytest.mark.parametrize("cache", list(CACHES), ids=str)
 @pytest.mark.parametrize("family", list(DEMO), ids=str)
-def test_streamed_prefill_greedy_equals_transformers(short_chunks_stream, monkeypatch, family, cache):
-    llm = _llm(family, CACHES[cache][family])
+def test_streamed_prefill_greedy_equals_transformers(short_chunks_stream, monkeypatch, family, cache, depth):
+    llm = _llm(family, CACHES[cache][family], prefill_stream_depth=depth)
     offload = llm.runtime.engine.offload
     calls = _record_streams(offload, monkeypatch)
     prompts = batch_prompts(DEMO[family])[:4]
@@ -60,13 +63,18 @@ def test_streamed_prefill_greedy_equals_transformers(short_chunks_stream, monkey
     assert_greedy_batch(llm, DEMO[family], prompts)
     check_slot_map_invariant(offload)
     stats = llm.runtime.stats().expert_cache
-    assert calls and calls[0][0] == 0 and calls[0][2] == []  # the chunk's first layer, from its embeddings
-    layers = {layer for layer, _, _ in calls}
+    num_layers = len(offload.layers)
+    # The chunk's start streams its first ``depth`` layers from its embeddings; each routing the
+    # ``depth`` layers after it (those that exist).
+    assert calls and calls[0] == (list(range(min(depth, num_layers))), [])
+    for streamed, _ in calls:
+        assert streamed == list(range(streamed[0], min(streamed[0] + depth, num_layers)))
+    layers = {layer for streamed, _ in calls for layer in streamed}
     if cache == "room":
-        assert layers == set(range(len(offload.layers)))  # every layer streamed in by the one before
+        assert layers == set(range(num_layers))  # every layer streamed in by those before
         assert 0 < stats.prefetch_hits <= stats.prefetched
     else:
-        assert layers == {0}  # layers in passes leave no slot to stream into
+        assert layers == set(range(depth))  # layers in passes leave no slot to stream into
     # The CPU degrades to plain copies in order: no copy stream, nothing timed.
     counters = offload.counters
     assert counters.eager_copy_seconds == counters.eager_wait_seconds == 0.0
@@ -95,6 +103,55 @@ def test_stream_off_copies_on_demand_only(short_chunks_stream):
     assert_greedy_batch(llm, DEMO["qwen3_5_moe"], batch_prompts(DEMO["qwen3_5_moe"])[:2])
     stats = llm.runtime.stats().expert_cache
     assert stats.prefetched == stats.prefetch_hits == 0 and stats.misses > 0
+
+
+def test_stream_depth_is_checked():
+    with pytest.raises(ValueError, match="prefill_stream_depth must be >= 1, got 0"):
+        LLM(model=str(checkpoint(DEMO["qwen3_5_moe"])), device="cpu", moe_offload=True, prefill_stream_depth=0)
+    with pytest.raises(ValueError, match="prefill_stream_depth must be >= 1, got -1"):
+        ExpertOffload("lru", pin=False, stream_depth=-1)
+
+
+class _HostLayer:
+    """A layer of 4 one-row experts whose weights name their (layer, expert)."""
+
+    num_experts, top_k = 4, 1
+
+    def __init__(self, layer: int) -> None:
+        self.parts = [torch.arange(4, dtype=torch.float32)[:, None] + 10 * layer]
+
+    def host_parts(self) -> list[torch.Tensor]:
+        return self.parts
+
+    def is_nvfp4(self) -> bool:
+        return False
+
+    def zero_copy_ready(self) -> bool:
+        return True
+
+
+def test_a_deeper_stream_never_takes_a_nearer_pending_layers_slots():
+    """Streaming layers 1 and 2 while layer 0 runs, in a cache of 5 slots: layer 1's streamed
+    experts fill what layer 0's running ones leave, and layer 2's copies, which would have evicted
+    them (a policy victim outside layer 0's), get no slot: the nearer pending layer keeps them."""
+    offload = ExpertOffload("lru", pin=False, stream_depth=2)
+    for layer in range(3):
+        offload.register(_HostLayer(layer))
+    offload.allocate(5, torch.device("cpu"))
+    offload.bring_in(0, [0, 1])
+    assert offload.ahead(0) == range(1, 3) and offload.ahead(1) == range(2, 3)
+    offload.stream_ahead(1, [[0, 1, 2, 3], [0, 1, 2, 3]], running=[0, 1])
+    table = offload.table
+    assert [e for e in range(4) if table.slot_of((1, e)) is not None] == [0, 1, 2]
+    assert all(table.slot_of((2, e)) is None for e in range(4))
+    assert all(table.slot_of((0, e)) is not None for e in (0, 1))
+    check_slot_map_invariant(offload)
+    offload.passed(0, {0: 1, 1: 1})  # layer 0 ran; layer 1 runs now and streams layer 2
+    offload.begin(1, [0, 1, 2])
+    offload.stream_ahead(2, [[3, 2]], running=[0, 1, 2])
+    assert [e for e in range(4) if table.slot_of((2, e)) is not None] == [2, 3]  # layer 0's slots
+    assert all(table.slot_of((1, e)) is not None for e in (0, 1, 2))
+    check_slot_map_invariant(offload)
 
 
 def test_which_forwards_stream():
@@ -146,4 +203,45 @@ def test_stream_ahead_is_queued_before_the_layers_experts_launch_and_passed_afte
         expected += [("begin", layer)]
         expected += [("stream_ahead", layer + 1)] if layer + 1 < layers else []
         expected += [("launch", -1), ("passed", layer)]
+    assert events[start : start + len(expected)] == expected
+
+
+@pytest.mark.parametrize("depth", [2, 3], ids=lambda d: f"depth{d}")
+def test_a_deeper_stream_queues_every_layer_ahead_before_the_launch(short_chunks_stream, monkeypatch, depth):
+    """At depth D, a layer's routing sync queues its misses, then the copies of the D layers after
+    it (those that exist), nearest first, each in a batch of its own on the copy stream, all before
+    the experts kernel's launch; the chunk's start queues its first D layers."""
+    from freetoken import kernels
+
+    llm = _llm("qwen3_5_moe", CACHES["room"]["qwen3_5_moe"], prefill_stream_depth=depth)
+    offload = llm.runtime.engine.offload
+    events: list[tuple[str, int]] = []
+    begin, fill = offload.begin, offload.slots.fill
+
+    def recorded_begin(layer, experts):
+        events.append(("begin", layer))
+        return begin(layer, experts)
+
+    def recorded_fill(layer, host_parts, placed, evicted, ahead=False):
+        if ahead:
+            events.append(("ahead", layer))
+        return fill(layer, host_parts, placed, evicted, ahead)
+
+    monkeypatch.setattr(offload, "begin", recorded_begin)
+    monkeypatch.setattr(offload.slots, "fill", recorded_fill)
+    fused = kernels.fused_experts
+
+    def launched(*args, **kwargs):
+        events.append(("launch", -1))
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "fused_experts", launched)
+    assert_greedy_batch(llm, DEMO["qwen3_5_moe"], batch_prompts(DEMO["qwen3_5_moe"])[:1])
+    layers = len(offload.layers)
+    start = events.index(("ahead", 0))
+    expected = [("ahead", layer) for layer in range(min(depth, layers))]
+    for layer in range(layers):
+        expected += [("begin", layer)]
+        expected += [("ahead", ahead) for ahead in range(layer + 1, min(layer + 1 + depth, layers))]
+        expected += [("launch", -1)]
     assert events[start : start + len(expected)] == expected

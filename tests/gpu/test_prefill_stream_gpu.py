@@ -2,7 +2,7 @@
 layer's predicted experts into cache slots on the copy stream while a layer computes (the first
 layer's from the token embeddings at the chunk's start), each layer's experts kernel waiting on
 the events of its own copies only. At the demo models' size: float32 greedy tokens equal
-transformers' with the overlap on, decode in CUDA graphs or eager, and the copy stream's timing
+transformers' with the overlap on (streaming one and two layers ahead), decode in CUDA graphs or eager, and the copy stream's timing
 events report the copy/compute overlap and the per-layer timeline that ``freetoken bench`` prints."""
 
 from __future__ import annotations
@@ -21,20 +21,22 @@ pytestmark = pytest.mark.gpu
 SLOTS = {"qwen3_5_moe": 12, "qwen4_exp": 6}
 
 
+@pytest.mark.parametrize("depth", [1, 2], ids=lambda d: f"depth{d}")
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
 @pytest.mark.parametrize("family", list(DEMO))
-def test_streamed_prefill_float32_greedy_equals_transformers_on_cuda(monkeypatch, family, eager):
+def test_streamed_prefill_float32_greedy_equals_transformers_on_cuda(monkeypatch, family, eager, depth):
     monkeypatch.setattr(offload_module, "STREAM_MIN_TOKENS", 9)  # the demo's 16-token chunks stream
     case = DEMO[family]
     llm = LLM(model=str(checkpoint(case)), dtype="float32", device="cuda", max_prefill_length=16,
-              page_size=PAGE_SIZE, moe_offload=True, expert_cache_slots=SLOTS[family], enforce_eager=eager)
+              page_size=PAGE_SIZE, moe_offload=True, expert_cache_slots=SLOTS[family], enforce_eager=eager,
+              prefill_stream_depth=depth)
     offload = llm.runtime.engine.offload
     streamed: list[int] = []
     stream_ahead = offload.stream_ahead
 
-    def record(layer, predicted, running):
-        streamed.append(layer)
-        stream_ahead(layer, predicted, running)
+    def record(first, predicted, running):
+        streamed.extend(range(first, first + len(predicted)))
+        stream_ahead(first, predicted, running)
 
     monkeypatch.setattr(offload, "stream_ahead", record)
     timeline = offload.record_timeline()

@@ -20,7 +20,10 @@ also stream the next layer's experts in while a layer computes: at each layer's 
 applies the next layer's router to this layer's MoE input and queues the copies of what it picks
 (``stream_ahead``), behind this layer's own remaining misses, so the copy stream always holds the
 next layer's work; the first layer's are queued at the forward's start from the token embeddings
-(``start_forward``). They go into cache slots, so the chunk's experts stay cached for its decode;
+(``start_forward``). With ``stream_depth`` D > 1 each routing also applies the routers of the D - 1
+layers after the next one to the same input and queues their picks behind (refining, for the
+nearer ones, what an earlier routing streamed), so the copy stream holds D layers' work while the
+host launches a layer. They go into cache slots, so the chunk's experts stay cached for its decode;
 a chunk that routes most experts takes its victims from the layers it has passed
 (``SlotTable.passed``), not from those ahead it still needs (docs/architecture.md has the measured
 choice against a staging area).
@@ -74,16 +77,21 @@ class HostExperts(Protocol):
 
 
 class ExpertOffload:
-    def __init__(self, policy: str, pin: bool, prefetch: bool = False, prefill_stream: bool = True) -> None:
+    def __init__(self, policy: str, pin: bool, prefetch: bool = False, prefill_stream: bool = True,
+                 stream_depth: int = 1) -> None:
         """``pin``: keep the host weights in page-locked memory (CUDA: asynchronous copies at full
         PCIe speed, 55 GB/s pinned against 20 GB/s pageable on the H200). ``prefill_stream``: eager
         forwards of at least ``STREAM_MIN_TOKENS`` tokens copy in the experts the next layer's
         router picks for this layer's input while this layer computes, the first layer's from the
-        token embeddings at the forward's start (``streams``); ``prefetch``: every eager forward."""
+        token embeddings at the forward's start (``streams``); ``prefetch``: every eager forward.
+        ``stream_depth``: how many layers ahead a streaming forward copies (``ahead``)."""
+        if stream_depth < 1:
+            raise ValueError(f"prefill_stream_depth must be >= 1, got {stream_depth}")
         self.policy = policy
         self.pin = pin
         self.prefetch = prefetch
         self.prefill_stream = prefill_stream
+        self.stream_depth = stream_depth
         self.layers: list[HostExperts] = []
         self.table: SlotTable | None = None
         self.slots: DeviceSlots | None = None
@@ -299,19 +307,32 @@ class ExpertOffload:
         so they cross PCIe during the first layer's attention."""
         if self.timeline is not None:
             self.timeline.start(torch.cuda.current_stream(self.slots.device))
-        predicted = list(distinct_experts([self.layers[0].route(embeddings)], self.num_experts)[0])
+        layers = self.ahead(-1)
+        ids = [self.layers[layer].route(embeddings) for layer in layers]
+        predicted = [list(p) for p in distinct_experts(ids, self.num_experts)]
         self._read_map()
         self.stream_ahead(0, predicted, [])
 
-    def stream_ahead(self, layer: int, predicted: list[int], running: list[int]) -> None:
-        """Queue the copies of ``predicted`` experts of ``layer`` (most wanted first) that are not
-        cached, in the slots the layer being computed (``running``, of ``layer - 1``) and the
-        predicted ones leave; ``layer``'s experts kernel waits for them
-        (``DeviceSlots.wait``), not for the other copies queued."""
-        running_keys = {(layer - 1, e) for e in running}
-        placed, evicted = self._table().prefetch(layer, predicted, running_keys)
+    def ahead(self, layer: int) -> range:
+        """The layers a streaming forward's copies reach at ``layer``'s routing (-1: at its start):
+        the next ``stream_depth`` ones that exist."""
+        return range(layer + 1, min(layer + 1 + self.stream_depth, len(self.layers)))
+
+    def stream_ahead(self, first: int, predicted: list[list[int]], running: list[int]) -> None:
+        """Queue the copies of the experts predicted for layers ``first``, ``first + 1``, ...
+        (``predicted[i]`` for ``first + i``, most wanted first) that are not cached, nearest layer
+        first (the copy stream runs them in order). Each layer's go into the slots left by the
+        layer being computed (``running``, of ``first - 1``), its own predicted experts and every
+        expert of the layers between (pending: queued or streamed ahead, not yet run), so a copy
+        for a farther layer never overwrites a slot a nearer one still needs. Each layer's experts
+        kernel waits for its own copies (``DeviceSlots.wait``), not for the others queued."""
+        table = self._table()
         assert self.slots is not None
-        self.slots.fill(layer, self._parts[layer], placed, evicted, ahead=True)
+        keep = {(first - 1, e) for e in running}
+        for layer, experts in enumerate(predicted, start=first):
+            placed, evicted = table.prefetch(layer, experts, keep)
+            self.slots.fill(layer, self._parts[layer], placed, evicted, ahead=True)
+            keep |= {(layer, e) for e in range(self.num_experts)}
 
     def passed(self, layer: int, counts: dict[int, int]) -> None:
         """An eager forward's layer ``layer`` routed ``counts`` (expert -> tokens) and is queued: its

@@ -50,8 +50,16 @@ The eager path keeps the invariant for every kernel that can observe the map: it
 s`` lands before the copy is done, but the only kernels queued between that write and ``wait``
 are the layer's shared expert and prefetch bookkeeping, which do not read slots, and, for the next
 layer's streamed experts (queued at this layer's routing, before its launch), this layer's experts,
-which read only this layer's map entries and slots (never a victim of the stream: ``running``). On the CPU the
-copies are plain copies and the same updates run in the same order.
+which read only this layer's map entries and slots (never a victim of the stream: ``running``). A
+layer streamed further ahead (``ExpertOffload.stream_depth`` > 1: at layer ``L``'s routing, layers
+up to ``L + D``) has, queued between its map write and its wait, the layers in between too: each
+reads only its own entries and slots, and none of those is a victim of the farther layer's copies
+(``stream_ahead`` protects every expert of the pending layers nearer than the one it streams). The
+other way round, a nearer layer's misses (``admit``) may take a farther layer's streamed expert's
+slot: its -1 is written before the farther layer's wait, and the nearer copy into the slot runs after
+the streamed one on the one copy stream, so the farther layer finds the expert uncached and copies
+it in again (a wasted copy, never a wrong read). On the CPU the copies are plain copies and the
+same updates run in the same order.
 """
 
 from __future__ import annotations

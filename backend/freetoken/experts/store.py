@@ -127,15 +127,15 @@ class OffloadedExperts(nn.Module):
         # while the layer's experts ran). The layer's launch itself waits for its own copies
         # anyway, so queuing the stream first costs it nothing while the copies are the longer
         # part. The rest of the bookkeeping (``after_launch``) runs once the launch is queued.
-        following = self.layer + 1
-        ids = [topk_ids]
-        if self.offload.streams(x.shape[0]) and following < len(self.offload.layers):
-            ids.append(self.offload.layers[following].route(x))
+        # With a stream depth D > 1, the D - 1 layers after the next one are predicted from ``x``
+        # too and queued behind it, nearest first (``ExpertOffload.stream_ahead``).
+        ahead = self.offload.ahead(self.layer) if self.offload.streams(x.shape[0]) else range(0)
+        ids = [topk_ids] + [self.offload.layers[layer].route(x) for layer in ahead]
         routed, *predicted = distinct_experts(ids, self.num_experts)
         self.offload.mark_routed(self.layer)
         groups = self.offload.begin(self.layer, list(routed))
         if predicted and len(groups) == 1:  # a layer in passes leaves no slot to spare
-            self.offload.stream_ahead(following, list(predicted[0]), groups[0])
+            self.offload.stream_ahead(self.layer + 1, [list(p) for p in predicted], groups[0])
         passes = _Passes(topk_ids, groups, routed)
         if len(groups) > 1:  # later passes admit experts: they see this layer passed, as they always did
             self.after_launch(passes)
