@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_prefill import DK, DV, HK, HKV, HQ, HV, PAGE, rel_diff  # noqa: E402
 
 from freetoken.kernels.triton import attention, gated_delta_rule, moe  # noqa: E402
-from freetoken.kernels.triton.moe_configs import moe_gemm_config  # noqa: E402
+from freetoken.kernels.triton.moe_configs import config_source, moe_gemm_config  # noqa: E402
 
 CUDA = torch.device("cuda")
 BF16 = torch.bfloat16
@@ -78,11 +78,6 @@ def compare(case: str, flops: int, variants: dict, run, output) -> tuple[str, fl
     return best
 
 
-def short(c) -> str:
-    """``moe_configs``' spelling of a config: ``C(block_m, ..., persistent, tma, flatten, max_registers)``."""
-    return "C(" + ", ".join(map(repr, vars(c).values())) + ")"
-
-
 def moe_sweep(tokens: int = 8192) -> list[str]:
     experts, top_k, hidden, inter = 256, 8, 2048, 512
     gen = torch.Generator(device=CUDA).manual_seed(0)
@@ -119,7 +114,7 @@ def moe_sweep(tokens: int = 8192) -> list[str]:
                 yield
             return use
 
-        variants = {("table " if c == table else "") + short(c): variant(c) for c in configs}
+        variants = {("table " if c == table else "") + config_source(c): variant(c) for c in configs}
         best = compare(f"MoE {gemm} T={tokens}", flops, variants, lambda: launch(state["config"]), result.float)
         if best:
             entries.append(f'moe_configs.TUNED[("{gemm}", {hidden}, {inter}, {experts})] last bucket: '

@@ -22,7 +22,7 @@ import torch
 from triton.testing import do_bench
 
 from freetoken.kernels.triton import moe
-from freetoken.kernels.triton.moe_configs import DEFAULT, GemmConfig, moe_gemm_config
+from freetoken.kernels.triton.moe_configs import DEFAULT, GemmConfig, config_source, moe_gemm_config
 
 CUDA = torch.device("cuda")
 BF16 = torch.bfloat16
@@ -123,12 +123,12 @@ def main() -> None:
     print("\n# paste into kernels/triton/moe_configs.py (TUNED):")
     for gemm in ("gate_up", "down"):
         smallest = rows[0]
-        kept = [f"        ({bound}, C({', '.join(map(str, vars(c).values()))}))," for bound, c in DEFAULT[gemm]
+        kept = [f"        ({bound}, {config_source(c)})," for bound, c in DEFAULT[gemm]
                 if bound < smallest]  # buckets below the smallest tuned size stay as they are
         for i, t in enumerate(tokens):
             bound = "float(\"inf\")" if i == len(tokens) - 1 else f"{math.sqrt(rows[i] * rows[i + 1]):.0f}"
             c, us, tflops = results[t][gemm]
-            kept.append(f"        ({bound}, C({', '.join(map(str, vars(c).values()))})),  # T={t}: {us:.0f} us, "
+            kept.append(f"        ({bound}, {config_source(c)}),  # T={t}: {us:.0f} us, "
                         f"{tflops:.0f} TFLOP/s")
         print(f"    (\"{gemm}\", {args.hidden}, {args.inter}, {args.experts}): (\n" + "\n".join(kept) + "\n    ),")
 

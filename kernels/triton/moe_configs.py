@@ -8,7 +8,7 @@ no tuning run, and a launch chooses its tiles from host-side sizes only (no devi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import KW_ONLY, dataclass, fields, replace
 
 import torch
 
@@ -34,6 +34,7 @@ class GemmConfig:
     group_m: int
     num_warps: int
     num_stages: int
+    _: KW_ONLY  # the persistent launches' fields, by keyword (subclasses add positional fields)
     persistent: int = 0
     tma: bool = False  # persistent down GEMM only: its operands read by TMA (moe._down_block_tma)
     # Persistent launches: the tile and K loops pipelined as one (the flattened loop holds the next
@@ -52,6 +53,19 @@ class GemmConfig:
 
 
 C = GemmConfig
+
+
+def config_source(config: GemmConfig) -> str:
+    """``config`` spelled as the tables spell it: ``C(positional fields, keyword=...)``, the
+    keyword-only fields only where they differ from their defaults."""
+    parts = []
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if not f.kw_only:
+            parts.append(repr(value))
+        elif value != f.default:
+            parts.append(f"{f.name}={value!r}")
+    return f"C({', '.join(parts)})"
 # (largest mean pairs per expert, config), increasing; the last bucket has no upper bound.
 Buckets = tuple[tuple[float, GemmConfig], ...]
 

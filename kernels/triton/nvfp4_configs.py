@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from freetoken.kernels.triton._common import INTERPRETED
-from freetoken.kernels.triton.moe_configs import GemmConfig
+from freetoken.kernels.triton.moe_configs import GemmConfig, config_source
 
 
 
@@ -135,7 +135,7 @@ def format_buckets(buckets: Buckets, comments: dict[float, str] | None = None) -
     lines = []
     for bound, config in buckets:
         bound_src = 'float("inf")' if bound == float("inf") else f"{bound:g}"
-        config_src = "DEQUANT" if config is None else f"C({', '.join(str(v) for v in vars(config).values())})"
+        config_src = "DEQUANT" if config is None else config_source(config)
         comment = f"  # {comments[bound]}" if comments and bound in comments else ""
         lines.append(f"        ({bound_src}, {config_src}),{comment}")
     return "\n".join(lines)
