@@ -178,12 +178,14 @@ def bench_batch(llm, batch_size: int, args: argparse.Namespace, traffic, progres
     from freetoken.bench.floor import decode_floor
     from freetoken.bench.timing import StepRecorder
     from freetoken.core import SamplingParams
+    from freetoken.runtime import freeze_startup_objects
 
     prompts = random_prompts(batch_size, args.input_len, llm.runtime.engine.vocab_size, args.seed + batch_size)
     requests = [{"prompt_token_ids": p} for p in prompts]
     warmup = SamplingParams(temperature=0.0, max_tokens=min(WARMUP_TOKENS, args.output_len), ignore_eos=True)
     llm.generate(requests, warmup)
     llm.reset_prefix_cache()  # the timed run computes its prompts: the warm-up cached them
+    freeze_startup_objects()  # what the warm-up left (captured graphs, compiled kernels), as a server after its warm-up
     progress.update(batch_size * warmup.max_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     on_cuda = llm.runtime.engine.device.type == "cuda"
