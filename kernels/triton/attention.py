@@ -194,13 +194,16 @@ def _attention_kernel(
         )
 
 
-# The prefill kernel's softmax with fewer operations per score (``_attend_block``'s ``LEAN``);
-# off until ``benchmarks/prefill_sweep.py`` measures it against the current one on the H200.
-PREFILL_LEAN_SOFTMAX = False
-# The half-precision prefill kernel's register cap (ptxas .maxnreg; 0: the compiler's choice, 190
-# at head_dim 128's 128 x 64 tiles, one 8-warp program an SM). 128 fits two programs an SM, so
-# one's softmax overlaps the other's products, at ~30 spill stores; the sweep measures it.
-PREFILL_MAX_REGISTERS = 0
+# The prefill kernel's softmax with fewer operations per score (``_attend_block``'s ``LEAN``). On the
+# H200 at 8k tokens (``benchmarks/prefill_sweep.py``, session 21): head_dim 256 1,399.7 us against
+# 1,423.9, head_dim 128 921.6 against 941.0.
+PREFILL_LEAN_SOFTMAX = True
+# The half-precision prefill kernel's register cap at head_dim <= 128 (ptxas .maxnreg; 0: the
+# compiler's choice, 190 at 128 x 64 tiles, one 8-warp program an SM). 128 fits two programs an
+# SM, so one's softmax overlaps the other's products, at ~30 spill stores: head_dim 128 at 8k
+# tokens 711.7 us (386 TFLOP/s) against 921.6 uncapped (same sweep). Head_dim 256 runs uncapped:
+# its 128 x 256 float32 accumulator alone is 128 registers a thread.
+PREFILL_MAX_REGISTERS = 128
 
 
 def _tile_sizes(dtype: torch.dtype, head_dim: int, group: int, max_seqlen_q: int) -> tuple[int, int, int, int]:
@@ -274,6 +277,6 @@ def paged_attention(
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=pow2(head_dim),
         HAS_GATE=gate is not None, PRECISION=dot_precision(q.dtype), LEAN=PREFILL_LEAN_SOFTMAX,
         num_warps=num_warps, num_stages=num_stages,
-        maxnreg=PREFILL_MAX_REGISTERS if PREFILL_MAX_REGISTERS and q.dtype != torch.float32 else None,
+        maxnreg=PREFILL_MAX_REGISTERS if PREFILL_MAX_REGISTERS and q.dtype != torch.float32 and head_dim <= 128 else None,
     )
     return out

@@ -94,14 +94,16 @@ TUNED: dict[tuple[str, int, int, int], Buckets] = {
         (48, C(32, 64, 128, 8, 4, 3)),  # T=640: 260 us (its 1.07 GB of weights: at the HBM floor)
         (96, C(64, 64, 64, 4, 4, 3)),
         (181, C(128, 64, 64, 8, 8, 3)),  # T=4096: 411 us, 334 TFLOP/s
-        (float("inf"), C(128, 64, 64, 8, 8, 3)),  # T=8192: 626-674 us, 408-439 TFLOP/s
+        # T=8192: 616.9 us, 445.6 TFLOP/s (one-program-a-tile 622.7, 441.4; benchmarks/prefill_sweep.py)
+        (float("inf"), C(128, 64, 64, 8, 8, 3, persistent=2, flatten=False, max_registers=128)),
     ),
     ("down", 2048, 512, 256): (
         (16, C(16, 64, 64, 1, 4, 3)),
         (48, C(32, 128, 64, 8, 4, 3)),  # T=640: 146 us (537 MB of weights: 1.17x the HBM floor)
         (96, C(64, 128, 64, 4, 4, 3)),
         (181, C(128, 128, 64, 8, 8, 3)),  # T=4096: 255 us, 270 TFLOP/s
-        (float("inf"), C(128, 128, 64, 8, 8, 3)),  # T=8192: 400-428 us, 321-344 TFLOP/s
+        # T=8192: 372.2 us, 369.3 TFLOP/s (one-program-a-tile 405.0, 339.4; benchmarks/prefill_sweep.py)
+        (float("inf"), C(128, 128, 64, 8, 8, 3, persistent=2, tma=True, flatten=False, max_registers=128)),
     ),
 }
 

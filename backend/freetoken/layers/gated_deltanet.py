@@ -32,9 +32,10 @@ FUSED_CONV = True
 # In a decode-only step of up to ``DECODE_NORM_MAX_BATCH`` requests the gated output norm runs in
 # the delta-rule step's epilogue (``kernels.gated_delta_rule_decode_gated_norm``: a program owns a
 # head's whole value row): one launch a layer fewer, out_proj a plain GEMV. Taken before
-# ``FUSED_OUTPUT_NORM``. False: the A/B switch (``benchmarks/b1_fusions_ab.py --off decode_norm``);
-# not yet measured (``benchmarks/b1_fusions_sweep.py --parts decode_norm``).
-FUSED_DECODE_NORM = True
+# ``FUSED_OUTPUT_NORM``. Off: on the H200 a batch-1 step took 2.46 ms with it against 2.43 without
+# (``benchmarks/b1_fusions_ab.py --off decode_norm``, session 21): 32 programs a layer carrying a
+# whole head's state each cost more than the norm launch they save.
+FUSED_DECODE_NORM = False
 # Its program holds a 128 x 128 float32 state tile (169 registers a thread over 8 warps, ptxas for
 # sm_90: one program an SM), so up to 4 requests x 32 heads its programs are one wave on the H200's
 # 132 SMs; past that the unfused step's smaller programs (89 registers, 4 warps) share the SMs.
