@@ -1,17 +1,17 @@
-"""Issue 10's three kernel sub-targets on one GPU, each option against today's default, and the
-table entries to apply (one call, ~1-2 min with cold Triton caches):
+"""Issue 10's kernel sub-targets on one GPU, each option against today's default, and the table
+entries to apply (one call, ~1 min with cold Triton caches):
 
-    python3 benchmarks/prefill_sweep.py [--only moe attention gdn]
+    python3 benchmarks/prefill_sweep.py [--only moe attention]
 
 - MoE grouped GEMMs at T=8192 (256 experts of 2048 x 512, top-8; target 450 TFLOP/s each): the
-  table's tiles against persistent launches (``GemmConfig.persistent``: one program an SM with
-  the loops flattened, two an SM at 128 registers) and, for down, TMA operands (``tma``); prints
-  the ``TUNED`` bucket to paste into ``moe_configs.py``.
-- Attention prefill at 8k tokens, head_dim 128 (target 350 TFLOP/s) and 256: the lean softmax
-  (``attention.PREFILL_LEAN_SOFTMAX``) at the default tiles, capped at 128 registers (two programs
-  an SM, ``PREFILL_MAX_REGISTERS``), and at 128-key tiles.
-- GDN prefill at 32k (target 70 TFLOP/s) and 8k tokens: the state pass on the transposed state
-  (``gated_delta_rule.STATE_PASS_TRANSPOSED``, 2 and 4 warps).
+  table's tiles against persistent launches (``GemmConfig.persistent``: two programs an SM at 128
+  registers) and, for down, TMA operands (``tma``); prints the ``TUNED`` bucket to paste into
+  ``moe_configs.py``.
+- Attention prefill at 8k tokens, head_dim 128 (target 350 TFLOP/s) and 256: the default tiles,
+  capped at 128 registers (two programs an SM, ``PREFILL_MAX_REGISTERS``), and at 128-key tiles.
+
+GDN prefill (target 70 TFLOP/s at 32k tokens) is timed by ``bench_prefill.py --only gdn``; the
+options measured here in session 21 and dropped are in docs/benchmarks.md (issue 10).
 
 Times are medians of ``triton.testing.do_bench``; every option's output is compared with the
 default's (relative L2 difference; the tests against the torch references are tests/kernels and
@@ -27,13 +27,12 @@ import sys
 from dataclasses import replace
 
 import torch
-import torch.nn.functional as F
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_prefill import DK, DV, HK, HKV, HQ, HV, PAGE, rel_diff  # noqa: E402
+from bench_prefill import HKV, HQ, PAGE, rel_diff  # noqa: E402
 
-from freetoken.kernels.triton import attention, gated_delta_rule, moe  # noqa: E402
+from freetoken.kernels.triton import attention, moe  # noqa: E402
 from freetoken.kernels.triton.moe_configs import config_source, moe_gemm_config  # noqa: E402
 
 CUDA = torch.device("cuda")
@@ -93,12 +92,10 @@ def moe_sweep(tokens: int = 8192) -> list[str]:
     entries = []
     for gemm in ("gate_up", "down"):
         table = moe_gemm_config(gemm, BF16, pairs, experts, hidden, inter)
-        # one program an SM, tile and K loops flattened; two an SM, the K loop alone, 128 registers
-        one, two = dict(persistent=1), dict(persistent=2, flatten=False, max_registers=128)
-        configs = [table, replace(table, **one), replace(table, **two)]
+        two = dict(persistent=2, max_registers=128)  # two programs an SM, 128 registers
+        configs = [table, replace(table, **two)]
         if gemm == "down":
-            configs += [replace(table, **one, tma=True), replace(table, **two, tma=True),
-                        replace(table, block_k=128, num_stages=2, **one, tma=True)]
+            configs.append(replace(table, **two, tma=True))
         launch = {
             "gate_up": lambda c: moe.gate_up(x, w13, order, offsets, h_out, top_k, c),
             "down": lambda c: moe.down(h, w2, order, offsets, weights, y, c),
@@ -138,15 +135,14 @@ def attention_sweep(length: int = 8192) -> list[str]:
         gate = q_gate[..., head_dim:]
         default = attention._tile_sizes(BF16, head_dim, HQ // HKV, length)
 
-        def tiles(config, lean, registers=0):
-            return lambda: patched(attention, _tile_sizes=lambda *a: config, PREFILL_LEAN_SOFTMAX=lean,
-                                   PREFILL_MAX_REGISTERS=registers)
+        def tiles(config, registers=0):
+            return lambda: patched(attention, _tile_sizes=lambda *a: config, PREFILL_MAX_REGISTERS=registers)
 
-        variants = {f"default {default}": tiles(default, False), f"lean {default}": tiles(default, True)}
+        variants = {f"tiles {default}": tiles(default)}
         if head_dim <= 128:
-            variants[f"lean {default} 128 registers"] = tiles(default, True, 128)
+            variants[f"tiles {default} 128 registers"] = tiles(default, 128)
             for config in ((128, 128, 8, 2), (128, 128, 8, 3)):
-                variants[f"lean {config}"] = tiles(config, True)
+                variants[f"tiles {config}"] = tiles(config)
         flops = 2 * 2 * HQ * head_dim * length * (length + 1) // 2
         result = {}
 
@@ -156,7 +152,7 @@ def attention_sweep(length: int = 8192) -> list[str]:
         best = compare(f"attention {length} d{head_dim}", flops, variants, run, lambda: result["out"].float())
         if best:
             entries.append(f"attention d{head_dim}: best {best[0]} ({best[1]:.0f} us, {flops / best[1] / 1e6:.0f} "
-                           f"TFLOP/s): PREFILL_LEAN_SOFTMAX = {best[0].startswith('lean')}; _tile_sizes -> "
+                           f"TFLOP/s): _tile_sizes -> "
                            f"{best[0].split(' ', 1)[1].removesuffix(' 128 registers')}; PREFILL_MAX_REGISTERS = "
                            f"{128 if best[0].endswith('128 registers') else 0}")
         del k_cache, v_cache, q_gate
@@ -164,44 +160,7 @@ def attention_sweep(length: int = 8192) -> list[str]:
     return entries
 
 
-def gdn_sweep(lengths: tuple[int, ...] = (32768, 8192)) -> list[str]:
-    entries = []
-    for tokens in lengths:
-        conv = torch.randn(tokens, 2 * HK * DK + HV * DV, dtype=BF16, device=CUDA)
-        q = conv[:, : HK * DK].view(tokens, HK, DK)
-        k = conv[:, HK * DK : 2 * HK * DK].view(tokens, HK, DK)
-        v = conv[:, 2 * HK * DK :].view(tokens, HV, DV)
-        g = -F.softplus(torch.randn(tokens, HV, device=CUDA)) * 0.3
-        beta = torch.rand(tokens, HV, device=CUDA).to(BF16)
-        state0 = torch.randn(2, HV, DK, DV, device=CUDA) * 0.1
-        state = state0.clone()
-        slots = torch.tensor([1], dtype=torch.int32, device=CUDA)
-        cu = torch.tensor([0, tokens], dtype=torch.int32, device=CUDA)
-
-        result = {}
-
-        def run():  # from the same initial state each time (a 32 x 128 x 128 float32 copy, ~2 us)
-            state.copy_(state0)
-            result["out"] = gated_delta_rule.gated_delta_rule_prefill(q, k, v, g, beta, state, slots, cu)
-
-        def output():
-            return torch.cat([result["out"].flatten().float(), state[1].flatten()])
-
-        variants = {"default": lambda: patched(gated_delta_rule, STATE_PASS_TRANSPOSED=False)}
-        for warps in (4, 2):
-            variants[f"transposed state pass, {warps} warps"] = (
-                lambda w=warps: patched(gated_delta_rule, STATE_PASS_TRANSPOSED=True, STATE_PASS_T_WARPS=w))
-        chunks = -(-tokens // 64)
-        flops = chunks * HV * 2 * 64 * (64 * DK + 64 * DV + 3 * DK * DV + 2 * 64 * DK)
-        best = compare(f"GDN 1x{tokens}", flops, variants, run, output)
-        if best:
-            entries.append(f"GDN 1x{tokens}: best {best[0]} ({best[1]:.0f} us, {flops / best[1] / 1e6:.1f} TFLOP/s)")
-        del conv
-        torch.cuda.empty_cache()
-    return entries
-
-
-SWEEPS = {"moe": moe_sweep, "attention": attention_sweep, "gdn": gdn_sweep}
+SWEEPS = {"moe": moe_sweep, "attention": attention_sweep}
 
 
 def main() -> None:

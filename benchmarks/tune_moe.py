@@ -51,13 +51,11 @@ def refine(best: GemmConfig) -> list[GemmConfig]:
 
 
 def persistent(gemm: str, configs: list[GemmConfig]) -> list[GemmConfig]:
-    """The persistent launches of these tiles (``GemmConfig.persistent``): one program an SM with
-    the tile and K loops flattened (~170-200 registers at 128-row tiles), and two an SM with the K
-    loop alone capped at 128 registers (no spills at the table's 128-row tiles on sm_90); the down
-    GEMM's also with its operands through TMA."""
+    """The persistent launches of these tiles (``GemmConfig.persistent``): two programs an SM
+    capped at 128 registers (no spills at the table's 128-row tiles on sm_90); the down GEMM's also
+    with its operands through TMA."""
     tma = (False, True) if gemm == "down" else (False,)
-    shapes = (dict(persistent=1), dict(persistent=2, flatten=False, max_registers=128))
-    return [replace(c, **shape, tma=t) for c in configs if not c.persistent for shape in shapes for t in tma]
+    return [replace(c, persistent=2, max_registers=128, tma=t) for c in configs if not c.persistent for t in tma]
 
 
 def median_us(fn) -> float:

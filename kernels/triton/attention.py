@@ -85,36 +85,30 @@ def store_kv(
 @device_function
 def _attend_block(q, acc, m_i, l_i, start, hi, pos, qk_scale,
                   k_ptr, v_ptr, c_sp, c_st, c_sh, pages_ptr, page_size, kv_head, cols, col_ok,
-                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr, LEAN: tl.constexpr):
+                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
     """One key block of the online softmax; ``MASKED`` blocks apply the causal and end masks.
 
-    ``LEAN`` (``PREFILL_LEAN_SOFTMAX``): fewer CUDA-core operations per score, which on sm_90 run
-    between the two tensor-core products, not beside them: the scale folded into the exponent's
-    FMA (``exp2(s·c - m)`` with the row maximum taken of the raw scores), and in unmasked blocks,
-    where no row's maximum is ``-inf``, no guard for it."""
+    Few CUDA-core operations per score, which on sm_90 run between the two tensor-core products,
+    not beside them: the scale folded into the exponent's FMA (``exp2(s·c - m)`` with the row
+    maximum taken of the raw scores), and in unmasked blocks, where no row's maximum is ``-inf``,
+    no guard for it. On the H200 at 8k tokens (``benchmarks/prefill_sweep.py``, session 21) this
+    beat the scores scaled first and always guarded: head_dim 256 1,399.7 us against 1,423.9,
+    head_dim 128 921.6 against 941.0."""
     n = start + tl.arange(0, BLOCK_N)
     n_ok = n < hi
     page = tl.load(pages_ptr + n // page_size, mask=n_ok, other=0).to(tl.int64)
     offs = page * c_sp + (n % page_size) * c_st + kv_head * c_sh
     kv_mask = n_ok[:, None] & col_ok[None, :]
     k = tl.load(k_ptr + offs[:, None] + cols[None, :], mask=kv_mask, other=0.0)
-    if LEAN:
-        s = dot(q, tl.trans(k), PRECISION)
-        if MASKED:
-            s = tl.where(n_ok[None, :] & (n[None, :] <= pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        if MASKED:
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_safe = m_new
-        p = tl.exp2(s * qk_scale - m_safe[:, None])
-    else:
-        s = dot(q, tl.trans(k), PRECISION) * qk_scale
-        if MASKED:
-            s = tl.where(n_ok[None, :] & (n[None, :] <= pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+    s = dot(q, tl.trans(k), PRECISION)
+    if MASKED:
+        s = tl.where(n_ok[None, :] & (n[None, :] <= pos[:, None]), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    if MASKED:
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
+    else:
+        m_safe = m_new
+    p = tl.exp2(s * qk_scale - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_ptr + offs[:, None] + cols[None, :], mask=kv_mask, other=0.0)
@@ -138,7 +132,6 @@ def _attention_kernel(
     BLOCK_D: tl.constexpr,
     HAS_GATE: tl.constexpr,
     PRECISION: tl.constexpr,
-    LEAN: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = pid // blocks_per_request
@@ -170,11 +163,9 @@ def _attention_kernel(
         mid = tl.minimum((first_pos + 1) // BLOCK_N * BLOCK_N, hi)
         kv = (k_ptr, v_ptr, c_sp, c_st, c_sh, pt_ptr + b * pt_sb, page_size, kv_head, cols, col_ok)
         for start in range(0, mid, BLOCK_N):
-            acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, start, hi, pos, qk_scale, *kv, BLOCK_N, False, PRECISION,
-                                          LEAN)
+            acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, start, hi, pos, qk_scale, *kv, BLOCK_N, False, PRECISION)
         for start in range(mid, hi, BLOCK_N):
-            acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, start, hi, pos, qk_scale, *kv, BLOCK_N, True, PRECISION,
-                                          LEAN)
+            acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, start, hi, pos, qk_scale, *kv, BLOCK_N, True, PRECISION)
         out_rows = (q_start + tok) * num_q_heads + head
         dtype = out_ptr.dtype.element_ty
         # Rounded to the output dtype first (as the reference rounds): the float32 accumulator
@@ -194,10 +185,6 @@ def _attention_kernel(
         )
 
 
-# The prefill kernel's softmax with fewer operations per score (``_attend_block``'s ``LEAN``). On the
-# H200 at 8k tokens (``benchmarks/prefill_sweep.py``, session 21): head_dim 256 1,399.7 us against
-# 1,423.9, head_dim 128 921.6 against 941.0.
-PREFILL_LEAN_SOFTMAX = True
 # The half-precision prefill kernel's register cap at head_dim <= 128 (ptxas .maxnreg; 0: the
 # compiler's choice, 190 at 128 x 64 tiles, one 8-warp program an SM). 128 fits two programs an
 # SM, so one's softmax overlaps the other's products, at ~30 spill stores: head_dim 128 at 8k
@@ -275,7 +262,7 @@ def paged_attention(
         out,
         scale, num_q_heads, k_cache.shape[1], head_dim, blocks_per_request,
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=pow2(head_dim),
-        HAS_GATE=gate is not None, PRECISION=dot_precision(q.dtype), LEAN=PREFILL_LEAN_SOFTMAX,
+        HAS_GATE=gate is not None, PRECISION=dot_precision(q.dtype),
         num_warps=num_warps, num_stages=num_stages,
         maxnreg=PREFILL_MAX_REGISTERS if PREFILL_MAX_REGISTERS and q.dtype != torch.float32 and head_dim <= 128 else None,
     )

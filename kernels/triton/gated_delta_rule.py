@@ -39,10 +39,6 @@ STATE_PASS_STAGES = 3
 # Value columns per program of the outputs: the whole head (128) reads q and k and forms q kᵀ once
 # per (chunk, head); round 1 took 64 (two programs each).
 OUTPUT_BLOCK_V = 128
-# The state pass on the transposed state (``_state_pass_t_kernel``: warp-level products chained in
-# registers) with this many warps; off until benchmarks/prefill_sweep.py measures it on the H200.
-STATE_PASS_TRANSPOSED = False
-STATE_PASS_T_WARPS = 4  # 1 warp spills (the 64 x 128 tiles in 32 threads); 2 and 4 do not
 
 
 @device_function
@@ -211,62 +207,6 @@ def _state_pass_kernel(
         if SEGMENTED:
             if snapshot >= 0:  # the chunk ends a segment at a snapshot: the state goes there
                 tl.store(state_ptr + snapshot * st_ss + s_cols, state, mask=s_mask)
-    tl.store(s_ptrs, state, mask=s_mask)
-
-
-@triton.jit
-def _state_pass_t_kernel(
-    k_ptr, k_st, k_sh, w_ptr, u_ptr, to_end_ptr, chunk_decay_ptr,
-    state_ptr, st_ss, st_sh, st_sk, slot_ptr, cu_ptr, cu_chunks_ptr, states_ptr, v_new_ptr,
-    num_tokens, num_v_heads, key_dim, value_dim,
-    HEAD_RATIO: tl.constexpr, CHUNK_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """``_state_pass_kernel`` on the transposed state ``Sᵀ [BLOCK_V, K]`` (``STATE_PASS_TRANSPOSED``):
-    ``v'ᵀ = Uᵀ − Sᵀ Wᵀ``, ``Sᵀ = e^γ_last Sᵀ + (e^(γ_last−γ) v')ᵀ k̂``. Both products then have
-    ``BLOCK_V`` (16) rows, below a warpgroup product's 64, so they are warp-level MMAs whose
-    left operands (the state, then ``v'ᵀ``) are the previous product's accumulator in registers;
-    the sm_90 pass's 64-row products take the state and ``v'`` through shared memory with a barrier
-    each, twice a chunk on the sequential path. The loaded operands (``Wᵀ``, ``k̂``) do not depend on
-    the state and pipeline as before. Requests without prefix-cache snapshots only."""
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    op = w_ptr.dtype.element_ty
-    vcols = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
-    v_ok = vcols < value_dim
-    kcols = tl.arange(0, BLOCK_K)
-    k_ok = kcols < key_dim
-    s_mask = v_ok[:, None] & k_ok[None, :]
-    start = tl.load(cu_ptr + b)
-    end = tl.load(cu_ptr + b + 1)
-    first_chunk = tl.load(cu_chunks_ptr + b)
-    num_chunks = tl.cdiv(end - start, CHUNK_SIZE)
-    slot = tl.load(slot_ptr + b).to(tl.int64)
-    s_ptrs = state_ptr + slot * st_ss + h * st_sh + kcols[None, :] * st_sk + vcols[:, None]
-    state = tl.load(s_ptrs, mask=s_mask, other=0.0)  # Sᵀ
-    idx = tl.arange(0, CHUNK_SIZE)
-    kp = k_ptr + (h // HEAD_RATIO) * k_sh
-    next_decay = tl.load(chunk_decay_ptr + first_chunk * num_v_heads + h, mask=num_chunks > 0, other=1.0)
-    for c in range(0, num_chunks):
-        chunk_decay = next_decay
-        next_decay = tl.load(chunk_decay_ptr + (first_chunk + c + 1) * num_v_heads + h, mask=c + 1 < num_chunks,
-                             other=1.0)
-        rows = start + c * CHUNK_SIZE + idx
-        row_ok = rows < end
-        head_rows = h.to(tl.int64) * num_tokens + rows
-        chunk = (first_chunk + c) * num_v_heads + h
-        tl.store(states_ptr + chunk.to(tl.int64) * (key_dim * value_dim) + kcols[None, :] * value_dim + vcols[:, None],
-                 cast(state, op), mask=s_mask)
-        w_t = tl.load(w_ptr + head_rows[None, :] * key_dim + kcols[:, None], mask=k_ok[:, None] & row_ok[None, :],
-                      other=0.0)
-        u_t = tl.load(u_ptr + head_rows[None, :] * value_dim + vcols[:, None], mask=v_ok[:, None] & row_ok[None, :],
-                      other=0.0)
-        k = tl.load(kp + rows[:, None] * k_st + kcols[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        to_end = tl.load(to_end_ptr + head_rows, mask=row_ok, other=0.0)
-        v_new = u_t.to(tl.float32) - dot(cast(state, op), w_t, PRECISION)  # v'ᵀ [BLOCK_V, CHUNK]
-        tl.store(v_new_ptr + head_rows[None, :] * value_dim + vcols[:, None], cast(v_new, op),
-                 mask=v_ok[:, None] & row_ok[None, :])
-        state = state * chunk_decay + dot(cast(v_new * to_end[None, :], op), cast(k.to(tl.float32), op), PRECISION)
     tl.store(s_ptrs, state, mask=s_mask)
 
 
@@ -453,21 +393,13 @@ def gated_delta_rule_prefill(
     v_new = new_empty((num_v_heads, num_tokens, value_dim), operand, device)
     pass_v = state_pass_block_v(num_requests * num_v_heads, value_dim, device)
     pass_grid = (num_requests, num_v_heads, triton.cdiv(value_dim, pass_v))
-    if STATE_PASS_TRANSPOSED and snapshots is None:
-        _state_pass_t_kernel[pass_grid](
-            k, k.stride(0), k.stride(1), w, u, to_end, chunk_decay,
-            state, state.stride(0), state.stride(1), state.stride(2), state_slots, segment_cu, cu_chunks, states, v_new,
-            num_tokens, num_v_heads, key_dim, value_dim,
-            **common, BLOCK_V=pass_v, num_warps=STATE_PASS_T_WARPS, num_stages=STATE_PASS_STAGES,
-        )
-    else:
-        _state_pass_kernel[pass_grid](
-            k, k.stride(0), k.stride(1), w, u, to_end, chunk_decay,
-            state, state.stride(0), state.stride(1), state.stride(2), state_slots, segment_cu, cu_chunks, states,
-            v_new, request_chunks, chunk_rows, chunk_ends, chunk_snapshot,
-            num_tokens, num_v_heads, key_dim, value_dim,
-            **common, BLOCK_V=pass_v, SEGMENTED=snapshots is not None, num_warps=4, num_stages=STATE_PASS_STAGES,
-        )
+    _state_pass_kernel[pass_grid](
+        k, k.stride(0), k.stride(1), w, u, to_end, chunk_decay,
+        state, state.stride(0), state.stride(1), state.stride(2), state_slots, segment_cu, cu_chunks, states,
+        v_new, request_chunks, chunk_rows, chunk_ends, chunk_snapshot,
+        num_tokens, num_v_heads, key_dim, value_dim,
+        **common, BLOCK_V=pass_v, SEGMENTED=snapshots is not None, num_warps=4, num_stages=STATE_PASS_STAGES,
+    )
     out_v = min(block_v, OUTPUT_BLOCK_V)
     _output_kernel[(max_chunks * triton.cdiv(value_dim, out_v), num_v_heads)](
         q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), g, g.stride(0),

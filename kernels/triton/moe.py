@@ -512,16 +512,15 @@ def _gate_up_persistent_kernel(
     ws_ptr, ws_sn, num_tokens, num_pairs, shared_tiles,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    SHARED: tl.constexpr, FLATTEN: tl.constexpr,
+    SHARED: tl.constexpr,
 ):
-    """``_gate_up_kernel``'s tiles, a program looping over every ``num_programs``-th (GemmConfig.persistent);
-    ``FLATTEN``: the tile loop and the K loop pipelined as one (``GemmConfig.flatten``)."""
+    """``_gate_up_kernel``'s tiles, a program looping over every ``num_programs``-th (GemmConfig.persistent)."""
     starts, ends, tiles_end, routed = _expert_tiles(offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
     row_tiles = routed + shared_tiles
     col_blocks = tl.cdiv(inter, BLOCK_N)
-    for work in tl.range(tl.program_id(0), row_tiles * col_blocks, tl.num_programs(0), flatten=FLATTEN):
+    for work in tl.range(tl.program_id(0), row_tiles * col_blocks, tl.num_programs(0)):
         tile, col_block = _group_index(work, row_tiles, col_blocks, GROUP_M)
-        if SHARED and tile < shared_tiles:  # SHARED constant false: one K loop in the body (as FLATTEN needs)
+        if SHARED and tile < shared_tiles:
             tokens = tile * BLOCK_M + tl.arange(0, BLOCK_M)
             _gate_up_block(x_ptr, x_st, tokens, tokens < num_tokens, ws_ptr, ws_sn, h_ptr, num_pairs + tokens,
                            col_block, hidden, inter, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
@@ -538,14 +537,14 @@ def _down_persistent_kernel(
     ws_ptr, ws_sn, gate_ptr, g_st, num_tokens, num_pairs, shared_tiles, h_desc, w_desc, ws_desc,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    SHARED: tl.constexpr, TMA: tl.constexpr, FLATTEN: tl.constexpr,
+    SHARED: tl.constexpr, TMA: tl.constexpr,
 ):
     """``_down_kernel``'s tiles, a program looping over every ``num_programs``-th (GemmConfig.persistent);
     ``TMA``: the operands through the descriptors (``_down_block_tma``), else through pointers."""
     starts, ends, tiles_end, routed = _expert_tiles(offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
     row_tiles = routed + shared_tiles
     col_blocks = tl.cdiv(hidden, BLOCK_N)
-    for work in tl.range(tl.program_id(0), row_tiles * col_blocks, tl.num_programs(0), flatten=FLATTEN):
+    for work in tl.range(tl.program_id(0), row_tiles * col_blocks, tl.num_programs(0)):
         tile, col_block = _group_index(work, row_tiles, col_blocks, GROUP_M)
         if SHARED and tile < shared_tiles:
             tokens = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -651,7 +650,7 @@ def gate_up(
             ws, ws.stride(-2), x.shape[0], num_pairs, shared_tiles,
             TOP_K=top_k, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             GROUP_M=config.group_m, BLOCK_E=pow2(num_experts), EVEN_K=hidden % config.block_k == 0,
-            PRECISION=dot_precision(x.dtype), SHARED=shared is not None, FLATTEN=config.flatten and shared is None,
+            PRECISION=dot_precision(x.dtype), SHARED=shared is not None,
             num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.max_registers or None,
         )
         return
@@ -694,7 +693,6 @@ def down(
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             GROUP_M=config.group_m, BLOCK_E=pow2(num_experts), EVEN_K=inter % config.block_k == 0,
             PRECISION=dot_precision(h.dtype), SHARED=shared is not None, TMA=tma,
-            FLATTEN=config.flatten and shared is None,
             num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.max_registers or None,
         )
         return

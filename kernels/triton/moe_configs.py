@@ -23,10 +23,9 @@ class GemmConfig:
     ``persistent``: 0 launches one program per (row tile, column block); ``p > 0`` launches ``p``
     programs per SM, each looping over tiles (``moe._gate_up_persistent_kernel``,
     ``_down_persistent_kernel``): the expert offsets are read and summed once per program instead
-    of once per tile, no program starts for the row tiles past the real count, and (``flatten``)
-    the loop over tiles is pipelined with the K loop so the next tile's loads are issued during
-    this tile's epilogue (the down GEMM's K = 512 is 8 steps of 64: its ramp and epilogue are a
-    large share of each tile)."""
+    of once per tile, and no program starts for the row tiles past the real count. (The tile loop
+    pipelined with the K loop as one, one program an SM, was slower on the H200: docs/benchmarks.md,
+    issue 10.)"""
 
     block_m: int
     block_n: int
@@ -37,11 +36,8 @@ class GemmConfig:
     _: KW_ONLY  # the persistent launches' fields, by keyword (subclasses add positional fields)
     persistent: int = 0
     tma: bool = False  # persistent down GEMM only: its operands read by TMA (moe._down_block_tma)
-    # Persistent launches: the tile and K loops pipelined as one (the flattened loop holds the next
-    # tiles' rows: 190-200 registers at 128 x 128 tiles, 1 program an SM), or the K loop alone.
-    flatten: bool = True
     # The persistent launches' register cap (ptxas .maxnreg; 0: the compiler's choice). 128 fits two
-    # 8-warp programs an SM: the unflattened 128 x 128 x 64 down GEMM compiles there without spills.
+    # 8-warp programs an SM: the 128 x 128 x 64 down GEMM compiles there without spills.
     max_registers: int = 0
 
     def __post_init__(self) -> None:
@@ -95,7 +91,7 @@ TUNED: dict[tuple[str, int, int, int], Buckets] = {
         (96, C(64, 64, 64, 4, 4, 3)),
         (181, C(128, 64, 64, 8, 8, 3)),  # T=4096: 411 us, 334 TFLOP/s
         # T=8192: 616.9 us, 445.6 TFLOP/s (one-program-a-tile 622.7, 441.4; benchmarks/prefill_sweep.py)
-        (float("inf"), C(128, 64, 64, 8, 8, 3, persistent=2, flatten=False, max_registers=128)),
+        (float("inf"), C(128, 64, 64, 8, 8, 3, persistent=2, max_registers=128)),
     ),
     ("down", 2048, 512, 256): (
         (16, C(16, 64, 64, 1, 4, 3)),
@@ -103,7 +99,7 @@ TUNED: dict[tuple[str, int, int, int], Buckets] = {
         (96, C(64, 128, 64, 4, 4, 3)),
         (181, C(128, 128, 64, 8, 8, 3)),  # T=4096: 255 us, 270 TFLOP/s
         # T=8192: 372.2 us, 369.3 TFLOP/s (one-program-a-tile 405.0, 339.4; benchmarks/prefill_sweep.py)
-        (float("inf"), C(128, 128, 64, 8, 8, 3, persistent=2, tma=True, flatten=False, max_registers=128)),
+        (float("inf"), C(128, 128, 64, 8, 8, 3, persistent=2, tma=True, max_registers=128)),
     ),
 }
 

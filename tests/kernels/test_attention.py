@@ -86,13 +86,12 @@ def test_decode_batches_split_the_keys():
     "dtype,case,registers",
     [(torch.float32, "prefill_batch", 0), (torch.bfloat16, "prefill_long", 0), (torch.bfloat16, "prefill_batch", 128)],
 )
-def test_paged_attention_lean_softmax(rng, monkeypatch, dtype, case, registers):
-    """The prefill kernel's lean softmax (``PREFILL_LEAN_SOFTMAX``): full and causal key blocks,
-    requests from an empty cache and with cached prefixes, 128-row GQA tiles in half precision,
-    with the register cap (``PREFILL_MAX_REGISTERS``) or without."""
+def test_paged_attention_prefill_tiles(rng, monkeypatch, dtype, case, registers):
+    """The prefill kernel's softmax over full and causal key blocks, requests from an empty cache
+    and with cached prefixes, 128-row GQA tiles in half precision, with the register cap
+    (``PREFILL_MAX_REGISTERS``) or without."""
     from freetoken.kernels.triton import attention
 
-    monkeypatch.setattr(attention, "PREFILL_LEAN_SOFTMAX", True)
     monkeypatch.setattr(attention, "PREFILL_MAX_REGISTERS", registers)
     context_lens, query_lens = CASES[case]
     hq, hkv, d, page_size, num_pages = 8, 2, 24, 4, 80

@@ -21,24 +21,20 @@ def _inputs(rng, dtype, tokens, hk, hv, dk, dv, slots):
 
 
 @pytest.mark.parametrize(
-    "dtype,heads,dims,state_block_v,transposed",
+    "dtype,heads,dims,state_block_v",
     [
-        (torch.float32, (2, 4), (12, 20), None, False),
-        (torch.bfloat16, (1, 3), (16, 8), None, False),
-        (torch.float32, (2, 2), (16, 16), None, False),
+        (torch.float32, (2, 4), (12, 20), None),
+        (torch.bfloat16, (1, 3), (16, 8), None),
+        (torch.float32, (2, 2), (16, 16), None),
         # several value blocks in the state pass (16 of 40 columns) and in the outputs (32 of 72)
-        (torch.float32, (1, 2), (8, 72), 16, False),
-        (torch.bfloat16, (1, 1), (16, 40), 16, False),
-        # the state pass on the transposed state (STATE_PASS_TRANSPOSED)
-        (torch.float32, (2, 4), (12, 20), None, True),
-        (torch.bfloat16, (1, 1), (16, 40), 16, True),
+        (torch.float32, (1, 2), (8, 72), 16),
+        (torch.bfloat16, (1, 1), (16, 40), 16),
     ],
 )
-def test_gated_delta_rule_prefill(rng, monkeypatch, dtype, heads, dims, state_block_v, transposed):
+def test_gated_delta_rule_prefill(rng, monkeypatch, dtype, heads, dims, state_block_v):
     from freetoken.kernels.triton import gated_delta_rule as triton_gdn
     from freetoken.kernels.triton.gated_delta_rule import gated_delta_rule_prefill
 
-    monkeypatch.setattr(triton_gdn, "STATE_PASS_TRANSPOSED", transposed)
     if state_block_v is not None:  # narrower value blocks than the launch size would choose
         monkeypatch.setattr(triton_gdn, "state_pass_block_v", lambda *_: state_block_v)
         monkeypatch.setattr(triton_gdn, "OUTPUT_BLOCK_V", 32)

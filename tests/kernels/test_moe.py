@@ -102,19 +102,18 @@ def test_fused_experts(rng, dtype, tokens):
     assert_close(got, ref.fused_experts_reference(x, w13, w2, weights, ids))
 
 
-# one program per tile; 3 programs looping over the tiles (flattened with the K loop or not, a
-# register cap), the down GEMM's operands through pointers or TMA
-@pytest.mark.parametrize("persistent,tma,flatten,max_registers",
-                         [(0, False, True, 0), (3, False, True, 0), (3, True, True, 0), (3, True, False, 128)])
+# one program per tile; 3 programs looping over the tiles (with a register cap or not), the down
+# GEMM's operands through pointers or TMA
+@pytest.mark.parametrize("persistent,tma,max_registers", [(0, False, 0), (3, False, 0), (3, True, 0), (3, True, 128)])
 @pytest.mark.parametrize("hidden,block_k", [(72, 32), (64, 32)])  # a partial and no partial column tile
-def test_fused_experts_grouped_tiles(rng, monkeypatch, hidden, block_k, persistent, tma, flatten, max_registers):
+def test_fused_experts_grouped_tiles(rng, monkeypatch, hidden, block_k, persistent, tma, max_registers):
     """Row tiles grouped 3 at a time over the column blocks (the last group partial), as the tuned
     prefill configurations run them."""
     from freetoken.kernels.triton.moe_configs import GemmConfig
 
     moe = _triton()
     config = GemmConfig(block_m=16, block_n=32, block_k=block_k, group_m=3, num_warps=4, num_stages=1,
-                        persistent=persistent, tma=tma, flatten=flatten, max_registers=max_registers)
+                        persistent=persistent, tma=tma, max_registers=max_registers)
     monkeypatch.setattr(moe, "moe_gemm_config", lambda *args: config)
     e, k, tokens, inter = 5, 2, 45, 48
     x = torch.randn(tokens, hidden, generator=rng).to(DEVICE)
