@@ -108,7 +108,9 @@ def gdn_case(lengths: list[int]):
     return variants, bytes_, flops, outputs
 
 
-def attention_case(length: int, head_dim: int):
+def attention_inputs(length: int, head_dim: int) -> tuple[tuple, torch.Tensor]:
+    """One causal prompt of ``length`` tokens in paged caches: ``paged_attention``'s positional
+    arguments and its gate."""
     num_pages = -(-length // PAGE) + 1
     k_cache = torch.randn(num_pages, PAGE, HKV, head_dim, dtype=BF16, device=CUDA)
     v_cache = torch.randn_like(k_cache)
@@ -116,8 +118,16 @@ def attention_case(length: int, head_dim: int):
     q_gate = torch.randn(length, HQ, 2 * head_dim, dtype=BF16, device=CUDA)
     cu = torch.tensor([0, length], dtype=torch.int32, device=CUDA)
     seq_lens = torch.tensor([length], dtype=torch.int32, device=CUDA)
-    args = (q_gate[..., :head_dim], k_cache, v_cache, table, cu, seq_lens, head_dim**-0.5, length)
-    gate = q_gate[..., head_dim:]
+    return (q_gate[..., :head_dim], k_cache, v_cache, table, cu, seq_lens, head_dim**-0.5, length), q_gate[..., head_dim:]
+
+
+def attention_flops(length: int, head_dim: int) -> int:
+    """The two products of causal attention over ``length`` tokens."""
+    return 2 * 2 * HQ * head_dim * length * (length + 1) // 2
+
+
+def attention_case(length: int, head_dim: int):
+    args, gate = attention_inputs(length, head_dim)
 
     def tiles(config):
         def fn():
@@ -134,7 +144,7 @@ def attention_case(length: int, head_dim: int):
         configs += [(128, 128, 8, 2), (128, 128, 8, 3), (256, 64, 8, 2)]
     for config in configs:
         variants[f"new tiles {config}"] = tiles(config)
-    flops = 2 * 2 * HQ * head_dim * length * (length + 1) // 2
+    flops = attention_flops(length, head_dim)
     bytes_ = (3 * length * HQ * head_dim + 2 * length * HKV * head_dim) * 2
     return variants, bytes_, flops, lambda name: variants[name]().float()
 

@@ -30,7 +30,7 @@ import torch
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_prefill import HKV, HQ, PAGE, rel_diff  # noqa: E402
+from bench_prefill import HKV, HQ, attention_flops, attention_inputs, rel_diff  # noqa: E402
 
 from freetoken.kernels.triton import attention, moe  # noqa: E402
 from freetoken.kernels.triton.moe_configs import config_source, moe_gemm_config  # noqa: E402
@@ -124,15 +124,7 @@ def moe_sweep(tokens: int = 8192) -> list[str]:
 def attention_sweep(length: int = 8192) -> list[str]:
     entries = []
     for head_dim in (128, 256):
-        num_pages = -(-length // PAGE) + 1
-        k_cache = torch.randn(num_pages, PAGE, HKV, head_dim, dtype=BF16, device=CUDA)
-        v_cache = torch.randn_like(k_cache)
-        table = torch.arange(1, num_pages, dtype=torch.int32, device=CUDA)[None]
-        q_gate = torch.randn(length, HQ, 2 * head_dim, dtype=BF16, device=CUDA)
-        cu = torch.tensor([0, length], dtype=torch.int32, device=CUDA)
-        seq_lens = torch.tensor([length], dtype=torch.int32, device=CUDA)
-        args = (q_gate[..., :head_dim], k_cache, v_cache, table, cu, seq_lens, head_dim**-0.5, length)
-        gate = q_gate[..., head_dim:]
+        args, gate = attention_inputs(length, head_dim)
         default = attention._tile_sizes(BF16, head_dim, HQ // HKV, length)
 
         def tiles(config, registers=0):
@@ -143,7 +135,7 @@ def attention_sweep(length: int = 8192) -> list[str]:
             variants[f"tiles {default} 128 registers"] = tiles(default, 128)
             for config in ((128, 128, 8, 2), (128, 128, 8, 3)):
                 variants[f"tiles {config}"] = tiles(config)
-        flops = 2 * 2 * HQ * head_dim * length * (length + 1) // 2
+        flops = attention_flops(length, head_dim)
         result = {}
 
         def run():
@@ -155,7 +147,6 @@ def attention_sweep(length: int = 8192) -> list[str]:
                            f"TFLOP/s): _tile_sizes -> "
                            f"{best[0].split(' ', 1)[1].removesuffix(' 128 registers')}; PREFILL_MAX_REGISTERS = "
                            f"{128 if best[0].endswith('128 registers') else 0}")
-        del k_cache, v_cache, q_gate
         torch.cuda.empty_cache()
     return entries
 

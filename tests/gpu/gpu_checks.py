@@ -1,16 +1,28 @@
 """Shared by the GPU tests: capturing launches into a CUDA graph and replaying it with the outputs
 poisoned, so a launch that skipped an element, or read its input before the launch it depends on
-finished, fails on replay; random NVFP4 weights on the device."""
+finished, fails on replay; random inputs and NVFP4 weights on the device; the Triton modules
+imported when a test runs (never at collection, where there may be no GPU)."""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterable
+from types import ModuleType
 from typing import TypeVar
 
 import torch
 
 T = TypeVar("T")
 CUDA = torch.device("cuda")
+
+
+def randn(rng: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=rng, device=CUDA) * scale).to(dtype)
+
+
+def triton_module(module: str) -> ModuleType:
+    """``freetoken.kernels.triton.<module>``."""
+    return importlib.import_module(f"freetoken.kernels.triton.{module}")
 
 
 def capture_graph(launches: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:

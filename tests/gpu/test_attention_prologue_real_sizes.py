@@ -4,29 +4,23 @@ bounds as tests/gpu/test_kernels_real_sizes.py's."""
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
 from freetoken.kernels import attention_prologue as ref_prologue
 from freetoken.kernels.rotary import build_rotary_cache
+from gpu_checks import CUDA, randn, triton_module
 
 pytestmark = pytest.mark.gpu
 
 DTYPES = [torch.float32, torch.bfloat16]
 HQ, HKV, HEAD_DIM, ROTARY_DIM, PAGE = 16, 2, 256, 64, 16
-CUDA = torch.device("cuda")
-
-
-def randn(rng, *shape, dtype=torch.float32, scale=1.0):
-    return (torch.randn(*shape, generator=rng, device=CUDA) * scale).to(dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 8, 777])
 def test_norm_rotary_store_kv(rng, check, dtype, tokens):
-    kernel = importlib.import_module("freetoken.kernels.triton.attention_prologue").norm_rotary_store_kv
+    kernel = triton_module("attention_prologue").norm_rotary_store_kv
     packed = randn(rng, tokens, HQ * 2 * HEAD_DIM + 2 * HKV * HEAD_DIM, dtype=dtype)  # the qkv_proj output
     q = packed[:, : HQ * 2 * HEAD_DIM].view(tokens, HQ, 2 * HEAD_DIM)[..., :HEAD_DIM]
     k, v = packed[:, HQ * 2 * HEAD_DIM :].view(tokens, 2, HKV, HEAD_DIM).unbind(1)

@@ -20,6 +20,7 @@ from freetoken.kernels import moe_decode as ref_moe_decode
 from freetoken.kernels import norm as ref_norm
 from freetoken.kernels import rotary as ref_rotary
 from freetoken.kernels import sampling as ref_sampling
+from gpu_checks import CUDA, randn, triton_module
 
 pytestmark = pytest.mark.gpu
 
@@ -28,22 +29,11 @@ HIDDEN, HQ, HKV, HEAD_DIM, ROTARY_DIM = 2048, 16, 2, 256, 64
 HK, HV, DK, DV, CONV_K = 16, 32, 128, 128, 4
 EXPERTS, TOP_K, INTER = 256, 8, 512
 VOCAB = 248320
-CUDA = torch.device("cuda")
-
-
-def randn(rng, *shape, dtype=torch.float32, scale=1.0):
-    return (torch.randn(*shape, generator=rng, device=CUDA) * scale).to(dtype)
-
-
-def _triton(module: str):
-    import importlib
-
-    return importlib.import_module(f"freetoken.kernels.triton.{module}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_norms(rng, check, dtype):
-    norm = _triton("norm")
+    norm = triton_module("norm")
     x, res = randn(rng, 517, HIDDEN, dtype=dtype), randn(rng, 517, HIDDEN, dtype=dtype)
     w = randn(rng, HIDDEN, dtype=dtype, scale=0.2)
     check("rms_norm", norm.rms_norm(x, w, 1e-6, True), ref_norm.rms_norm_reference(x, w, 1e-6, True), dtype)
@@ -67,7 +57,7 @@ def test_rotary(rng, check, dtype):
     q = randn(rng, t, HQ, 2 * HEAD_DIM, dtype=dtype)[..., :HEAD_DIM]
     k = randn(rng, t, HKV, HEAD_DIM, dtype=dtype)
     positions = torch.randint(0, 32768, (t,), generator=rng, device=CUDA)
-    got = _triton("rotary").apply_rotary(q, k, positions, cache, ROTARY_DIM)
+    got = triton_module("rotary").apply_rotary(q, k, positions, cache, ROTARY_DIM)
     want = ref_rotary.apply_rotary_reference(q, k, positions, cache, ROTARY_DIM)
     check("rotary_q", got[0], want[0], dtype)
     check("rotary_k", got[1], want[1], dtype)
@@ -95,7 +85,7 @@ ATTENTION_CASES = {
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", list(ATTENTION_CASES))
 def test_paged_attention(rng, check, dtype, case):
-    attention = _triton("attention")
+    attention = triton_module("attention")
     context_lens, query_lens = ATTENTION_CASES[case]
     page_size = 16
     num_pages = sum(-(-c // page_size) for c in context_lens) + 8
@@ -123,7 +113,7 @@ def test_paged_attention(rng, check, dtype, case):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_causal_conv1d(rng, check, dtype):
-    conv1d = _triton("conv1d")
+    conv1d = triton_module("conv1d")
     channels = 2 * HK * DK + HV * DV
     lens = [1000, 3, 517]
     packed = randn(rng, sum(lens), channels + HV * DV + 2 * HV, dtype=dtype)
@@ -156,7 +146,7 @@ def _gdn_inputs(rng, dtype, tokens, slots):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gated_delta_rule(rng, check, dtype):
-    gdn = _triton("gated_delta_rule")
+    gdn = triton_module("gated_delta_rule")
     lens = [777, 1, 64, 300]
     q, k, v, g, beta, state = _gdn_inputs(rng, dtype, sum(lens), 80)
     slots = torch.tensor([3, 77, 40, 9], dtype=torch.int32, device=CUDA)
@@ -177,7 +167,7 @@ def test_gated_delta_rule(rng, check, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("batch", [1, 8, 64])
 def test_gated_delta_rule_decode_gated(rng, check, dtype, batch):
-    gdn = _triton("gdn_decode")
+    gdn = triton_module("gdn_decode")
     q, k, v, _, _, state = _gdn_inputs(rng, dtype, batch, 80)
     a, b = randn(rng, batch, HV, dtype=dtype), randn(rng, batch, HV, dtype=dtype)
     A_log, dt_bias = randn(rng, HV, dtype=dtype, scale=0.5), randn(rng, HV, dtype=dtype)
@@ -192,7 +182,7 @@ def test_gated_delta_rule_decode_gated(rng, check, dtype, batch):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 8])
 def test_sparse_moe_decode(rng, check, dtype, tokens):
-    moe_decode = _triton("moe_decode")
+    moe_decode = triton_module("moe_decode")
     x = randn(rng, tokens, HIDDEN, dtype=dtype)
     distinct = torch.stack([torch.randperm(EXPERTS, generator=rng, device=CUDA) for _ in range(tokens)])
     gate_logits = torch.cat([(distinct - 128) / 32.0, randn(rng, tokens, 1)], dim=1).to(dtype)
@@ -207,7 +197,7 @@ def test_sparse_moe_decode(rng, check, dtype, tokens):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_moe_routing_and_sort(rng, check, dtype):
-    moe = _triton("moe")
+    moe = triton_module("moe")
     t = 1000
     # Distinct logits in every row, exact in bf16 (torch.topk leaves the order of ties unspecified).
     distinct = torch.stack([torch.randperm(EXPERTS, generator=rng, device=CUDA) for _ in range(t)])
@@ -228,7 +218,7 @@ def test_moe_routing_and_sort(rng, check, dtype):
 def test_moe_sort_tokens_decode_sizes(rng, tokens):
     """The sort of the top-k kernel's ids (ties included: random bf16 logits tie) equals the
     reference's, also replayed from a graph."""
-    moe = _triton("moe")
+    moe = triton_module("moe")
     logits = randn(rng, tokens, EXPERTS + 1, dtype=torch.bfloat16)[:, :EXPERTS]
     _, ids = moe.moe_topk_softmax(logits, TOP_K, True)
     got = moe.moe_sort_tokens(ids, EXPERTS)
@@ -245,7 +235,7 @@ def test_moe_sort_tokens_decode_sizes(rng, tokens):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [64, 2048])
 def test_fused_experts(rng, check, dtype, tokens):
-    moe = _triton("moe")
+    moe = triton_module("moe")
     x = randn(rng, tokens, HIDDEN, dtype=dtype)
     w13 = randn(rng, EXPERTS, 2 * INTER, HIDDEN, dtype=dtype, scale=HIDDEN**-0.5)
     w2 = randn(rng, EXPERTS, HIDDEN, INTER, dtype=dtype, scale=INTER**-0.5)
@@ -266,7 +256,7 @@ def test_fused_experts(rng, check, dtype, tokens):
 def test_sample_tokens_full_vocabulary(rng):
     """Greedy, temperature, top-k, top-p, min-p and all together over Qwen's 248320 tokens: the same
     tokens as the reference. top-p / min-p sit between two candidates' values (see the CPU test)."""
-    sampling = _triton("sampling")
+    sampling = triton_module("sampling")
     batch, temperature_ = 8, 0.7
     logits = randn(rng, batch, VOCAB, scale=4.0)
     temperature = torch.full((batch,), temperature_, device=CUDA)

@@ -5,7 +5,6 @@ register cap (``PREFILL_MAX_REGISTERS``) and other tiles."""
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import replace
 
 import pytest
@@ -13,21 +12,13 @@ import torch
 
 from freetoken.kernels import attention as ref_attention
 from freetoken.kernels import moe as ref_moe
+from gpu_checks import CUDA, randn, triton_module
 
 pytestmark = pytest.mark.gpu
 
 DTYPES = [torch.float32, torch.bfloat16]
 HIDDEN, EXPERTS, TOP_K, INTER = 2048, 256, 8, 512
 HQ, HKV, PAGE = 16, 2, 16
-CUDA = torch.device("cuda")
-
-
-def randn(rng, *shape, dtype=torch.float32, scale=1.0):
-    return (torch.randn(*shape, generator=rng, device=CUDA) * scale).to(dtype)
-
-
-def _triton(module: str):
-    return importlib.import_module(f"freetoken.kernels.triton.{module}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -35,7 +26,7 @@ def _triton(module: str):
 def test_persistent_grouped_gemms(rng, check, monkeypatch, dtype, tma):
     """The routed experts and the shared expert as the first row tiles, 2048 tokens: two programs
     an SM at 128 registers (the table's form at T >= 8k)."""
-    moe = _triton("moe")
+    moe = triton_module("moe")
     tuned = moe.moe_gemm_config
     shape = dict(persistent=2, max_registers=128)
     monkeypatch.setattr(moe, "moe_gemm_config", lambda *a: replace(tuned(*a), **shape, tma=tma))
@@ -60,7 +51,7 @@ def test_persistent_grouped_gemms(rng, check, monkeypatch, dtype, tma):
 def test_attention_prefill(rng, check, monkeypatch, dtype, head_dim, tiles, registers):
     """Prefill chunks with cached prefixes and from an empty cache, a shuffled page table; the
     register cap (``PREFILL_MAX_REGISTERS``) at head_dim 128."""
-    attention = _triton("attention")
+    attention = triton_module("attention")
     monkeypatch.setattr(attention, "PREFILL_MAX_REGISTERS", registers)
     if tiles is not None and dtype != torch.float32:
         monkeypatch.setattr(attention, "_tile_sizes", lambda *a: tiles)

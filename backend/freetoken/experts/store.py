@@ -47,7 +47,6 @@ class _Passes:
     topk_ids: torch.Tensor
     groups: list[list[int]]  # the routed experts, per pass; the first one is being copied in
     routed: dict[int, int]  # expert -> tokens routed to it (``distinct_experts``)
-    settled: bool = False  # ``OffloadedExperts.after_launch`` ran
 
 
 def _host_param(*shape: int, pin: bool) -> nn.Parameter:
@@ -142,11 +141,9 @@ class OffloadedExperts(nn.Module):
         return passes
 
     def after_launch(self, routing: _Passes) -> None:
-        """The bookkeeping of ``prepare`` the layer's launch does not need, once: this layer passed
-        (after the stream's evictions, which so never skip this layer's running experts)."""
-        if routing.settled:
-            return
-        routing.settled = True
+        """The bookkeeping of ``prepare`` the layer's launch does not need: this layer passed (after
+        the stream's evictions, which so never skip this layer's running experts). Once a layer:
+        ``compute`` runs it after the one launch, ``prepare`` before the passes."""
         self.offload.passed(self.layer, routing.routed)
 
     def compute(self, x: torch.Tensor, topk_weights: torch.Tensor, routing: _Passes) -> torch.Tensor:
