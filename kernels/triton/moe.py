@@ -345,10 +345,41 @@ def _gate_up_block(
         w_up = tl.load(w_base + (inter + n)[:, None] * w_sn + k[None, :], mask=w_mask, other=0.0)
         acc_gate += dot(a, tl.trans(w_gate), PRECISION)
         acc_up += dot(a, tl.trans(w_up), PRECISION)
+    _gate_up_store(acc_gate, acc_up, h_ptr, h_rows, row_ok, n, inter)
+
+
+@device_function
+def _gate_up_store(acc_gate, acc_up, h_ptr, h_rows, row_ok, n, inter):
+    """``h[h_rows, n] = silu(gate) · up``, rounded as the reference rounds."""
     dtype = h_ptr.dtype.element_ty
     gate = round_as(acc_gate, dtype)
     h = round_as(gate * tl.sigmoid(gate), dtype) * round_as(acc_up, dtype)
-    tl.store(h_ptr + h_rows[:, None] * inter + n[None, :], cast(h, dtype), mask=row_ok[:, None] & n_ok[None, :])
+    tl.store(h_ptr + h_rows[:, None] * inter + n[None, :], cast(h, dtype), mask=row_ok[:, None] & (n < inter)[None, :])
+
+
+@device_function
+def _gate_up_block_tma(
+    x_ptr, x_st, token, row_ok, w_desc, w_row, h_ptr, h_rows, col_block, hidden, inter,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """``_gate_up_block`` with the weight rows read by TMA (``GemmConfig.tma``): gate rows from
+    ``w_row``, up rows from ``w_row + inter`` of a 2-D descriptor over ``[experts · 2I, H]``. Rows
+    past the block's own (the up rows, the next expert's gate rows) are read and never stored; past
+    the tensor's end and past ``hidden`` the descriptor reads zeros. ``x`` rows are gathered by
+    token through pointers (Hopper's TMA has no row gather)."""
+    n = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = (k < hidden) | EVEN_K
+        a = tl.load(x_ptr + token[:, None] * x_st + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_gate = w_desc.load([w_row, k0])
+        w_up = w_desc.load([w_row + inter, k0])
+        acc_gate += dot(a, tl.trans(w_gate), PRECISION)
+        acc_up += dot(a, tl.trans(w_up), PRECISION)
+    _gate_up_store(acc_gate, acc_up, h_ptr, h_rows, row_ok, n, inter)
 
 
 @device_function
@@ -359,22 +390,27 @@ def _gate_up_routed(
 ):
     expert, first, end = _tile_of(tile, offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
     if expert < num_experts:
-        _gate_up_rows(expert, first, end, col_block, x_ptr, x_st, w_ptr, w_se, w_sn, order_ptr, h_ptr, hidden, inter,
-                      TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
+        _gate_up_rows(expert, first, end, col_block, x_ptr, x_st, w_ptr, w_se, w_sn, None, order_ptr, h_ptr, hidden,
+                      inter, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, False)
 
 
 @device_function
 def _gate_up_rows(
-    expert, first, end, col_block, x_ptr, x_st, w_ptr, w_se, w_sn, order_ptr, h_ptr, hidden, inter,
+    expert, first, end, col_block, x_ptr, x_st, w_ptr, w_se, w_sn, w_desc, order_ptr, h_ptr, hidden, inter,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
-    """The routed tile of ``expert``'s sorted pairs ``[first, min(first + BLOCK_M, end))``."""
+    """The routed tile of ``expert``'s sorted pairs ``[first, min(first + BLOCK_M, end))``; ``TMA``:
+    its weight rows through ``w_desc`` (``_gate_up_block_tma``)."""
     rows = first + tl.arange(0, BLOCK_M)
     row_ok = rows < end
     token = tl.load(order_ptr + rows, mask=row_ok, other=0) // TOP_K
-    _gate_up_block(x_ptr, x_st, token, row_ok, w_ptr + expert.to(tl.int64) * w_se, w_sn, h_ptr, rows, col_block,
-                   hidden, inter, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
+    if TMA:
+        _gate_up_block_tma(x_ptr, x_st, token, row_ok, w_desc, expert * (2 * inter) + col_block * BLOCK_N, h_ptr,
+                           rows, col_block, hidden, inter, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
+    else:
+        _gate_up_block(x_ptr, x_st, token, row_ok, w_ptr + expert.to(tl.int64) * w_se, w_sn, h_ptr, rows, col_block,
+                       hidden, inter, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
 
 
 @triton.jit
@@ -509,12 +545,14 @@ def _down_kernel(
 def _gate_up_persistent_kernel(
     x_ptr, x_st, w_ptr, w_se, w_sn, order_ptr, offsets_ptr, h_ptr,
     hidden, inter, num_experts,
-    ws_ptr, ws_sn, num_tokens, num_pairs, shared_tiles,
+    ws_ptr, ws_sn, num_tokens, num_pairs, shared_tiles, w_desc, ws_desc,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    SHARED: tl.constexpr,
+    SHARED: tl.constexpr, TMA: tl.constexpr, HALF_TAIL: tl.constexpr,
 ):
-    """``_gate_up_kernel``'s tiles, a program looping over every ``num_programs``-th (GemmConfig.persistent)."""
+    """``_gate_up_kernel``'s tiles, a program looping over every ``num_programs``-th (GemmConfig.persistent);
+    ``TMA``: the weight rows through the descriptors; ``HALF_TAIL``: a routed tile of at most
+    ``BLOCK_M // 2`` pairs (an expert's last) as a ``BLOCK_M // 2``-row tile."""
     starts, ends, tiles_end, routed = _expert_tiles(offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
     row_tiles = routed + shared_tiles
     col_blocks = tl.cdiv(inter, BLOCK_N)
@@ -522,25 +560,36 @@ def _gate_up_persistent_kernel(
         tile, col_block = _group_index(work, row_tiles, col_blocks, GROUP_M)
         if SHARED and tile < shared_tiles:
             tokens = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-            _gate_up_block(x_ptr, x_st, tokens, tokens < num_tokens, ws_ptr, ws_sn, h_ptr, num_pairs + tokens,
-                           col_block, hidden, inter, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
+            if TMA:
+                _gate_up_block_tma(x_ptr, x_st, tokens, tokens < num_tokens, ws_desc, col_block * BLOCK_N, h_ptr,
+                                   num_pairs + tokens, col_block, hidden, inter, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+                                   PRECISION)
+            else:
+                _gate_up_block(x_ptr, x_st, tokens, tokens < num_tokens, ws_ptr, ws_sn, h_ptr, num_pairs + tokens,
+                               col_block, hidden, inter, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
         else:
             expert, first, end = _tile_in(tile - shared_tiles, starts, ends, tiles_end, BLOCK_M, BLOCK_E)
-            _gate_up_rows(expert, first, end, col_block, x_ptr, x_st, w_ptr, w_se, w_sn, order_ptr, h_ptr, hidden,
-                          inter, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
+            if HALF_TAIL and end - first <= BLOCK_M // 2:
+                _gate_up_rows(expert, first, end, col_block, x_ptr, x_st, w_ptr, w_se, w_sn, w_desc, order_ptr, h_ptr,
+                              hidden, inter, TOP_K, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA)
+            else:
+                _gate_up_rows(expert, first, end, col_block, x_ptr, x_st, w_ptr, w_se, w_sn, w_desc, order_ptr, h_ptr,
+                              hidden, inter, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA)
 
 
 @triton.jit
 def _down_persistent_kernel(
     h_ptr, w_ptr, w_se, w_sn, order_ptr, offsets_ptr, topk_w_ptr, y_ptr,
     hidden, inter, num_experts,
-    ws_ptr, ws_sn, gate_ptr, g_st, num_tokens, num_pairs, shared_tiles, h_desc, w_desc, ws_desc,
+    ws_ptr, ws_sn, gate_ptr, g_st, num_tokens, num_pairs, shared_tiles, h_desc, w_desc, ws_desc, h_half_desc,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    SHARED: tl.constexpr, TMA: tl.constexpr,
+    SHARED: tl.constexpr, TMA: tl.constexpr, HALF_TAIL: tl.constexpr,
 ):
     """``_down_kernel``'s tiles, a program looping over every ``num_programs``-th (GemmConfig.persistent);
-    ``TMA``: the operands through the descriptors (``_down_block_tma``), else through pointers."""
+    ``TMA``: the operands through the descriptors (``_down_block_tma``; ``h_half_desc``: ``h``'s of
+    ``BLOCK_M // 2`` rows), else through pointers; ``HALF_TAIL``: a routed tile of at most
+    ``BLOCK_M // 2`` pairs (an expert's last) as a ``BLOCK_M // 2``-row tile."""
     starts, ends, tiles_end, routed = _expert_tiles(offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
     row_tiles = routed + shared_tiles
     col_blocks = tl.cdiv(hidden, BLOCK_N)
@@ -559,16 +608,33 @@ def _down_persistent_kernel(
                             col_block, hidden, inter, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
         else:
             expert, first, end = _tile_in(tile - shared_tiles, starts, ends, tiles_end, BLOCK_M, BLOCK_E)
-            if TMA:
-                rows = first + tl.arange(0, BLOCK_M)
-                row_ok = rows < end
-                pair = tl.load(order_ptr + rows, mask=row_ok, other=0)
-                weight = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
-                _down_block_tma(h_desc, first, w_desc, expert * hidden + col_block * BLOCK_N, row_ok, weight, y_ptr,
-                                pair, col_block, hidden, inter, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+            if HALF_TAIL and end - first <= BLOCK_M // 2:
+                _down_routed_tile(expert, first, end, col_block, h_ptr, h_half_desc, w_ptr, w_se, w_sn, w_desc,
+                                  order_ptr, topk_w_ptr, y_ptr, hidden, inter, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K,
+                                  PRECISION, TMA)
             else:
-                _down_rows(expert, first, end, col_block, h_ptr, w_ptr, w_se, w_sn, order_ptr, topk_w_ptr, y_ptr,
-                           hidden, inter, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
+                _down_routed_tile(expert, first, end, col_block, h_ptr, h_desc, w_ptr, w_se, w_sn, w_desc, order_ptr,
+                                  topk_w_ptr, y_ptr, hidden, inter, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA)
+
+
+@device_function
+def _down_routed_tile(
+    expert, first, end, col_block, h_ptr, h_desc, w_ptr, w_se, w_sn, w_desc, order_ptr, topk_w_ptr, y_ptr, hidden,
+    inter, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr, TMA: tl.constexpr,
+):
+    """The persistent down GEMM's routed tile of ``expert``'s sorted pairs ``[first, min(first +
+    BLOCK_M, end))``: through the descriptors (``h_desc``'s block ``BLOCK_M`` rows) or pointers."""
+    if TMA:
+        rows = first + tl.arange(0, BLOCK_M)
+        row_ok = rows < end
+        pair = tl.load(order_ptr + rows, mask=row_ok, other=0)
+        weight = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
+        _down_block_tma(h_desc, first, w_desc, expert * hidden + col_block * BLOCK_N, row_ok, weight, y_ptr,
+                        pair, col_block, hidden, inter, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+    else:
+        _down_rows(expert, first, end, col_block, h_ptr, w_ptr, w_se, w_sn, order_ptr, topk_w_ptr, y_ptr,
+                   hidden, inter, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
 
 
 @triton.jit
@@ -644,13 +710,18 @@ def gate_up(
     ws = shared.gate_up if shared is not None else w13
     work = (tiles + shared_tiles) * triton.cdiv(inter, config.block_n)
     if config.persistent:
+        tma = config.tma and _tma_rows(w13, hidden)
+        descs = (
+            TensorDescriptor.from_tensor(w13.view(-1, hidden), [config.block_n, config.block_k]),
+            TensorDescriptor.from_tensor(ws.reshape(-1, hidden), [config.block_n, config.block_k]),
+        ) if tma else (None, None)
         _gate_up_persistent_kernel[(_persistent_programs(config, work, x.device),)](
             x, x.stride(0), w13, w13.stride(0), w13.stride(1), order, offsets, h,
             hidden, inter, num_experts,
-            ws, ws.stride(-2), x.shape[0], num_pairs, shared_tiles,
+            ws, ws.stride(-2), x.shape[0], num_pairs, shared_tiles, *descs,
             TOP_K=top_k, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             GROUP_M=config.group_m, BLOCK_E=pow2(num_experts), EVEN_K=hidden % config.block_k == 0,
-            PRECISION=dot_precision(x.dtype), SHARED=shared is not None,
+            PRECISION=dot_precision(x.dtype), SHARED=shared is not None, TMA=tma, HALF_TAIL=config.half_tail,
             num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.max_registers or None,
         )
         return
@@ -685,14 +756,15 @@ def down(
             TensorDescriptor.from_tensor(h, [config.block_m, config.block_k]),
             TensorDescriptor.from_tensor(w2.view(-1, inter), [config.block_n, config.block_k]),
             TensorDescriptor.from_tensor(ws.reshape(-1, inter), [config.block_n, config.block_k]),
-        ) if tma else (None, None, None)
+            TensorDescriptor.from_tensor(h, [config.block_m // 2, config.block_k]) if config.half_tail else None,
+        ) if tma else (None, None, None, None)
         _down_persistent_kernel[(_persistent_programs(config, work, h.device),)](
             h, w2, w2.stride(0), w2.stride(1), order, offsets, topk_weights, y,
             hidden, inter, num_experts,
             ws, ws.stride(-2), gate, gate.stride(0), num_tokens, num_pairs, shared_tiles, *descs,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             GROUP_M=config.group_m, BLOCK_E=pow2(num_experts), EVEN_K=inter % config.block_k == 0,
-            PRECISION=dot_precision(h.dtype), SHARED=shared is not None, TMA=tma,
+            PRECISION=dot_precision(h.dtype), SHARED=shared is not None, TMA=tma, HALF_TAIL=config.half_tail,
             num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.max_registers or None,
         )
         return

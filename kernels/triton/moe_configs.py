@@ -35,17 +35,26 @@ class GemmConfig:
     num_stages: int
     _: KW_ONLY  # the persistent launches' fields, by keyword (subclasses add positional fields)
     persistent: int = 0
-    tma: bool = False  # persistent down GEMM only: its operands read by TMA (moe._down_block_tma)
+    # Persistent launches: operands read by TMA, the down GEMM's ``h`` rows and weight rows
+    # (``moe._down_block_tma``), the gate/up GEMM's weight rows (its ``x`` rows are gathered by
+    # token: pointer loads; ``moe._gate_up_block_tma``).
+    tma: bool = False
     # The persistent launches' register cap (ptxas .maxnreg; 0: the compiler's choice). 128 fits two
     # 8-warp programs an SM: the 128 x 128 x 64 down GEMM compiles there without spills.
     max_registers: int = 0
+    # Persistent launches: an expert's last row tile holding at most ``block_m // 2`` pairs runs as
+    # a ``block_m // 2``-row tile (half the MMA work and half its ``h`` / ``x`` rows). At ~256
+    # pairs an expert (T=8192, uniform routing) 128-row tiles number ~642 against 512 full ones, and
+    # half of the partial ones hold at most 64 pairs.
+    half_tail: bool = False
 
     def __post_init__(self) -> None:
-        if (self.tma or self.max_registers) and not self.persistent:
+        if (self.tma or self.max_registers or self.half_tail) and not self.persistent:
             raise ValueError(
-                f"GemmConfig.tma / max_registers need persistent > 0, got persistent={self.persistent}, "
-                f"tma={self.tma}, max_registers={self.max_registers}"
+                f"GemmConfig.tma / max_registers / half_tail need persistent > 0, got {self}"
             )
+        if self.half_tail and self.block_m < 32:
+            raise ValueError(f"GemmConfig.half_tail needs block_m >= 32 (a dot takes 16 rows or more), got {self}")
 
 
 C = GemmConfig

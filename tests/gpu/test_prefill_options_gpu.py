@@ -1,7 +1,7 @@
 """Issue 10's prefill kernel options (chosen by benchmarks/prefill_sweep.py) against the torch
-references at the model's sizes: the persistent grouped GEMMs and the down GEMM's TMA operands
-(``GemmConfig.persistent``, ``tma``), the attention prefill at head_dim 256 and 128 with the
-register cap (``PREFILL_MAX_REGISTERS``) and other tiles."""
+references at the model's sizes: the persistent grouped GEMMs, their TMA operands, half-size tail
+tiles and 256-wide tiles (``GemmConfig.persistent``, ``tma``, ``half_tail``), the attention prefill
+at head_dim 256 and 128 with the register cap (``PREFILL_MAX_REGISTERS``) and other tiles."""
 
 from __future__ import annotations
 
@@ -21,15 +21,37 @@ HIDDEN, EXPERTS, TOP_K, INTER = 2048, 256, 8, 512
 HQ, HKV, PAGE = 16, 2, 16
 
 
+# The T=8192 configurations' options (benchmarks/prefill_sweep.py's): TMA operands, the half-size
+# tail tile, and the 256-wide output tile at one program an SM (bf16 only: float32 tiles are narrowed)
+OPTIONS = {
+    "pointers": dict(tma=False),
+    "tma": dict(tma=True),
+    "half_tail": dict(tma=False, half_tail=True),
+    "tma_half_tail": dict(tma=True, half_tail=True),
+    "wide_tma_half_tail": dict(tma=True, half_tail=True, persistent=1, max_registers=0, wide=True),
+}
+
+
+def _option_config(config, gemm: str, option: dict):
+    option = dict(option)
+    if option.pop("wide", False):
+        option["block_n"] = 2 * config.block_n if gemm == "gate_up" else 256
+    return replace(config, **{"persistent": 2, "max_registers": 128, **option})
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tma", [False, True])
-def test_persistent_grouped_gemms(rng, check, monkeypatch, dtype, tma):
-    """The routed experts and the shared expert as the first row tiles, 2048 tokens: two programs
-    an SM at 128 registers (the table's form at T >= 8k)."""
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_persistent_grouped_gemms(rng, check, monkeypatch, dtype, option):
+    """The routed experts and the shared expert as the first row tiles, 2048 tokens, in the T=8192
+    bucket's tiles (128-row tiles of ~64 pairs an expert: every expert's tile partial, about half of
+    them half tiles under ``half_tail``), two programs an SM at 128 registers (the table's form at
+    T >= 8k), with each option."""
+    if option.startswith("wide") and dtype == torch.float32:
+        pytest.skip("float32 tiles are narrowed: the wide tile is a bf16 option")
     moe = triton_module("moe")
     tuned = moe.moe_gemm_config
-    shape = dict(persistent=2, max_registers=128)
-    monkeypatch.setattr(moe, "moe_gemm_config", lambda *a: replace(tuned(*a), **shape, tma=tma))
+    monkeypatch.setattr(moe, "moe_gemm_config", lambda gemm, dtype, pairs, *a: _option_config(
+        tuned(gemm, dtype, 8192 * TOP_K, *a), gemm, OPTIONS[option]))
     tokens = 2048
     x = randn(rng, tokens, HIDDEN, dtype=dtype)
     w13 = randn(rng, EXPERTS, 2 * INTER, HIDDEN, dtype=dtype, scale=HIDDEN**-0.5)
@@ -41,8 +63,8 @@ def test_persistent_grouped_gemms(rng, check, monkeypatch, dtype, tma):
     args = (x, w13, w2, weights, ids, shared_w13, shared_w2, logits[:, EXPERTS:])
     pairs, gated = moe.fused_experts_shared_pairs(*args)
     want_pairs, want_gated = ref_moe.fused_experts_shared_pairs_reference(*args)
-    check(f"persistent_pairs_{tma}", pairs, want_pairs, dtype)
-    check(f"persistent_shared_{tma}", gated, want_gated, dtype)
+    check(f"persistent_pairs_{option}", pairs, want_pairs, dtype)
+    check(f"persistent_shared_{option}", gated, want_gated, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

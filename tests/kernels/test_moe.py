@@ -102,8 +102,8 @@ def test_fused_experts(rng, dtype, tokens):
     assert_close(got, ref.fused_experts_reference(x, w13, w2, weights, ids))
 
 
-# one program per tile; 3 programs looping over the tiles (with a register cap or not), the down
-# GEMM's operands through pointers or TMA
+# one program per tile; 3 programs looping over the tiles (with a register cap or not), the
+# operands through pointers or TMA (the down GEMM's both, the gate/up GEMM's weight rows)
 @pytest.mark.parametrize("persistent,tma,max_registers", [(0, False, 0), (3, False, 0), (3, True, 0), (3, True, 128)])
 @pytest.mark.parametrize("hidden,block_k", [(72, 32), (64, 32)])  # a partial and no partial column tile
 def test_fused_experts_grouped_tiles(rng, monkeypatch, hidden, block_k, persistent, tma, max_registers):
@@ -121,6 +121,33 @@ def test_fused_experts_grouped_tiles(rng, monkeypatch, hidden, block_k, persiste
     w2 = (torch.randn(e, hidden, inter, generator=rng) * inter**-0.5).to(DEVICE)
     weights, ids = ref.moe_topk_softmax_reference(torch.randn(tokens, e, generator=rng).to(DEVICE), k, True)
     assert_close(moe.fused_experts(x, w13, w2, weights, ids), ref.fused_experts_reference(x, w13, w2, weights, ids))
+
+
+@pytest.mark.parametrize("tma", [False, True])
+def test_fused_experts_half_tail(rng, monkeypatch, tma):
+    """``GemmConfig.half_tail`` at 32-row tiles: experts of 0, 16 (a half tile), 17 (a full one),
+    33 and 34 pairs (a full tile, then a half tile of 1 and 2 pairs), 50 tokens in shuffled order."""
+    from freetoken.kernels.triton.moe_configs import GemmConfig
+
+    moe = _triton()
+    config = GemmConfig(block_m=32, block_n=32, block_k=32, group_m=3, num_warps=4, num_stages=1,
+                        persistent=3, tma=tma, half_tail=True)
+    monkeypatch.setattr(moe, "moe_gemm_config", lambda *args: config)
+    e, k, tokens, hidden, inter = 5, 2, 50, 72, 48
+    flat = torch.tensor([1] * 16 + [2] * 17 + [3] * 33 + [4] * 34, dtype=torch.int32)
+    ids = torch.stack([flat[:tokens], flat[tokens:]], 1)[torch.randperm(tokens, generator=rng)].to(DEVICE)
+    x = torch.randn(tokens, hidden, generator=rng).to(DEVICE)
+    w13, w2 = _experts(rng, torch.float32, e, hidden, inter)
+    weights = torch.softmax(torch.randn(tokens, k, generator=rng), -1).to(DEVICE)
+    got = moe.fused_experts_pairs(x, w13, w2, weights, ids)
+    assert_close(got, ref.fused_experts_pairs_reference(x, w13, w2, weights, ids))
+
+
+def test_gemm_config_half_tail_needs_32_rows():
+    from freetoken.kernels.triton.moe_configs import GemmConfig
+
+    with pytest.raises(ValueError, match="block_m >= 32"):
+        GemmConfig(16, 64, 64, 8, 4, 3, persistent=2, half_tail=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -166,8 +193,8 @@ def test_fused_experts_pairs(rng, dtype, tokens):
 def test_fused_experts_shared_pairs(rng, monkeypatch, dtype, tokens, block_m, persistent, tma):
     """The shared expert as the grouped GEMMs' first row tiles: the same pairs, and its gated output
     (gate logits a strided column of the router GEMM's output, as the layer passes them); one
-    partial shared tile, several, and several in the persistent loop (the down GEMM's operands
-    through pointers or TMA)."""
+    partial shared tile, several, and several in the persistent loop (the operands through
+    pointers or TMA: the shared weights by descriptors of their own)."""
     from freetoken.kernels.triton.moe_configs import GemmConfig
 
     moe = _triton()
