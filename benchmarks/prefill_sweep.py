@@ -5,8 +5,10 @@ entries to apply (one call, ~1 min with cold Triton caches):
 
 - MoE grouped GEMMs at T=8192 (256 experts of 2048 x 512, top-8; target 450 TFLOP/s each): the
   table's tiles against persistent launches (``GemmConfig.persistent``: two programs an SM at 128
-  registers) and, for down, TMA operands (``tma``); prints the ``TUNED`` bucket to paste into
-  ``moe_configs.py``.
+  registers), TMA operands (``tma``), the half-size tail tile (``half_tail``) and 256-wide output
+  tiles at one program an SM (``moe_candidates``); prints the ``TUNED`` bucket to paste into
+  ``moe_configs.py``. Then the next norm's pass over the down GEMM's output
+  (``moe_combine_add_rms_norm``), the rest of the layer's MoE time at prefill.
 - Attention prefill at 8k tokens, head_dim 128 (target 350 TFLOP/s) and 256: the default tiles,
   capped at 128 registers (two programs an SM, ``PREFILL_MAX_REGISTERS``), and at 128-key tiles.
 
@@ -33,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_prefill import HKV, HQ, attention_flops, attention_inputs, rel_diff  # noqa: E402
 
 from freetoken.kernels.triton import attention, moe  # noqa: E402
-from freetoken.kernels.triton.moe_configs import config_source, moe_gemm_config  # noqa: E402
+from freetoken.kernels.triton.moe_configs import GemmConfig, config_source, moe_gemm_config  # noqa: E402
 
 CUDA = torch.device("cuda")
 BF16 = torch.bfloat16
@@ -77,6 +79,20 @@ def compare(case: str, flops: int, variants: dict, run, output) -> tuple[str, fl
     return best
 
 
+def moe_candidates(gemm: str, table: GemmConfig) -> list[GemmConfig]:
+    """The table's tiles and the options against them: TMA operands (the down GEMM's ``h`` and
+    weight rows; the gate/up GEMM's weight rows), the half-size tail tile (``half_tail``), and a
+    256-wide output tile (gate/up: 128 gate + 128 up columns; down: 256) at one program an SM (its
+    128 x 256 float32 accumulator takes 128 registers a thread of 8 warps)."""
+    two = replace(table, persistent=2, max_registers=128)  # two programs an SM, 128 registers
+    wide = replace(table, block_n=2 * table.block_n if gemm == "gate_up" else 256, persistent=1, max_registers=0)
+    configs = [table, two]
+    for base in (replace(two, tma=True), replace(wide, tma=True)):
+        configs += [base, replace(base, half_tail=True)]
+    configs += [replace(two, half_tail=True), replace(wide, tma=True, num_stages=4)]  # 4 stages: 192 KB
+    return list(dict.fromkeys(configs))  # the table's may be one of them
+
+
 def moe_sweep(tokens: int = 8192) -> list[str]:
     experts, top_k, hidden, inter = 256, 8, 2048, 512
     gen = torch.Generator(device=CUDA).manual_seed(0)
@@ -92,10 +108,7 @@ def moe_sweep(tokens: int = 8192) -> list[str]:
     entries = []
     for gemm in ("gate_up", "down"):
         table = moe_gemm_config(gemm, BF16, pairs, experts, hidden, inter)
-        two = dict(persistent=2, max_registers=128)  # two programs an SM, 128 registers
-        configs = [table, replace(table, **two)]
-        if gemm == "down":
-            configs.append(replace(table, **two, tma=True))
+        configs = moe_candidates(gemm, table)
         launch = {
             "gate_up": lambda c: moe.gate_up(x, w13, order, offsets, h_out, top_k, c),
             "down": lambda c: moe.down(h, w2, order, offsets, weights, y, c),
@@ -118,7 +131,24 @@ def moe_sweep(tokens: int = 8192) -> list[str]:
                            f'(float("inf"), {best[0].removeprefix("table ")}),  # T={tokens}: {best[1]:.0f} us, '
                            f'{flops / best[1] / 1e6:.0f} TFLOP/s')
         torch.cuda.empty_cache()
+    combine_row(tokens, top_k, hidden, y.view(tokens, top_k, hidden))
     return entries
+
+
+def combine_row(tokens: int, top_k: int, hidden: int, pairs: torch.Tensor) -> None:
+    """The rest of the layer's MoE output at prefill (``layers.moe.COMBINE_IN_NEXT_NORM``): the next
+    norm sums the down GEMM's ``[T, k, H]`` pair outputs (``moe_combine_add_rms_norm``; not
+    ``sum_choices``, which only the unpartitioned ``fused_experts`` runs), one more pass over them."""
+    gen = torch.Generator(device=CUDA).manual_seed(1)
+    shared = torch.randn(tokens, hidden, dtype=BF16, device=CUDA, generator=gen)
+    residual = torch.randn(tokens, hidden, dtype=BF16, device=CUDA, generator=gen)
+    gate = torch.randn(tokens, 1, dtype=BF16, device=CUDA, generator=gen)
+    weight = torch.randn(hidden, dtype=BF16, device=CUDA, generator=gen)
+    us = median_us(lambda: moe.moe_combine_add_rms_norm(pairs, shared, gate, residual, weight, 1e-6, True))
+    moved = (pairs.numel() + 4 * shared.numel()) * pairs.element_size()  # pairs, shared, residual, 2 outputs
+    print(f"| MoE combine + norm T={tokens} (reads the pairs) | moe_combine_add_rms_norm | {us:.1f} | "
+          f"{moved / us / 1e6:.2f} TB/s | |", flush=True)
+    torch.cuda.empty_cache()
 
 
 def attention_sweep(length: int = 8192) -> list[str]:

@@ -1,6 +1,7 @@
 """Sweep the MoE grouped-GEMM tile configurations on one GPU and print the table for
 ``kernels/triton/moe_configs.py`` (``TUNED``), with each shape's best time and TFLOP/s.
-The best tile and the table's are also tried as persistent launches (``GemmConfig.persistent``).
+The best tile and the table's are also tried as persistent launches (``GemmConfig.persistent``,
+with TMA operands and the half-size tail tile or not).
 
     python benchmarks/tune_moe.py [--tokens 1024 2048 4096 8192 16384] [--experts 256 --top-k 8
                                   --hidden 2048 --inter 512] [--quick]
@@ -50,12 +51,15 @@ def refine(best: GemmConfig) -> list[GemmConfig]:
     return [replace(best, group_m=g) for g in (1, 4, 16, 32)] + [replace(best, num_stages=s) for s in (2, 5)]
 
 
-def persistent(gemm: str, configs: list[GemmConfig]) -> list[GemmConfig]:
+def persistent(configs: list[GemmConfig]) -> list[GemmConfig]:
     """The persistent launches of these tiles (``GemmConfig.persistent``): two programs an SM
-    capped at 128 registers (no spills at the table's 128-row tiles on sm_90); the down GEMM's also
-    with its operands through TMA."""
-    tma = (False, True) if gemm == "down" else (False,)
-    return [replace(c, persistent=2, max_registers=128, tma=t) for c in configs if not c.persistent for t in tma]
+    capped at 128 registers (no spills at the table's 128-row tiles on sm_90), with and without TMA
+    operands and the half-size tail tile (``half_tail``, from 32-row tiles)."""
+    out = [
+        replace(c, persistent=2, max_registers=128, tma=t, half_tail=half)
+        for c in configs for t in (False, True) for half in (False, True) if c.block_m >= 32 or not half
+    ]
+    return [c for c in dict.fromkeys(out) if c not in configs]  # the table's may be persistent already
 
 
 def median_us(fn) -> float:
@@ -94,7 +98,7 @@ def tune(tokens: int, args) -> dict[str, tuple[GemmConfig, float, float]]:
         measure(candidates(gemm, pairs / args.experts, args.quick) + [current])
         if not args.quick:
             measure(refine(results[0][1]))
-        measure(persistent(gemm, list(dict.fromkeys([results[0][1], current]))))
+        measure(persistent(list(dict.fromkeys([results[0][1], current]))))
         us, config = results[0]
         now = next(t for t, c in results if c == current)
         print(f"T={tokens} {gemm}: best {us:.1f} us ({flops[gemm] / us / 1e6:.0f} TFLOP/s) {config}; "
