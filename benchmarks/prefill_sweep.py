@@ -1,7 +1,7 @@
 """Issue 10's kernel sub-targets on one GPU, each option against today's default, and the table
 entries to apply (one call, ~1 min with cold Triton caches):
 
-    python3 benchmarks/prefill_sweep.py [--only moe attention]
+    python3 benchmarks/prefill_sweep.py [--only moe attention] [--gemm gate_up down]
 
 - MoE grouped GEMMs at T=8192 (256 experts of 2048 x 512, top-8; target 450 TFLOP/s each): the
   table's tiles against persistent launches (``GemmConfig.persistent``: two programs an SM at 128
@@ -80,20 +80,28 @@ def compare(case: str, flops: int, variants: dict, run, output) -> tuple[str, fl
 
 
 def moe_candidates(gemm: str, table: GemmConfig) -> list[GemmConfig]:
-    """The table's tiles and the options against them: TMA operands (the down GEMM's ``h`` and
-    weight rows; the gate/up GEMM's weight rows), the half-size tail tile (``half_tail``), and a
-    256-wide output tile (gate/up: 128 gate + 128 up columns; down: 256) at one program an SM (its
-    128 x 256 float32 accumulator takes 128 registers a thread of 8 warps)."""
-    two = replace(table, persistent=2, max_registers=128)  # two programs an SM, 128 registers
-    wide = replace(table, block_n=2 * table.block_n if gemm == "gate_up" else 256, persistent=1, max_registers=0)
+    """The table's tiles and the options against them (each compiles without spills on sm_90 unless
+    noted): TMA operands (the down GEMM's ``h`` and weight rows; the gate/up GEMM's weight rows), the
+    half-size tail tile (``half_tail``); two 4-warp programs an SM, each a whole 128-row tile in
+    one warp group (the other program's MMA runs under one's epilogue, as CUTLASS's ping-pong
+    schedule), for the down GEMM also three at 2 stages and 168 registers; and a 256-wide output
+    tile (gate/up: 128 gate + 128 up columns; down: 256) at one 8-warp program an SM (its 128 x 256
+    float32 accumulator takes 128 registers a thread), 3 and 4 stages."""
+    two = replace(table, persistent=2, max_registers=128)  # two 8-warp programs an SM, 128 registers
+    pingpong = replace(two, num_warps=4, max_registers=0, tma=True)
+    wide = replace(table, block_n=2 * table.block_n if gemm == "gate_up" else 256, persistent=1, max_registers=0,
+                   tma=True)
     configs = [table, two]
-    for base in (replace(two, tma=True), replace(wide, tma=True)):
+    for base in (replace(two, tma=True), pingpong, wide):
         configs += [base, replace(base, half_tail=True)]
-    configs += [replace(two, half_tail=True), replace(wide, tma=True, num_stages=4)]  # 4 stages: 192 KB
+    configs += [replace(two, half_tail=True), replace(wide, num_stages=4)]  # 4 stages: 192 KB
+    if gemm == "down":  # gate/up's spills at 168 registers
+        three = replace(pingpong, persistent=3, num_stages=2, max_registers=168)
+        configs += [three, replace(three, half_tail=True)]  # half_tail: 24 bytes of spills
     return list(dict.fromkeys(configs))  # the table's may be one of them
 
 
-def moe_sweep(tokens: int = 8192) -> list[str]:
+def moe_sweep(tokens: int = 8192, gemms: tuple[str, ...] = ("gate_up", "down")) -> list[str]:
     experts, top_k, hidden, inter = 256, 8, 2048, 512
     gen = torch.Generator(device=CUDA).manual_seed(0)
     x = torch.randn(tokens, hidden, dtype=BF16, device=CUDA, generator=gen)
@@ -106,7 +114,7 @@ def moe_sweep(tokens: int = 8192) -> list[str]:
     h = torch.randn(pairs, inter, dtype=BF16, device=CUDA, generator=gen)
     h_out, y = torch.empty_like(h), torch.empty(pairs, hidden, dtype=BF16, device=CUDA)
     entries = []
-    for gemm in ("gate_up", "down"):
+    for gemm in gemms:
         table = moe_gemm_config(gemm, BF16, pairs, experts, hidden, inter)
         configs = moe_candidates(gemm, table)
         launch = {
@@ -131,7 +139,8 @@ def moe_sweep(tokens: int = 8192) -> list[str]:
                            f'(float("inf"), {best[0].removeprefix("table ")}),  # T={tokens}: {best[1]:.0f} us, '
                            f'{flops / best[1] / 1e6:.0f} TFLOP/s')
         torch.cuda.empty_cache()
-    combine_row(tokens, top_k, hidden, y.view(tokens, top_k, hidden))
+    if "down" in gemms:
+        combine_row(tokens, top_k, hidden, y.view(tokens, top_k, hidden))
     return entries
 
 
@@ -187,12 +196,14 @@ SWEEPS = {"moe": moe_sweep, "attention": attention_sweep}
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", nargs="+", choices=list(SWEEPS), default=list(SWEEPS))
+    parser.add_argument("--gemm", nargs="+", choices=["gate_up", "down"], default=["gate_up", "down"],
+                        help="the MoE GEMMs to sweep (one each keeps a call under ~90 s with cold caches)")
     args = parser.parse_args()
     print("| case | variant | us | TFLOP/s | rel. diff to default |")
     print("|---|---|---:|---:|---:|")
     entries = []
     for name in args.only:
-        entries += SWEEPS[name]()
+        entries += SWEEPS[name](gemms=tuple(args.gemm)) if name == "moe" else SWEEPS[name]()
     print("\n# to apply (only where the best is not the default):")
     for line in entries:
         print(line)

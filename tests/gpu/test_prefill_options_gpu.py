@@ -21,13 +21,17 @@ HIDDEN, EXPERTS, TOP_K, INTER = 2048, 256, 8, 512
 HQ, HKV, PAGE = 16, 2, 16
 
 
-# The T=8192 configurations' options (benchmarks/prefill_sweep.py's): TMA operands, the half-size
-# tail tile, and the 256-wide output tile at one program an SM (bf16 only: float32 tiles are narrowed)
+# The T=8192 configurations' options (benchmarks/prefill_sweep.py's moe_candidates): TMA operands,
+# the half-size tail tile, two or three 4-warp programs an SM, and the 256-wide output tile at one
+# program an SM (bf16 only: float32 tiles are narrowed)
 OPTIONS = {
     "pointers": dict(tma=False),
     "tma": dict(tma=True),
     "half_tail": dict(tma=False, half_tail=True),
     "tma_half_tail": dict(tma=True, half_tail=True),
+    "pingpong_tma_half_tail": dict(tma=True, half_tail=True, num_warps=4, max_registers=0),
+    "three_tma_half_tail": dict(tma=True, half_tail=True, num_warps=4, persistent=3, num_stages=2,
+                                max_registers=168),
     "wide_tma_half_tail": dict(tma=True, half_tail=True, persistent=1, max_registers=0, wide=True),
 }
 
