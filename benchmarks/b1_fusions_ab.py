@@ -1,10 +1,17 @@
-"""``freetoken bench`` with some of issue 9's batch-1 folds switched off, for an A/B in one call:
+"""``freetoken bench`` with some of issue 9's batch-1 switches turned off or on, for an A/B in one call:
 
     python benchmarks/b1_fusions_ab.py --off route conv gated greedy -- --preset qwen3.6-35b-a3b \\
         --batch-sizes 1 --max-running-requests 1 --input-len 1024 --output-len 32 --profile-steps 0
+    python benchmarks/b1_fusions_ab.py --on out_proj router_w shared next_input prefetch_down -- ...
 
-``--off`` names the folds to turn off (none: the defaults, all on); everything after ``--`` goes to
-``freetoken bench`` unchanged.
+``--off`` / ``--on`` name the switches to set False / True (none: the defaults); everything after
+``--`` goes to ``freetoken bench`` unchanged. The folds (``route``, ``conv``, ``gated``,
+``decode_norm``, ``greedy``); the L2 prefetch sites (``out_proj``, ``router_w``, ``shared``: after
+the mixer's input projection, and ``next_input``: the next layer's input projection's head after the
+router, ``layers.weight_prefetch``; ``prefetch_down``: the down rows from the
+gate/up launch, ``kernels.triton.moe_decode``), how the site launch is queued (``chained``: in the
+PDL chain; default a side stream) and how a lane prefetches (``--off bulk``: a line prefetch a
+128-byte line instead of one bulk prefetch).
 """
 
 from __future__ import annotations
@@ -13,13 +20,20 @@ import argparse
 import importlib
 import sys
 
-# fold -> (module, its switch)
-FOLDS = {
+# name -> (module, its switch)
+SWITCHES = {
     "route": ("freetoken.layers.moe", "FUSED_ROUTE"),
     "conv": ("freetoken.layers.gated_deltanet", "FUSED_CONV"),
     "gated": ("freetoken.layers.gated_deltanet", "FUSED_OUTPUT_NORM"),
     "decode_norm": ("freetoken.layers.gated_deltanet", "FUSED_DECODE_NORM"),
     "greedy": ("freetoken.engine.sample", "FUSED_GREEDY"),
+    "out_proj": ("freetoken.layers.weight_prefetch", "OUT_PROJ"),
+    "router_w": ("freetoken.layers.weight_prefetch", "ROUTER"),
+    "shared": ("freetoken.layers.weight_prefetch", "SHARED"),
+    "next_input": ("freetoken.layers.weight_prefetch", "NEXT_INPUT"),
+    "chained": ("freetoken.layers.weight_prefetch", "CHAINED"),
+    "prefetch_down": ("freetoken.kernels.triton.moe_decode", "PREFETCH_DOWN"),
+    "bulk": ("freetoken.kernels.triton.l2_prefetch", "BULK"),
 }
 
 
@@ -27,12 +41,14 @@ def main() -> int:
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--off", nargs="*", default=[], choices=list(FOLDS))
+    parser.add_argument("--off", nargs="*", default=[], choices=list(SWITCHES))
+    parser.add_argument("--on", nargs="*", default=[], choices=list(SWITCHES))
     args = parser.parse_args(argv[:split])
-    for fold in args.off:
-        module, switch = FOLDS[fold]
-        setattr(importlib.import_module(module), switch, False)
-    print(f"folds off: {', '.join(args.off) or 'none'}", flush=True)
+    for names, value in ((args.off, False), (args.on, True)):
+        for name in names:
+            module, switch = SWITCHES[name]
+            setattr(importlib.import_module(module), switch, value)
+    print(f"off: {', '.join(args.off) or 'none'}; on: {', '.join(args.on) or 'none'}", flush=True)
     from freetoken.cli import main as cli
 
     return cli(["bench", *argv[split + 1 :]])

@@ -7,7 +7,7 @@ tokens is the view of the first ``B`` rows / ``T`` tokens, so a CUDA graph captu
 
 The host builds a step's inputs with numpy and packs what the step uses of each, back to back, in
 a pinned staging buffer; one host->device copy moves those bytes (a few KB for a decode step) to a
-device landing buffer, and one ``_foreach_copy_`` puts each array in its persistent buffer. Two
+device landing buffer, and one ``_foreach_copy_`` per dtype puts each array in its persistent buffer. Two
 staging buffers alternate, so the CPU writes step N+1's while step N's copy may still be pending;
 an event says when a staging buffer may be written again.
 
@@ -195,12 +195,16 @@ class StepBuffers:
         landed = self._copy_in(arrays)
         inputs = self.inputs
         persistent = [name for name in inputs if name in landed]
-        torch._foreach_copy_([inputs[n][: landed[n].numel()] for n in persistent], [landed[n] for n in persistent])
+        copy_by_dtype([inputs[n][: landed[n].numel()] for n in persistent], [landed[n] for n in persistent])
         if "page_index" in landed:
             self.page_table.view(-1).index_copy_(0, landed["page_index"], landed["page_values"])
         if from_pool:
             ids = inputs["input_ids"][:num_decodes]
-            ids.copy_(torch.where(ids < 0, last_tokens[inputs["state_slots"][:num_decodes]], ids))
+            slots_of = inputs["state_slots"][:num_decodes]
+            if all(row.token_ids is None for row in rows[:num_decodes]):  # every decode token from the pool
+                torch.index_select(last_tokens, 0, slots_of, out=ids)
+            else:
+                ids.copy_(torch.where(ids < 0, last_tokens[slots_of], ids))
         torch.index_select(self.page_table, 0, inputs["state_slots"][:total_rows], out=self.page_rows[:total_rows])
         num_logits = len(logits_rows)
         max_seq_len = None if pad_to is not None else int((computed + new).max())
@@ -261,6 +265,19 @@ class StepBuffers:
             self._staging_free[index] = event
         self._next = 1 - index
         return {name: self._landing[o : o + n * d.itemsize].view(d) for name, (o, n, d) in offsets.items()}
+
+
+def copy_by_dtype(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for every pair, one ``_foreach_copy_`` per dtype: a list of one
+    dtype takes the fused multi-tensor launch on CUDA, a mixed list falls back to one copy a tensor
+    (eight device-to-device copies a decode step, where two launches do)."""
+    groups: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for d, s in zip(dst, src, strict=True):
+        group = groups.setdefault(d.dtype, ([], []))
+        group[0].append(d)
+        group[1].append(s)
+    for d, s in groups.values():
+        torch._foreach_copy_(d, s)
 
 
 def split_decodes(batch: ForwardBatch, num_decode_logits: int) -> tuple[ForwardBatch, ForwardBatch]:

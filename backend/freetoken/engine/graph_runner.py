@@ -18,6 +18,7 @@ import time
 import torch
 
 from freetoken.batch import ForwardBatch
+from freetoken.engine.buffers import copy_by_dtype
 from freetoken.models.base import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -90,15 +91,18 @@ class DecodeGraphRunner:
         )
 
     def load(self, batch: ForwardBatch, size: int) -> None:
-        """Copy the step's ``n`` requests into rows ``[0, n)``; rows ``[n, size)`` become padding."""
-        n = batch.num_requests
-        self.input_ids[:n].copy_(batch.input_ids)
-        self.positions[:n].copy_(batch.positions)
-        self.kv_locations[:n].copy_(batch.kv_locations)
-        self.seq_lens[:n].copy_(batch.seq_lens)
-        self.state_slots[:n].copy_(batch.state_slots)
-        self.page_table[:size].zero_()
-        self.page_table[:n, : batch.page_table.shape[1]].copy_(batch.page_table)
+        """Copy the step's ``n`` requests into rows ``[0, n)``; rows ``[n, size)`` become padding.
+        Two launches where the step fills every row and page-table column (one fused copy per
+        dtype), more with padding."""
+        n, width = batch.num_requests, batch.page_table.shape[1]
+        if width < self.page_table.shape[1]:
+            self.page_table[:n].zero_()
+        self.page_table[n:size].zero_()
+        copy_by_dtype(
+            [self.input_ids[:n], self.positions[:n], self.kv_locations[:n], self.seq_lens[:n], self.state_slots[:n],
+             self.page_table[:n, :width]],
+            [batch.input_ids, batch.positions, batch.kv_locations, batch.seq_lens, batch.state_slots, batch.page_table],
+        )
         self._pad(n, size)
 
     def _pad(self, first: int, size: int) -> None:

@@ -3,7 +3,7 @@ followed by a sparse MoE with a shared expert; zero-centred RMSNorms throughout.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +19,8 @@ from freetoken.layers.moe_partial import MoEPartial
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.normed_linear import normed_linear
 from freetoken.layers.slot_state import SlotStates
+from freetoken.layers import weight_prefetch
+from freetoken.layers.weight_prefetch import WeightPrefetch, weights_after_input
 from freetoken.layers.weights import WeightTarget, new_param
 from freetoken.models.base import CausalLM
 from freetoken.models.qwen_layers import attention_sizes, deltanet_sizes, rotary_cache_of, sparse_moe
@@ -28,12 +30,19 @@ class DecoderLayer(nn.Module):
     """``mixer`` (Gated DeltaNet or gated attention), then ``mlp``, each after a zero-centred RMSNorm
     that also adds the residual."""
 
-    def __init__(self, mixer: GatedDeltaNet | GatedAttention, mlp: SparseMoE, hidden_size: int, eps: float) -> None:
+    def __init__(
+        self, mixer: GatedDeltaNet | GatedAttention, mlp: SparseMoE, hidden_size: int, eps: float,
+        prefetch: WeightPrefetch | None = None,
+    ) -> None:
         super().__init__()
         self.mixer = mixer
         self.mlp = mlp
         self.input_layernorm = RMSNorm(hidden_size, eps, zero_centered=True)
         self.post_attention_layernorm = RMSNorm(hidden_size, eps, zero_centered=True)
+        self.prefetch = prefetch  # the model's L2 prefetches (``layers.weight_prefetch``), if any
+        # The weight the step reads first after this layer (the next layer's input projection, or
+        # the lm_head), looked up when asked: set by the model.
+        self.next_input: Callable[[], object] | None = None
 
     @property
     def mixer_prefix(self) -> str:
@@ -52,8 +61,23 @@ class DecoderLayer(nn.Module):
         # Each norm runs with the projection after it (one launch at decode: layers.normed_linear);
         # the GDN conv step and the MoE block's routing run in those launches too (layers.gated_deltanet.FUSED_CONV,
         # layers.moe.FUSED_ROUTE), and past a few rows the norm sums the previous MoE block's output (``MoEPartial``).
-        hidden, residual = self.mixer.forward_normed(self.input_layernorm, hidden, residual, batch)
-        return self.mlp.forward_normed(self.post_attention_layernorm, hidden, residual)
+        # At decode the weights read after the mixer's core are prefetched into L2 behind the input
+        # projection's launch, where a switch says (``layers.weight_prefetch``).
+        after_input = after_router = None
+        if self.prefetch is not None:
+            on = weight_prefetch.OUT_PROJ or weight_prefetch.ROUTER or weight_prefetch.SHARED
+            after_input = self.prefetch.hook(batch, self._weights_after_input, on)
+            if self.next_input is not None:
+                after_router = self.prefetch.hook(batch, self._next_input_head, weight_prefetch.NEXT_INPUT, True)
+        hidden, residual = self.mixer.forward_normed(self.input_layernorm, hidden, residual, batch, after_input)
+        return self.mlp.forward_normed(self.post_attention_layernorm, hidden, residual, after_router)
+
+    def _next_input_head(self) -> list[torch.Tensor]:
+        return weight_prefetch.head_of(self.next_input())
+
+    def _weights_after_input(self) -> list[torch.Tensor]:
+        mixer_out = self.mixer.out_proj if isinstance(self.mixer, GatedDeltaNet) else self.mixer.o_proj
+        return weights_after_input(mixer_out, self.mlp.gate_weight, self.mlp.shared_gate_up, self.mlp.shared_down)
 
 
 class Qwen3_5MoeModel(CausalLM):
@@ -69,18 +93,30 @@ class Qwen3_5MoeModel(CausalLM):
         self.tie_word_embeddings = tie_word_embeddings
         self.register_buffer("rotary_cache", rotary_cache_of(text_config), persistent=False)
         self.embed_tokens = new_param(text_config.vocab_size, text_config.hidden_size)
+        self.prefetch = WeightPrefetch()
         self.layers = nn.ModuleList(
             DecoderLayer(
                 self._mixer(text_config, layer_type),
                 sparse_moe(text_config),
                 text_config.hidden_size,
                 text_config.rms_norm_eps,
+                self.prefetch,
             )
             for layer_type in text_config.layer_types
         )
         self.norm = RMSNorm(text_config.hidden_size, text_config.rms_norm_eps, zero_centered=True)
         self.lm_head = new_param(text_config.vocab_size, text_config.hidden_size)
+        for layer, after in zip(self.layers, [*self.layers[1:], None]):
+            layer.next_input = self._input_weight_of(after)
         self.slot_states: SlotStates | None = None  # the Gated DeltaNet states (allocate_state)
+
+    def _input_weight_of(self, layer: DecoderLayer | None) -> Callable[[], object]:
+        """The first weight ``layer`` reads (its input projection; the lm_head after the last layer),
+        looked up when called: loading may replace a parameter (NVFP4)."""
+        if layer is None:
+            return lambda: self.lm_head
+        mixer = layer.mixer
+        return (lambda: mixer.in_proj) if isinstance(mixer, GatedDeltaNet) else (lambda: mixer.qkv_proj)
 
     def _mixer(self, config, layer_type: str) -> GatedDeltaNet | GatedAttention:
         if layer_type == "linear_attention":
@@ -134,7 +170,11 @@ class Qwen3_5MoeModel(CausalLM):
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, batch)
-        last = batch.logits_indices
+        logits = self._logits(hidden, residual, batch.logits_indices)
+        self.prefetch.join()  # after the last launch: nothing of the forward waits for a prefetch
+        return logits
+
+    def _logits(self, hidden: torch.Tensor | MoEPartial, residual: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
         if isinstance(hidden, MoEPartial):  # the sum, residual add and norm of the last rows only
             return linear(hidden.add_rms_norm(self.norm, residual, last)[0], self.lm_head).float()
         if last.shape[0] != hidden.shape[0]:  # else every token is a logits row, in order (a decode step): no gathers
