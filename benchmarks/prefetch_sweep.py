@@ -8,7 +8,7 @@ rule, the gated norm, out_proj, the router, the MoE decode block), random bf16 w
 layer (8 layers: 4.3 GB, far more than the 50 MB L2), one decode row, captured back to back in one
 CUDA graph with programmatic dependent launch as the step runs them; us per layer, the median
 replay. Variants: the switches of ``layers.weight_prefetch`` (which weights are prefetched after
-the input projection or the router, ``CHAINED``), ``kernels.triton.moe_decode.PREFETCH_DOWN`` and
+the input projection, ``CHAINED``), ``kernels.triton.moe_decode.PREFETCH_DOWN`` and
 ``kernels.triton.l2_prefetch.BULK``. Every variant's output must equal the baseline's bit for bit
 (the prefetches are hints); a row says so. The end-to-end A/B is ``b1_fusions_ab.py --on ...``.
 """
@@ -23,21 +23,19 @@ import torch
 from graph_timing import graph_us
 
 HIDDEN, EXPERTS, TOP_K, INTER, EPS = 2048, 256, 8, 512, 1e-6
-SITES = ("OUT_PROJ", "ROUTER", "SHARED", "NEXT_INPUT")
-AFTER_INPUT = SITES[:3]
+SITES = ("OUT_PROJ", "ROUTER", "SHARED")
 # name -> (weight_prefetch sites on, CHAINED, PREFETCH_DOWN, BULK)
 VARIANTS = {
     "none": ((), False, False, True),
     "out_proj": (("OUT_PROJ",), False, False, True),
     "out_proj+router": (("OUT_PROJ", "ROUTER"), False, False, True),
-    "after_input": (AFTER_INPUT, False, False, True),
-    "after_input chained": (AFTER_INPUT, True, False, True),
-    "after_input line": (AFTER_INPUT, False, False, False),
-    "next_input": (("NEXT_INPUT",), False, False, True),
+    "sites": (SITES, False, False, True),
+    "sites chained": (SITES, True, False, True),
+    "sites line": (SITES, False, False, False),
     "down": ((), False, True, True),
     "down line": ((), False, True, False),
-    "all": (SITES, False, True, True),
-    "all chained": (SITES, True, True, True),
+    "sites+down": (SITES, False, True, True),
+    "sites chained+down": (SITES, True, True, True),
 }
 
 
@@ -100,9 +98,6 @@ def main() -> int:
     args = parser.parse_args()
     rng = torch.Generator(device="cuda").manual_seed(0)
     layers, prefetch = _layers(args.layers, rng)
-    # The layer after the last is the first (the next replay's; the model's lm_head there).
-    for layer, after in zip(layers, [*layers[1:], layers[0]]):
-        layer.next_input = lambda m=after.mixer: m.in_proj
     batch = _batch()
     x = torch.randn(1, HIDDEN, generator=rng, device="cuda").to(torch.bfloat16)
     states = [(l.mixer.conv_state.clone(), l.mixer.recurrent_state.clone()) for l in layers]

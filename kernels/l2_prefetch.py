@@ -17,14 +17,11 @@ from freetoken.kernels.dispatch import op
 MAX_TENSORS = 4
 
 
-def l2_prefetch_reference(
-    first: torch.Tensor, *more: torch.Tensor, chained: bool = False, evict_last: bool = False
-) -> None:
+def l2_prefetch_reference(first: torch.Tensor, *more: torch.Tensor, chained: bool = False) -> None:
     """Prefetch the bytes of ``first`` and ``more`` (at most ``MAX_TENSORS`` in all, each
     contiguous) into L2. ``chained``: the launch sits in the stream's chain of programmatic
     dependent launches (it waits for the launch before it, and the launch after it waits for it);
-    otherwise it runs on its own (a side stream's branch of the graph). ``evict_last``: the lines
-    take L2's evict-last priority (to outlive a stream read in between). A hint only: no effect on
+    otherwise it runs on its own (a side stream's branch of the graph). A hint only: no effect on
     any value, so the reference does nothing."""
     if len(more) + 1 > MAX_TENSORS:
         raise ValueError(f"l2_prefetch takes at most {MAX_TENSORS} tensors, got {len(more) + 1}")

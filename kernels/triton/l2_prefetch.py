@@ -36,55 +36,39 @@ ISSUE: tl.constexpr = tl.constexpr(not INTERPRETED)
 
 
 @device_function
-def _issue(address, size, PIECE: tl.constexpr, BULK: tl.constexpr, EVICT_LAST: tl.constexpr):
+def _issue(address, size, PIECE: tl.constexpr, BULK: tl.constexpr):
     """Prefetch ``size`` bytes (at most ``PIECE``) at each of ``address`` (int64 tensors; ``size`` a
-    multiple of 16, nothing where it is not positive); ``EVICT_LAST``: with L2's evict-last priority
-    (the lines outlive evict-normal and evict-first ones)."""
+    multiple of 16, nothing where it is not positive)."""
     if BULK:
-        if EVICT_LAST:
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; .reg .b64 q; setp.gt.s32 p, $2, 0; createpolicy.fractional.L2::evict_last.b64 q, 1.0; "
-                "@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, q; mov.u32 $0, 0; }",
-                "=r,l,r", [address, size.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
-            )
-        else:
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-                "=r,l,r", [address, size.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
-            )
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r", [address, size.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
+        )
     else:
         for line in tl.static_range(0, PIECE, 128):
-            if EVICT_LAST:
-                tl.inline_asm_elementwise(
-                    "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0; }",
-                    "=r,l,r", [address + line, (size - line).to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
-                )
-            else:
-                tl.inline_asm_elementwise(
-                    "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-                    "=r,l,r", [address + line, (size - line).to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
-                )
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                "=r,l,r", [address + line, (size - line).to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
+            )
 
 
 @device_function
-def prefetch_range(address, start, end, LANES: tl.constexpr, PIECE: tl.constexpr, BULK: tl.constexpr,
-                   EVICT_LAST: tl.constexpr = False):
+def prefetch_range(address, start, end, LANES: tl.constexpr, PIECE: tl.constexpr, BULK: tl.constexpr):
     """Prefetch bytes ``[start, end)`` past ``address`` (int64, 16-byte aligned; ``start`` a
     multiple of 16), lane ``i`` of ``LANES`` the ``PIECE`` bytes from ``start + i · PIECE`` (a
     multiple of 16; bytes past ``start + LANES · PIECE`` are left out). Returns each lane's offset
-    and size (size <= 0: nothing). ``EVICT_LAST``: ``_issue``'s."""
+    and size (size <= 0: nothing)."""
     lo = start + tl.arange(0, LANES).to(tl.int64) * PIECE
     size = tl.minimum(end - lo, PIECE) // 16 * 16
     if ISSUE:
-        _issue(address + lo, size, PIECE, BULK, EVICT_LAST)
+        _issue(address + lo, size, PIECE, BULK)
     return lo, size
 
 
 @triton.jit
 def _l2_prefetch_kernel(
     a0, n0, a1, n1, a2, n2, a3, n3, c1, c2, c3, record_ptr,
-    LANES: tl.constexpr, PIECE: tl.constexpr, BULK: tl.constexpr, EVICT_LAST: tl.constexpr, PDL: tl.constexpr,
-    RECORD: tl.constexpr,
+    LANES: tl.constexpr, PIECE: tl.constexpr, BULK: tl.constexpr, PDL: tl.constexpr, RECORD: tl.constexpr,
 ):
     if PDL:  # the next launch may start; the bytes are fetched once the previous launch is done
         tl.extra.cuda.gdc_launch_dependents()
@@ -96,7 +80,7 @@ def _l2_prefetch_kernel(
     nbytes = tl.where(r3, n3, tl.where(r2, n2, tl.where(r1, n1, n0)))
     part = pid - tl.where(r3, c3, tl.where(r2, c2, tl.where(r1, c1, 0)))
     start = part.to(tl.int64) * (LANES * PIECE)
-    lo, size = prefetch_range(address, start, tl.minimum(start + LANES * PIECE, nbytes), LANES, PIECE, BULK, EVICT_LAST)
+    lo, size = prefetch_range(address, start, tl.minimum(start + LANES * PIECE, nbytes), LANES, PIECE, BULK)
     if RECORD:
         tensor = tl.where(r3, 3, tl.where(r2, 2, tl.where(r1, 1, 0)))
         lane = pid * LANES + tl.arange(0, LANES)
@@ -118,7 +102,7 @@ def _ranges(tensors: tuple[torch.Tensor, ...]) -> list[tuple[int, int]]:
     return ranges
 
 
-def _launch(tensors: tuple[torch.Tensor, ...], chained: bool, evict_last: bool, record: torch.Tensor | None) -> int:
+def _launch(tensors: tuple[torch.Tensor, ...], chained: bool, record: torch.Tensor | None) -> int:
     """Launches the prefetch of ``tensors``; returns its program count (0: nothing to fetch)."""
     ranges = _ranges(tensors)
     if not ranges:
@@ -135,14 +119,14 @@ def _launch(tensors: tuple[torch.Tensor, ...], chained: bool, evict_last: bool, 
     args = [value for address, nbytes in ranges for value in (address, nbytes)]
     _l2_prefetch_kernel[(total,)](
         *args, bounds[0], bounds[1], bounds[2], record if record is not None else tensors[0],
-        LANES=LANES, PIECE=PIECE, BULK=BULK, EVICT_LAST=evict_last, PDL=pdl, RECORD=record is not None,
+        LANES=LANES, PIECE=PIECE, BULK=BULK, PDL=pdl, RECORD=record is not None,
         num_warps=1, launch_pdl=pdl,
     )
     return total
 
 
-def l2_prefetch(first: torch.Tensor, *more: torch.Tensor, chained: bool = False, evict_last: bool = False) -> None:
-    _launch((first, *more), chained, evict_last, None)
+def l2_prefetch(first: torch.Tensor, *more: torch.Tensor, chained: bool = False) -> None:
+    _launch((first, *more), chained, None)
 
 
 def l2_prefetch_lanes(first: torch.Tensor, *more: torch.Tensor) -> torch.Tensor:
@@ -151,5 +135,5 @@ def l2_prefetch_lanes(first: torch.Tensor, *more: torch.Tensor) -> torch.Tensor:
     tensors = (first, *more)
     programs = sum(triton.cdiv(nbytes, SPAN) for _, nbytes in _ranges(tensors))
     record = torch.full((max(programs, 1) * LANES, 3), -1, dtype=torch.int64, device=first.device)
-    _launch(tensors, False, False, record)
+    _launch(tensors, False, record)
     return record[: programs * LANES]

@@ -33,9 +33,8 @@ def test_lanes_cover_real_size_weights(rng):
         assert int(starts[0]) == 0 and torch.equal(starts[1:], starts[:-1] + sizes[:-1])
 
 
-@pytest.mark.parametrize("evict_last", [False, True], ids=["normal", "evict_last"])
 @pytest.mark.parametrize("chained", [False, True], ids=["branch", "chained"])
-def test_prefetch_beside_gemvs_in_a_graph(rng, chained, evict_last):
+def test_prefetch_beside_gemvs_in_a_graph(rng, chained):
     """A GEMV, the prefetch of the next GEMV's weight (chained after it, or on a side stream joined
     at the end), the next GEMV: the replayed outputs are the eager ones without any prefetch."""
     from freetoken.kernels.triton import gemv, l2_prefetch
@@ -49,11 +48,11 @@ def test_prefetch_beside_gemvs_in_a_graph(rng, chained, evict_last):
     def launches():
         h = gemv.gemv(x, w_in)
         if chained:
-            l2_prefetch.l2_prefetch(w_out, chained=True, evict_last=evict_last)
+            l2_prefetch.l2_prefetch(w_out, chained=True)
         else:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                l2_prefetch.l2_prefetch(w_out, evict_last=evict_last)
+                l2_prefetch.l2_prefetch(w_out)
         out = gemv.gemv(h, w_out)
         torch.cuda.current_stream().wait_stream(side)
         return out
@@ -95,7 +94,7 @@ def test_float32_greedy_with_every_prefetch_equals_transformers(monkeypatch, cha
     are transformers'."""
     from freetoken.kernels.triton import moe_decode
 
-    for site in ("OUT_PROJ", "ROUTER", "SHARED", "NEXT_INPUT"):
+    for site in ("OUT_PROJ", "ROUTER", "SHARED"):
         monkeypatch.setattr(weight_prefetch, site, True)
     monkeypatch.setattr(weight_prefetch, "CHAINED", chained)
     monkeypatch.setattr(moe_decode, "PREFETCH_DOWN", True)

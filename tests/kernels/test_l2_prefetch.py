@@ -50,12 +50,11 @@ def test_lanes_skip_what_is_not_contiguous_or_aligned():
 
 
 @pytest.mark.parametrize("chained", [False, True])
-@pytest.mark.parametrize("evict_last", [False, True])
-def test_prefetch_changes_nothing(rng, chained, evict_last):
+def test_prefetch_changes_nothing(rng, chained):
     tensors = [torch.randn(n, generator=rng).to(DEVICE) for n in (37, 70_000)]
     before = [t.clone() for t in tensors]
-    _triton().l2_prefetch(*tensors, chained=chained, evict_last=evict_last)
-    assert l2_prefetch_reference(*tensors, chained=chained, evict_last=evict_last) is None
+    _triton().l2_prefetch(*tensors, chained=chained)
+    assert l2_prefetch_reference(*tensors, chained=chained) is None
     assert all(torch.equal(a, b) for a, b in zip(tensors, before))
 
 

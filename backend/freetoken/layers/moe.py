@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Callable
 
 import torch
 from torch import nn
@@ -130,29 +129,22 @@ class SparseMoE(nn.Module):
         return gate_logits
 
     def forward_normed(
-        self, norm: RMSNorm, x: torch.Tensor | MoEPartial, residual: torch.Tensor | None,
-        after_router: Callable[[], None] | None = None,
+        self, norm: RMSNorm, x: torch.Tensor | MoEPartial, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor | MoEPartial, torch.Tensor]:
         """The block on ``norm(x + residual)``, and the stream after the add (``x + residual``): the
         norm runs with the router GEMV (``layers.normed_linear``), and where that is one launch on a
-        resident block of dense weights at decode, the routing runs in it too (``FUSED_ROUTE``).
-        ``after_router``: called right after the router's launch is queued (the decoder layer's L2
-        prefetch, ``layers.weight_prefetch``)."""
+        resident block of dense weights at decode, the routing runs in it too (``FUSED_ROUTE``)."""
         if self._routes_in_gemv(norm, x):
             logits, normed, summed, top_w, top_i = kernels.add_rms_norm_gemv_route(
                 x, residual, norm.weight, norm.eps, norm.zero_centered, self.gate_weight,
                 self.num_experts, self.top_k, self.renormalize,
             )
-            if after_router is not None:
-                after_router()
             out = kernels.sparse_moe_decode_routed(
                 normed, logits[:, : self.num_experts + 1], top_w, top_i,
                 self.w13, self.w2, self.shared_gate_up, self.shared_down,
             )
             return out, summed
         projected = normed_linear(norm, x, residual, self.gate_weight, return_normed=True)
-        if after_router is not None:
-            after_router()
         return self(projected.normed, projected.out, partial=True), projected.residual
 
     def _routes_in_gemv(self, norm: RMSNorm, x: torch.Tensor | MoEPartial) -> bool:

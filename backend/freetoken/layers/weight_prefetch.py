@@ -6,10 +6,8 @@ input projection; in an attention layer the prologue and the decode attention do
 leave HBM mostly idle, and the weights read next are known when the step is captured: the mixer's
 output projection, the MoE block's router (with the shared-expert gate) and its shared expert.
 So right after the input projection's launch the decoder layer queues one prefetch of those
-(``after_input``), and the projections then read them from L2. Right after the router's launch it
-may queue the head of the next layer's input projection (``NEXT_INPUT``, evict-last: the MoE
-block streams between). The routed experts are known only after routing; the gate/up launch
-prefetches their down rows (``kernels.triton.moe_decode.PREFETCH_DOWN``).
+(``after_input``), and the projections then read them from L2. The routed experts are known only
+after routing; the gate/up launch prefetches their down rows (``kernels.triton.moe_decode.PREFETCH_DOWN``).
 
 Each site is a switch, off until the H200 says otherwise (``benchmarks/b1_fusions_ab.py --on``).
 The launch either sits in the stream's chain of programmatic dependent launches (``CHAINED``: it
@@ -35,12 +33,6 @@ from freetoken.kernels.gemv_configs import NORMED_MAX_ROWS
 OUT_PROJ = False
 ROUTER = False
 SHARED = False
-# NEXT_INPUT: the first NEXT_INPUT_BYTES of the next layer's input projection (GDN in_proj,
-# attention qkv; the lm_head after the last layer), queued right after the router's launch (the
-# router and the routing leave HBM idle), with L2's evict-last priority so that the MoE block's
-# stream in between does not push it out.
-NEXT_INPUT = False
-NEXT_INPUT_BYTES = 12 << 20
 # True: the launch is queued in the stream's programmatic-dependent-launch chain; False: on a side
 # stream (a branch of the graph), joined at the end of the forward.
 CHAINED = False
@@ -55,13 +47,6 @@ def weights_after_input(mixer_out: object, gate: object, shared_gate_up: object,
     return [w for on, w in wanted if on and isinstance(w, torch.Tensor)]
 
 
-def head_of(weight: object) -> list[torch.Tensor]:
-    """The first ``NEXT_INPUT_BYTES`` of a dense contiguous weight (``NEXT_INPUT``'s prefetch)."""
-    if not (isinstance(weight, torch.Tensor) and weight.is_contiguous()):
-        return []
-    return [weight.view(-1)[: NEXT_INPUT_BYTES // weight.element_size()]]
-
-
 class WeightPrefetch:
     """Queues the prefetches of one model's forward: in the chain, or on one side stream per device
     that the forward's end joins."""
@@ -70,23 +55,20 @@ class WeightPrefetch:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._pending: set[torch.device] = set()
 
-    def hook(
-        self, batch: ForwardBatch, weights: Callable[[], list[torch.Tensor]], on: bool, evict_last: bool = False
-    ) -> Callable[[], None] | None:
-        """What a layer calls right after a launch (its input projection's, its router's) to queue
-        the prefetch of ``weights()``, or None where nothing is prefetched there (the site ``on``
-        off, a prefill, more than ``MAX_ROWS`` rows)."""
-        if not on or batch.has_prefill or batch.num_tokens > MAX_ROWS:
+    def hook(self, batch: ForwardBatch, weights: Callable[[], list[torch.Tensor]]) -> Callable[[], None] | None:
+        """What a layer calls right after its input projection's launch, or None where nothing is
+        prefetched (a prefill, more than ``MAX_ROWS`` rows, every site off)."""
+        if batch.has_prefill or batch.num_tokens > MAX_ROWS or not (OUT_PROJ or ROUTER or SHARED):
             return None
-        return lambda: self.issue(weights(), evict_last)
+        return lambda: self.issue(weights())
 
-    def issue(self, weights: list[torch.Tensor], evict_last: bool = False) -> None:
+    def issue(self, weights: list[torch.Tensor]) -> None:
         """Queue the prefetch of ``weights`` (on CUDA only: elsewhere there is no L2 to fill)."""
         weights = [w for w in weights if w.device.type == "cuda"]
         if not weights:
             return
         if CHAINED:
-            kernels.l2_prefetch(*weights, chained=True, evict_last=evict_last)
+            kernels.l2_prefetch(*weights, chained=True)
             return
         device = weights[0].device
         stream = self._streams.get(device)
@@ -94,7 +76,7 @@ class WeightPrefetch:
             stream = self._streams[device] = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
-            kernels.l2_prefetch(*weights, evict_last=evict_last)
+            kernels.l2_prefetch(*weights)
         self._pending.add(device)
 
     def join(self) -> None:

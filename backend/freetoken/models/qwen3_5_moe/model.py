@@ -3,7 +3,7 @@ followed by a sparse MoE with a shared expert; zero-centred RMSNorms throughout.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +19,6 @@ from freetoken.layers.moe_partial import MoEPartial
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.normed_linear import normed_linear
 from freetoken.layers.slot_state import SlotStates
-from freetoken.layers import weight_prefetch
 from freetoken.layers.weight_prefetch import WeightPrefetch, weights_after_input
 from freetoken.layers.weights import WeightTarget, new_param
 from freetoken.models.base import CausalLM
@@ -40,9 +39,6 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden_size, eps, zero_centered=True)
         self.post_attention_layernorm = RMSNorm(hidden_size, eps, zero_centered=True)
         self.prefetch = prefetch  # the model's L2 prefetches (``layers.weight_prefetch``), if any
-        # The weight the step reads first after this layer (the next layer's input projection, or
-        # the lm_head), looked up when asked: set by the model.
-        self.next_input: Callable[[], object] | None = None
 
     @property
     def mixer_prefix(self) -> str:
@@ -63,17 +59,9 @@ class DecoderLayer(nn.Module):
         # layers.moe.FUSED_ROUTE), and past a few rows the norm sums the previous MoE block's output (``MoEPartial``).
         # At decode the weights read after the mixer's core are prefetched into L2 behind the input
         # projection's launch, where a switch says (``layers.weight_prefetch``).
-        after_input = after_router = None
-        if self.prefetch is not None:
-            on = weight_prefetch.OUT_PROJ or weight_prefetch.ROUTER or weight_prefetch.SHARED
-            after_input = self.prefetch.hook(batch, self._weights_after_input, on)
-            if self.next_input is not None:
-                after_router = self.prefetch.hook(batch, self._next_input_head, weight_prefetch.NEXT_INPUT, True)
+        after_input = None if self.prefetch is None else self.prefetch.hook(batch, self._weights_after_input)
         hidden, residual = self.mixer.forward_normed(self.input_layernorm, hidden, residual, batch, after_input)
-        return self.mlp.forward_normed(self.post_attention_layernorm, hidden, residual, after_router)
-
-    def _next_input_head(self) -> list[torch.Tensor]:
-        return weight_prefetch.head_of(self.next_input())
+        return self.mlp.forward_normed(self.post_attention_layernorm, hidden, residual)
 
     def _weights_after_input(self) -> list[torch.Tensor]:
         mixer_out = self.mixer.out_proj if isinstance(self.mixer, GatedDeltaNet) else self.mixer.o_proj
@@ -106,17 +94,7 @@ class Qwen3_5MoeModel(CausalLM):
         )
         self.norm = RMSNorm(text_config.hidden_size, text_config.rms_norm_eps, zero_centered=True)
         self.lm_head = new_param(text_config.vocab_size, text_config.hidden_size)
-        for layer, after in zip(self.layers, [*self.layers[1:], None]):
-            layer.next_input = self._input_weight_of(after)
         self.slot_states: SlotStates | None = None  # the Gated DeltaNet states (allocate_state)
-
-    def _input_weight_of(self, layer: DecoderLayer | None) -> Callable[[], object]:
-        """The first weight ``layer`` reads (its input projection; the lm_head after the last layer),
-        looked up when called: loading may replace a parameter (NVFP4)."""
-        if layer is None:
-            return lambda: self.lm_head
-        mixer = layer.mixer
-        return (lambda: mixer.in_proj) if isinstance(mixer, GatedDeltaNet) else (lambda: mixer.qkv_proj)
 
     def _mixer(self, config, layer_type: str) -> GatedDeltaNet | GatedAttention:
         if layer_type == "linear_attention":
