@@ -4,7 +4,6 @@ of the two families shares (``layers.indexed_attention`` builds on it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
@@ -117,15 +116,11 @@ class GatedAttention(nn.Module):
         return self.forward_projected(linear(x, self.qkv_proj), batch)
 
     def forward_normed(
-        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
-        after_input: Callable[[], None] | None = None,
+        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer on ``norm(x + residual)`` (the norm run with the qkv GEMV:
-        ``layers.normed_linear``), and the stream after the add. ``after_input``: called right after
-        the qkv launch is queued (the decoder layer's L2 prefetch, ``layers.weight_prefetch``)."""
+        ``layers.normed_linear``), and the stream after the add."""
         mixer_in = normed_linear(norm, x, residual, self.qkv_proj)
-        if after_input is not None:
-            after_input()
         return self.forward_projected(mixer_in.out, batch), mixer_in.residual
 
     def forward_projected(self, projected: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:

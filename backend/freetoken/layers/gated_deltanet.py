@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -121,24 +120,18 @@ class GatedDeltaNet(nn.Module):
         return self.forward_projected(linear(x, self.in_proj), batch)
 
     def forward_normed(
-        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
-        after_input: Callable[[], None] | None = None,
+        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer on ``norm(x + residual)``, and the stream after the add: the norm runs with
         ``in_proj`` (``layers.normed_linear``), and in a decode-only step where that is one launch,
-        the conv step too (``FUSED_CONV``). ``after_input``: called right after ``in_proj``'s launch
-        is queued (the decoder layer's L2 prefetch, ``layers.weight_prefetch``)."""
+        the conv step too (``FUSED_CONV``)."""
         if FUSED_CONV and not batch.has_prefill and self.conv_state is not None and fuses(norm, x, self.in_proj):
             projected, conv, summed = kernels.add_rms_norm_gemv_conv(
                 x, residual, norm.weight, norm.eps, norm.zero_centered, self.in_proj,
                 self.conv_weight, self.conv_state, batch.state_slots[: batch.num_decodes],
             )
-            if after_input is not None:
-                after_input()
             return self.forward_projected(projected, batch, conv), summed
         mixer_in = normed_linear(norm, x, residual, self.in_proj)
-        if after_input is not None:
-            after_input()
         return self.forward_projected(mixer_in.out, batch), mixer_in.residual
 
     def forward_projected(

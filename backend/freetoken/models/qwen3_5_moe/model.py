@@ -19,7 +19,6 @@ from freetoken.layers.moe_partial import MoEPartial
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.normed_linear import normed_linear
 from freetoken.layers.slot_state import SlotStates
-from freetoken.layers.weight_prefetch import WeightPrefetch, weights_after_input
 from freetoken.layers.weights import WeightTarget, new_param
 from freetoken.models.base import CausalLM
 from freetoken.models.qwen_layers import attention_sizes, deltanet_sizes, rotary_cache_of, sparse_moe
@@ -29,16 +28,12 @@ class DecoderLayer(nn.Module):
     """``mixer`` (Gated DeltaNet or gated attention), then ``mlp``, each after a zero-centred RMSNorm
     that also adds the residual."""
 
-    def __init__(
-        self, mixer: GatedDeltaNet | GatedAttention, mlp: SparseMoE, hidden_size: int, eps: float,
-        prefetch: WeightPrefetch | None = None,
-    ) -> None:
+    def __init__(self, mixer: GatedDeltaNet | GatedAttention, mlp: SparseMoE, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.mixer = mixer
         self.mlp = mlp
         self.input_layernorm = RMSNorm(hidden_size, eps, zero_centered=True)
         self.post_attention_layernorm = RMSNorm(hidden_size, eps, zero_centered=True)
-        self.prefetch = prefetch  # the model's L2 prefetches (``layers.weight_prefetch``), if any
 
     @property
     def mixer_prefix(self) -> str:
@@ -57,15 +52,8 @@ class DecoderLayer(nn.Module):
         # Each norm runs with the projection after it (one launch at decode: layers.normed_linear);
         # the GDN conv step and the MoE block's routing run in those launches too (layers.gated_deltanet.FUSED_CONV,
         # layers.moe.FUSED_ROUTE), and past a few rows the norm sums the previous MoE block's output (``MoEPartial``).
-        # At decode the weights read after the mixer's core are prefetched into L2 behind the input
-        # projection's launch, where a switch says (``layers.weight_prefetch``).
-        after_input = None if self.prefetch is None else self.prefetch.hook(batch, self._weights_after_input)
-        hidden, residual = self.mixer.forward_normed(self.input_layernorm, hidden, residual, batch, after_input)
+        hidden, residual = self.mixer.forward_normed(self.input_layernorm, hidden, residual, batch)
         return self.mlp.forward_normed(self.post_attention_layernorm, hidden, residual)
-
-    def _weights_after_input(self) -> list[torch.Tensor]:
-        mixer_out = self.mixer.out_proj if isinstance(self.mixer, GatedDeltaNet) else self.mixer.o_proj
-        return weights_after_input(mixer_out, self.mlp.gate_weight, self.mlp.shared_gate_up, self.mlp.shared_down)
 
 
 class Qwen3_5MoeModel(CausalLM):
@@ -81,14 +69,12 @@ class Qwen3_5MoeModel(CausalLM):
         self.tie_word_embeddings = tie_word_embeddings
         self.register_buffer("rotary_cache", rotary_cache_of(text_config), persistent=False)
         self.embed_tokens = new_param(text_config.vocab_size, text_config.hidden_size)
-        self.prefetch = WeightPrefetch()
         self.layers = nn.ModuleList(
             DecoderLayer(
                 self._mixer(text_config, layer_type),
                 sparse_moe(text_config),
                 text_config.hidden_size,
                 text_config.rms_norm_eps,
-                self.prefetch,
             )
             for layer_type in text_config.layer_types
         )
@@ -148,11 +134,7 @@ class Qwen3_5MoeModel(CausalLM):
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, batch)
-        logits = self._logits(hidden, residual, batch.logits_indices)
-        self.prefetch.join()  # after the last launch: nothing of the forward waits for a prefetch
-        return logits
-
-    def _logits(self, hidden: torch.Tensor | MoEPartial, residual: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        last = batch.logits_indices
         if isinstance(hidden, MoEPartial):  # the sum, residual add and norm of the last rows only
             return linear(hidden.add_rms_norm(self.norm, residual, last)[0], self.lm_head).float()
         if last.shape[0] != hidden.shape[0]:  # else every token is a logits row, in order (a decode step): no gathers
