@@ -32,7 +32,6 @@ from freetoken.kernels.nvfp4 import fused_experts_nvfp4, nvfp4_linear, sparse_mo
 from freetoken.kernels.moe_decode import sparse_moe_decode, sparse_moe_decode_routed
 from freetoken.kernels.moe_decode_offload import sparse_moe_decode_offload, sparse_moe_decode_offload_nvfp4
 from freetoken.kernels.gdn_decode import gated_delta_rule_decode_gated, gated_delta_rule_decode_gated_norm
-from freetoken.kernels.l2_prefetch import l2_prefetch
 from freetoken.kernels.sampling import greedy_sample_into_slots, sample_tokens
 from freetoken.kernels.hyper_connection import hc_combine, hc_mix, hc_norm
 from freetoken.kernels.ngram import ngram_embed, ngram_update_context
@@ -57,7 +56,6 @@ __all__ = [
     "gated_delta_rule_decode",
     "gated_delta_rule_decode_gated",
     "gated_delta_rule_decode_gated_norm",
-    "l2_prefetch",
     "moe_topk_softmax",
     "moe_sort_tokens",
     "fused_experts",

@@ -45,17 +45,10 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels.triton import l2_prefetch
 from freetoken.kernels.triton._common import INTERPRETED, cast, device_function, new_empty, pow2, round_as
-from freetoken.kernels.triton.l2_prefetch import prefetch_range
 
 # One warp routes a token: 256 logits are 8 per lane, and every reduction stays within the warp.
 ROUTE_WARPS = 1
-# The gate/up launch prefetches into L2 the down rows of its pairs' experts (each program its share,
-# issued before its own weight stream, which then loads evict-first), so the down launch reads them
-# from L2: the down pass's bytes move into the gate/up pass, which streams below HBM's rate at one
-# token. Off until the H200 A/B (``benchmarks/b1_fusions_ab.py --on prefetch_down``; issue 9).
-PREFETCH_DOWN = False
 
 
 @dataclass(frozen=True)
@@ -145,13 +138,11 @@ def _route_kernel(
 @device_function
 def _gate_up_pairs(x_ptr, x_st, base, routed, w13_sn, sw_sn, q, q_ok, t, h_ptr, h_width, hidden, inter, shared_inter,
                    fill_base, fill_ok, PAIRS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   FILL: tl.constexpr, EVICT_FIRST: tl.constexpr):
+                   FILL: tl.constexpr):
     """``silu(gate) · up`` of pairs ``q`` (token ``t``'s routed choice or shared expert, whose
     ``[2·I, hidden]`` weight starts at ``base``), column block ``program_id(1)``, stored in ``h``.
     ``FILL`` (the offloaded block's read-through fill): the pairs of ``fill_ok`` also store the
-    weight tiles they loaded at ``fill_base`` (a cache slot, with the same strides). ``EVICT_FIRST``:
-    the weights are loaded with the evict-first hint (so they do not push out of L2 the down rows
-    the launch prefetches, ``PREFETCH_DOWN``)."""
+    weight tiles they loaded at ``fill_base`` (a cache slot, with the same strides)."""
     row_st = tl.where(routed, w13_sn, sw_sn).to(tl.int64)
     limit = tl.where(routed, inter, shared_inter)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -166,12 +157,8 @@ def _gate_up_pairs(x_ptr, x_st, base, routed, w13_sn, sw_sn, q, q_ok, t, h_ptr, 
         xv = tl.load(x_ptr + t[:, None] * x_st + k[None, :], mask=q_ok[:, None] & k_ok[None, :], other=0.0)
         xv = xv.to(tl.float32)[:, None, :]
         mask = n_ok[:, :, None] & k_ok[None, None, :]
-        if EVICT_FIRST:
-            w_gate = tl.load(gate_rows[:, :, None] + k[None, None, :], mask=mask, other=0.0, eviction_policy="evict_first")
-            w_up = tl.load(up_rows[:, :, None] + k[None, None, :], mask=mask, other=0.0, eviction_policy="evict_first")
-        else:
-            w_gate = tl.load(gate_rows[:, :, None] + k[None, None, :], mask=mask, other=0.0)
-            w_up = tl.load(up_rows[:, :, None] + k[None, None, :], mask=mask, other=0.0)
+        w_gate = tl.load(gate_rows[:, :, None] + k[None, None, :], mask=mask, other=0.0)
+        w_up = tl.load(up_rows[:, :, None] + k[None, None, :], mask=mask, other=0.0)
         if FILL:
             fill_gate = fill_base[:, None] + n[None, :] * row_st[:, None]
             fill_up = fill_gate + limit[:, None] * row_st[:, None]
@@ -189,14 +176,9 @@ def _gate_up_pairs(x_ptr, x_st, base, routed, w13_sn, sw_sn, q, q_ok, t, h_ptr, 
 @triton.jit
 def _gate_up_kernel(
     x_ptr, x_st, w13_ptr, w13_se, w13_sn, sw_ptr, sw_sn, topi_ptr, h_ptr, h_width,
-    num_pairs, hidden, inter, shared_inter, w2_ptr, w2_se_bytes, sd_ptr, down_bytes, shared_down_bytes,
+    num_pairs, hidden, inter, shared_inter,
     TOP_K: tl.constexpr, PAIRS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH_DOWN: tl.constexpr, LANES: tl.constexpr, PIECE: tl.constexpr, BULK: tl.constexpr,
 ):
-    """``PREFETCH_DOWN``: each program also prefetches into L2 its share (one of the launch's column
-    blocks) of its pairs' down rows (``w2`` of the expert, ``w2_se_bytes`` apart, or the shared expert's ``sd``: contiguous,
-    ``down_bytes`` / ``shared_down_bytes`` each), which the down launch reads next; ``LANES`` lanes
-    of ``PIECE`` bytes (``l2_prefetch.prefetch_range``)."""
     if PDL:  # the expert ids are the routing launch's output; the down programs may start
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -208,19 +190,8 @@ def _gate_up_kernel(
     routed = j < TOP_K
     expert = tl.load(topi_ptr + t * TOP_K + j, mask=q_ok & routed, other=0).to(tl.int64)
     base = tl.where(routed, w13_ptr + expert * w13_se, sw_ptr)
-    if PREFETCH_DOWN:  # before the stream: the copy engine fetches while this program computes
-        address = tl.where(routed, w2_ptr.to(tl.int64) + expert * w2_se_bytes, sd_ptr.to(tl.int64))
-        nbytes = tl.where(q_ok, tl.where(routed, down_bytes, shared_down_bytes), 0).to(tl.int64)
-        parts = tl.num_programs(1)
-        share = (nbytes + parts * 16 - 1) // (parts * 16) * 16  # bytes a program, whole 16-byte units
-        for p in tl.static_range(PAIRS):
-            pick = tl.arange(0, PAIRS) == p
-            share_p = tl.sum(tl.where(pick, share, 0), 0)
-            start = tl.program_id(1) * share_p
-            end = tl.minimum(start + share_p, tl.sum(tl.where(pick, nbytes, 0), 0))
-            prefetch_range(tl.sum(tl.where(pick, address, 0), 0), start, end, LANES, PIECE, BULK)
     _gate_up_pairs(x_ptr, x_st, base, routed, w13_sn, sw_sn, q, q_ok, t, h_ptr, h_width, hidden, inter, shared_inter,
-                   base, routed, PAIRS, BLOCK_N, BLOCK_K, False, PREFETCH_DOWN)
+                   base, routed, PAIRS, BLOCK_N, BLOCK_K, False)
 
 
 @device_function
@@ -427,11 +398,8 @@ def _experts(x, gate_logits, top_w, top_i, w13, w2, shared_gate_up, shared_down,
     _gate_up_kernel[(triton.cdiv(pairs, tiles.gate_up_pairs), triton.cdiv(h_width, tiles.gate_up_block_n))](
         x, x.stride(0), w13, w13.stride(0), w13.stride(1), shared_gate_up, shared_gate_up.stride(0), top_i,
         h, h_width, pairs, hidden, inter, shared_inter,
-        w2, w2.stride(0) * w2.element_size(), shared_down, w2[0].numel() * w2.element_size(), shared_down.numel() * shared_down.element_size(),
         TOP_K=top_k, PAIRS=tiles.gate_up_pairs, BLOCK_N=tiles.gate_up_block_n,
-        BLOCK_K=min(pow2(hidden), tiles.gate_up_block_k), PDL=pdl,
-        PREFETCH_DOWN=PREFETCH_DOWN, LANES=32 * tiles.gate_up_warps,
-        PIECE=l2_prefetch.PIECE, BULK=l2_prefetch.BULK, num_warps=tiles.gate_up_warps, launch_pdl=pdl,
+        BLOCK_K=min(pow2(hidden), tiles.gate_up_block_k), PDL=pdl, num_warps=tiles.gate_up_warps, launch_pdl=pdl,
     )
     _down_kernel[(num_tokens, triton.cdiv(hidden, tiles.down_block_n))](
         h, h_width, w2, w2.stride(0), w2.stride(1), shared_down, shared_down.stride(0), top_w, top_i,

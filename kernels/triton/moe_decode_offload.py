@@ -149,7 +149,7 @@ def _offload_gate_up_kernel(
         fill = tl.zeros([PAIRS], tl.int32)
     fill_base = slot_w13_ptr + tl.maximum(fill, 0).to(tl.int64) * w13_se
     _gate_up_pairs(x_ptr, x_st, base, routed, w13_sn, sw_sn, q, q_ok, t, h_ptr, h_width, hidden, inter, shared_inter,
-                   fill_base, fill_ok, PAIRS, BLOCK_N, BLOCK_K, FILL, False)
+                   fill_base, fill_ok, PAIRS, BLOCK_N, BLOCK_K, FILL)
 
 
 @triton.jit

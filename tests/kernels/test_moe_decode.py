@@ -59,20 +59,6 @@ def test_sparse_moe_decode_tiles(rng, dtype, tiles):
     assert_close(got, ref.sparse_moe_decode_reference(*args, top_k, True))
 
 
-@pytest.mark.parametrize("tiles", [TILE_CASES[0], TILE_CASES[2]], ids=["one_pair", "four_pairs"])
-def test_sparse_moe_decode_prefetching_down_rows_changes_no_bit(rng, monkeypatch, tiles):
-    """``PREFETCH_DOWN`` (the gate/up programs prefetch the down rows, their own loads evict-first)
-    gives the same bits as without: the prefetch is a hint, the loads the same."""
-    from freetoken.kernels.triton import moe_decode
-
-    args = _inputs(rng, torch.bfloat16, 3, 6, 40, 24, 40)
-    got = {}
-    for on in (False, True):
-        monkeypatch.setattr(moe_decode, "PREFETCH_DOWN", on)
-        got[on] = moe_decode.sparse_moe_decode_tiled(*args, 2, True, moe_decode.DecodeTiles(**tiles))
-    assert torch.equal(got[True], got[False])
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_route_matches_topk_softmax(rng, dtype, renormalize):
