@@ -2,15 +2,11 @@
 
     python benchmarks/b1_fusions_ab.py --off route conv gated greedy -- --preset qwen3.6-35b-a3b \\
         --batch-sizes 1 --max-running-requests 1 --input-len 1024 --output-len 32 --profile-steps 0
-    python benchmarks/b1_fusions_ab.py --on out_proj router_w shared prefetch_down -- ...
+    python benchmarks/b1_fusions_ab.py --on decode_norm -- ...
 
 ``--off`` / ``--on`` name the switches to set False / True (none: the defaults); everything after
 ``--`` goes to ``freetoken bench`` unchanged. The folds (``route``, ``conv``, ``gated``,
-``decode_norm``, ``greedy``); the L2 prefetch sites (``out_proj``, ``router_w``, ``shared``: after
-the mixer's input projection, ``layers.weight_prefetch``; ``prefetch_down``: the down rows from the
-gate/up launch, ``kernels.triton.moe_decode``), how the site launch is queued (``chained``: in the
-PDL chain; default a side stream) and how a lane prefetches (``--off bulk``: a line prefetch a
-128-byte line instead of one bulk prefetch).
+``decode_norm``, ``greedy``).
 """
 
 from __future__ import annotations
@@ -26,12 +22,6 @@ SWITCHES = {
     "gated": ("freetoken.layers.gated_deltanet", "FUSED_OUTPUT_NORM"),
     "decode_norm": ("freetoken.layers.gated_deltanet", "FUSED_DECODE_NORM"),
     "greedy": ("freetoken.engine.sample", "FUSED_GREEDY"),
-    "out_proj": ("freetoken.layers.weight_prefetch", "OUT_PROJ"),
-    "router_w": ("freetoken.layers.weight_prefetch", "ROUTER"),
-    "shared": ("freetoken.layers.weight_prefetch", "SHARED"),
-    "chained": ("freetoken.layers.weight_prefetch", "CHAINED"),
-    "prefetch_down": ("freetoken.kernels.triton.moe_decode", "PREFETCH_DOWN"),
-    "bulk": ("freetoken.kernels.triton.l2_prefetch", "BULK"),
 }
 
 

@@ -99,16 +99,18 @@ TUNED: dict[tuple[str, int, int, int], Buckets] = {
         (48, C(32, 64, 128, 8, 4, 3)),  # T=640: 260 us (its 1.07 GB of weights: at the HBM floor)
         (96, C(64, 64, 64, 4, 4, 3)),
         (181, C(128, 64, 64, 8, 8, 3)),  # T=4096: 411 us, 334 TFLOP/s
-        # T=8192: 616.9 us, 445.6 TFLOP/s (one-program-a-tile 622.7, 441.4; benchmarks/prefill_sweep.py)
-        (float("inf"), C(128, 64, 64, 8, 8, 3, persistent=2, max_registers=128)),
+        # T=8192: 593.3 us, 463.3 TFLOP/s, 128-wide tiles by TMA at one program an SM (the earlier
+        # 64-wide two-programs-an-SM entry 624.8 us in the same run; benchmarks/prefill_sweep.py)
+        (float("inf"), C(128, 128, 64, 8, 8, 4, persistent=1, tma=True)),
     ),
     ("down", 2048, 512, 256): (
         (16, C(16, 64, 64, 1, 4, 3)),
         (48, C(32, 128, 64, 8, 4, 3)),  # T=640: 146 us (537 MB of weights: 1.17x the HBM floor)
         (96, C(64, 128, 64, 4, 4, 3)),
         (181, C(128, 128, 64, 8, 8, 3)),  # T=4096: 255 us, 270 TFLOP/s
-        # T=8192: 372.2 us, 369.3 TFLOP/s (one-program-a-tile 405.0, 339.4; benchmarks/prefill_sweep.py)
-        (float("inf"), C(128, 128, 64, 8, 8, 3, persistent=2, tma=True, max_registers=128)),
+        # T=8192: 341.1 us, 402.9 TFLOP/s, 4 warps and the half-size tail tiles (the earlier 8-warp
+        # entry without them 372.2 us in the same run; benchmarks/prefill_sweep.py)
+        (float("inf"), C(128, 128, 64, 8, 4, 3, persistent=2, tma=True, half_tail=True)),
     ),
 }
 
