@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_prefill import HKV, HQ, attention_flops, attention_inputs, rel_diff  # noqa: E402
 
 from freetoken.kernels.triton import attention, moe  # noqa: E402
-from freetoken.kernels.triton.moe_configs import GemmConfig, config_source, moe_gemm_config  # noqa: E402
+from freetoken.kernels.triton.moe_configs import OPTION_BASE, GemmConfig, config_source, moe_gemm_config  # noqa: E402
 
 CUDA = torch.device("cuda")
 BF16 = torch.bfloat16
@@ -80,20 +80,22 @@ def compare(case: str, flops: int, variants: dict, run, output) -> tuple[str, fl
 
 
 def moe_candidates(gemm: str, table: GemmConfig) -> list[GemmConfig]:
-    """The table's tiles and the options against them (each compiles without spills on sm_90 unless
-    noted): TMA operands (the down GEMM's ``h`` and weight rows; the gate/up GEMM's weight rows), the
-    half-size tail tile (``half_tail``); two 4-warp programs an SM, each a whole 128-row tile in
-    one warp group (the other program's MMA runs under one's epilogue, as CUTLASS's ping-pong
-    schedule), for the down GEMM also three at 2 stages and 168 registers; and a 256-wide output
-    tile (gate/up: 128 gate + 128 up columns; down: 256) at one 8-warp program an SM (its 128 x 256
-    float32 accumulator takes 128 registers a thread), 3 and 4 stages."""
-    two = replace(table, persistent=2, max_registers=128)  # two 8-warp programs an SM, 128 registers
+    """The table's tile, then the options on ``OPTION_BASE``'s tile (each compiles without spills on
+    sm_90 unless noted): TMA operands (the down GEMM's ``h`` and weight rows; the gate/up GEMM's
+    weight rows), the half-size tail tile (``half_tail``); two 4-warp programs an SM, each a whole
+    128-row tile in one warp group (the other program's MMA runs under one's epilogue, as CUTLASS's
+    ping-pong schedule), for the down GEMM also three at 2 stages and 168 registers; and a 256-wide
+    output tile (gate/up: 128 gate + 128 up columns; down: 256) at one 8-warp program an SM (its
+    128 x 256 float32 accumulator takes 128 registers a thread), 3 and 4 stages. On the table's tile
+    itself some of them cannot run (two programs an SM of its 4-stage gate/up tile, say)."""
+    base = OPTION_BASE[gemm]
+    two = replace(base, persistent=2, max_registers=128)  # two 8-warp programs an SM, 128 registers
     pingpong = replace(two, num_warps=4, max_registers=0, tma=True)
-    wide = replace(table, block_n=2 * table.block_n if gemm == "gate_up" else 256, persistent=1, max_registers=0,
+    wide = replace(base, block_n=2 * base.block_n if gemm == "gate_up" else 256, persistent=1, max_registers=0,
                    tma=True)
     configs = [table, two]
-    for base in (replace(two, tma=True), pingpong, wide):
-        configs += [base, replace(base, half_tail=True)]
+    for option in (replace(two, tma=True), pingpong, wide):
+        configs += [option, replace(option, half_tail=True)]
     configs += [replace(two, half_tail=True), replace(wide, num_stages=4)]  # 4 stages: 192 KB
     if gemm == "down":  # gate/up's spills at 168 registers
         three = replace(pingpong, persistent=3, num_stages=2, max_registers=168)

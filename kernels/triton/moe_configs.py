@@ -114,6 +114,11 @@ TUNED: dict[tuple[str, int, int, int], Buckets] = {
     ),
 }
 
+# The T=8192 tiles the options are stacked on (benchmarks/prefill_sweep.py's candidates,
+# tests/gpu/test_prefill_options_gpu.py): the table's winners take options that do not fit them (two
+# programs an SM of the 4-stage 128-wide gate/up tile, a 256-wide one at 4 stages).
+OPTION_BASE = {"gate_up": C(128, 64, 64, 8, 8, 3), "down": C(128, 128, 64, 8, 8, 3)}
+
 
 def moe_gemm_config(
     gemm: str, dtype: torch.dtype, num_pairs: int, num_experts: int, hidden: int, inter: int
@@ -121,7 +126,11 @@ def moe_gemm_config(
     """The configuration of ``gemm`` (``"gate_up"`` or ``"down"``) for this launch."""
     mean_rows = num_pairs / max(num_experts, 1)
     buckets = TUNED.get((gemm, hidden, inter, num_experts), DEFAULT[gemm])
-    config = next(c for bound, c in buckets if mean_rows <= bound)
+    return fit_to_dtype(next(c for bound, c in buckets if mean_rows <= bound), dtype)
+
+
+def fit_to_dtype(config: GemmConfig, dtype: torch.dtype) -> GemmConfig:
+    """``config`` as it runs for ``dtype`` (and under the interpreter): the tables hold bf16 tiles."""
     if INTERPRETED:  # few, large programs: the interpreter's cost is per program and operation
         return replace(config, block_m=min(config.block_m, 64), block_n=128, block_k=256, num_stages=1)
     if dtype == torch.float32:  # float32 tiles are narrower to fit shared memory

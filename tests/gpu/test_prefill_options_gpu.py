@@ -36,14 +36,12 @@ OPTIONS = {
 }
 
 
-# The options' base: the T=8192 tiles before the table took the measured winners (the table's own
-# 4-stage 128-wide gate/up tile does not fit two programs an SM)
-BASE = {"gate_up": (128, 64, 64, 8, 8, 3), "down": (128, 128, 64, 8, 8, 3)}
+def _option_config(gemm: str, dtype: torch.dtype, option: dict):
+    """The option on the base tile as the table's tiles run for ``dtype`` (float32's narrowed)."""
+    from freetoken.kernels.triton.moe_configs import OPTION_BASE, fit_to_dtype
 
-
-def _option_config(config, gemm: str, option: dict):
     option = dict(option)
-    config = type(config)(*BASE[gemm])
+    config = fit_to_dtype(OPTION_BASE[gemm], dtype)
     if option.pop("wide", False):
         option["block_n"] = 2 * config.block_n if gemm == "gate_up" else 256
     return replace(config, **{"persistent": 2, "max_registers": 128, **option})
@@ -59,9 +57,7 @@ def test_persistent_grouped_gemms(rng, check, monkeypatch, dtype, option):
     if option.startswith("wide") and dtype == torch.float32:
         pytest.skip("float32 tiles are narrowed: the wide tile is a bf16 option")
     moe = triton_module("moe")
-    tuned = moe.moe_gemm_config
-    monkeypatch.setattr(moe, "moe_gemm_config", lambda gemm, dtype, pairs, *a: _option_config(
-        tuned(gemm, dtype, 8192 * TOP_K, *a), gemm, OPTIONS[option]))
+    monkeypatch.setattr(moe, "moe_gemm_config", lambda gemm, dtype, *a: _option_config(gemm, dtype, OPTIONS[option]))
     tokens = 2048
     x = randn(rng, tokens, HIDDEN, dtype=dtype)
     w13 = randn(rng, EXPERTS, 2 * INTER, HIDDEN, dtype=dtype, scale=HIDDEN**-0.5)
