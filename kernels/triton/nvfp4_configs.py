@@ -108,7 +108,10 @@ LINEAR_TILES: tuple[tuple[float, tuple[int, int, int, int, int, bool]], ...] = (
 # once a call) and runs cuBLAS: its tensor-core tiles decode every weight once per 128-row tile, 64
 # times at an 8k prefill, against a dequantization that reads the packed bytes once. Tuned by
 # ``benchmarks/tune_nvfp4_moe.py`` (its dense cases); up to 16 rows stays on the W4A16 kernels.
-LINEAR_DEQUANT_MIN_ROWS = 8192
+# 512 from the prefix hit's 640-token graph on the H200 (session 23, docs/benchmarks.md): the
+# attention projections there took 96 / 90 us as W4A16 tiles against 54 / 29 dequantized, and the
+# cached TTFT fell from 37.4 to 35.0 ms with every NVFP4 linear of 512+ rows dequantized.
+LINEAR_DEQUANT_MIN_ROWS = 512
 
 
 def nvfp4_moe_config(
