@@ -86,8 +86,8 @@ def test_qsa_select_blocks_ties_and_many_blocks(rng):
     context_lens, query_lens = [701, 300, 40], [1, 3, 1]
     num_pages, table, requests, positions, _ = _layout(rng, context_lens, query_lens, page_size)
     block_cache, q = _block_cache_and_queries(rng, num_pages, ref.blocks_per_page(page_size, ratio), 5, 3)
-    # Small integers make every score exact in any summation order, so equal scores are true ties
-    # and distinct ones never straddle the cut by a rounding error (random floats did, rarely).
+    # Small integers make every score exact in any summation order, so identical keys score exactly
+    # alike (random floats left them an ulp apart under the interpreter's BLAS on about a third of seeds).
     block_cache, q = (block_cache * 1.5).round(), (q * 1.5).round()
     block_cache[::3] = block_cache[1]  # many identical keys
     q[1] = -q[1].abs()
