@@ -16,6 +16,7 @@ profiler slows the host: the run's own figures are above the unprofiled ones.
 
 from __future__ import annotations
 
+import argparse
 import cProfile
 import gc
 import pstats
@@ -28,11 +29,9 @@ PAUSE_MS = 0.2  # GC pauses listed from this length
 
 
 def main(argv: list[str]) -> int:
-    stats_path = None
-    if "--stats" in argv:
-        at = argv.index("--stats")
-        stats_path = argv[at + 1]
-        argv = argv[:at] + argv[at + 2:]
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--stats", metavar="FILE", help="dump the pstats file here")
+    ours, argv = parser.parse_known_args(argv)
     profiler = cProfile.Profile()
     pauses: list[tuple[int, float]] = []
     started = [0.0]
@@ -63,8 +62,8 @@ def main(argv: list[str]) -> int:
     long_pauses = [(generation, round(ms, 2)) for generation, ms in pauses if ms > PAUSE_MS]
     print(f"GC: {len(pauses)} collections in the timed run; over {PAUSE_MS} ms (generation, ms): {long_pauses}")
     stats = pstats.Stats(profiler)
-    if stats_path:
-        stats.dump_stats(stats_path)
+    if ours.stats:
+        stats.dump_stats(ours.stats)
     stats.sort_stats("tottime").print_stats(30)
     stats.sort_stats("cumulative").print_stats(45)
     return rc
