@@ -91,7 +91,10 @@ class DecodeTiles:
             raise ValueError(f"DecodeTiles.programs_per_sm must be at least 1, got {self.programs_per_sm}")
 
 
-TILES = DecodeTiles()
+# 8 warps: at batch 1, bf16, head_dim 256, 64-key splits, 8 warps against 4 ran 10.99 against 12.77
+# us a layer at a 1k context, 11.69 against 16.19 at 1,056 (17 splits: the merge's second level) and
+# 15.29 against 17.48 at 4k (graph replays on the H200, docs/benchmarks.md "Session 25").
+TILES = DecodeTiles(num_warps=8)
 # Launches of at least MANY_PROGRAMS (request, KV head) pairs (64 requests and up at 2 KV heads):
 # 8 warps, the page numbers prefetched, and up to 2,048 keys a split, so a 1k-token request is one
 # split (the grid's other splits exit at once) and no merge. At 64 x 1k on the H200 the measured
