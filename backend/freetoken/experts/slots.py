@@ -1,6 +1,8 @@
-"""The expert cache on the device: one ``[S, ...]`` tensor per weight part (``w13 [S, 2I, H]`` and
-``w2 [S, H, I]``, or NVFP4's packed codes and scales of each), the map ``(layer, expert) -> slot``,
-and the copies that fill slots from host memory.
+"""The expert cache on the device: one ``[S, ...]`` tensor per weight part (dense ``w13 [S, 2I, H]``
+and ``w2 [S, H, I]``), or for NVFP4 experts one uint8 ``[S, span]`` whose rows hold each slot's six
+parts (``experts.span``: ``tensors`` are strided views of it, as the host store's parts are of its
+``[E, span]``), the map ``(layer, expert) -> slot``, and the copies that fill slots from host memory:
+a slot's fill is one copy a block (the span: one copy of an NVFP4 expert, not six).
 
 On CUDA the copies run on a stream of their own, so the compute stream overlaps them. Two ways
 fill slots:
@@ -69,19 +71,30 @@ from collections import deque
 import torch
 
 from freetoken.experts.eviction import ExpertKey
+from freetoken.experts.span import SpanLayout
 from freetoken.experts.timeline import PrefillTimeline
 
 
 class DeviceSlots:
-    def __init__(self, parts: list[torch.Tensor], num_slots: int, num_layers: int, device: torch.device) -> None:
-        """``parts``: one layer's host weight parts, each ``[E, ...]`` (every layer's have these shapes)."""
+    def __init__(self, parts: list[torch.Tensor], num_slots: int, num_layers: int, device: torch.device,
+                 layout: SpanLayout | None = None) -> None:
+        """``parts``: one layer's host weight parts, each ``[E, ...]`` (every layer's have these shapes);
+        ``layout``: they are views of one span an expert (NVFP4), and so are the slots'.
+
+        The copies move *blocks*: the span alone with a ``layout`` (a fill's host blocks are the
+        layer's ``[E, span]``), else each part."""
         self.device = device
         num_experts = parts[0].shape[0]
-        self.tensors = [torch.empty((num_slots, *p.shape[1:]), dtype=p.dtype, device=device) for p in parts]
         # A cache larger than one layer's experts scatters a layer over more slots than it has
-        # experts; ``gather`` then packs them here (see ``span``).
+        # experts; ``gather`` then packs them into the staging rows.
         staging_rows = num_experts if num_slots > num_experts else 0
-        self.staging = [torch.empty((staging_rows, *p.shape[1:]), dtype=p.dtype, device=device) for p in parts]
+        if layout is None:
+            self._blocks = [torch.empty((num_slots, *p.shape[1:]), dtype=p.dtype, device=device) for p in parts]
+            self._staging_blocks = [torch.empty((staging_rows, *p.shape[1:]), dtype=p.dtype, device=device) for p in parts]
+            self.tensors, self.staging = self._blocks, self._staging_blocks
+        else:
+            self._blocks, self._staging_blocks = [layout.empty(num_slots, device)], [layout.empty(staging_rows, device)]
+            self.tensors, self.staging = layout.views(self._blocks[0]), layout.views(self._staging_blocks[0])
         self.slot_map = torch.full((num_layers, parts[0].shape[0]), -1, dtype=torch.int32, device=device)
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._ready: torch.cuda.Event | None = None
@@ -105,23 +118,24 @@ class DeviceSlots:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors) + sum(t.nbytes for t in self.staging)
+        return sum(t.nbytes for t in self._blocks) + sum(t.nbytes for t in self._staging_blocks)
 
     def gather(self, slots: list[int]) -> list[torch.Tensor]:
         """The staging rows (one layer's experts) with row ``i`` holding slot ``slots[i]`` (at most one
-        layer's experts; device-to-device copies); the rows after are stale. The index goes up from
+        layer's experts; one device-to-device row copy a block); the rows after are stale. The index goes up from
         pinned memory without a host sync: a blocking copy would hold the host until the compute
         stream reached it, i.e. until the layer's copies were done, and the next layer's copies
         could not be queued meanwhile."""
         index = to_device(slots, self.device)
         rows = len(slots)
-        for t, s in zip(self.tensors, self.staging):
+        for t, s in zip(self._blocks, self._staging_blocks):
             torch.index_select(t, 0, index, out=s[:rows])
         return self.staging  # all rows: the kernels always see one layer's experts
 
-    def fill(self, layer: int, host_parts: list[torch.Tensor], placed: list[tuple[int, int]],
+    def fill(self, layer: int, host_blocks: list[torch.Tensor], placed: list[tuple[int, int]],
              evicted: list[ExpertKey], ahead: bool = False) -> None:
-        """Copy ``layer``'s experts into their slots (``placed``: (expert, slot)) and update the map.
+        """Copy ``layer``'s experts (``host_blocks``: its host blocks, each ``[E, ...]``, see
+        ``__init__``) into their slots (``placed``: (expert, slot)) and update the map.
         ``ahead``: a prefetch for a later layer, which only that layer's ``wait`` waits for."""
         for key in evicted:
             self._pending.pop(key, None)
@@ -131,7 +145,7 @@ class DeviceSlots:
             return
         if self._stream is None:
             for expert, slot in placed:
-                for dst, src in zip(self.tensors, host_parts):
+                for dst, src in zip(self._blocks, host_blocks):
                     dst[slot].copy_(src[expert])
         else:
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -139,7 +153,7 @@ class DeviceSlots:
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(self._stream)  # once the copies queued before are done: this batch alone
                 for expert, slot in placed:
-                    for dst, src in zip(self.tensors, host_parts):
+                    for dst, src in zip(self._blocks, host_blocks):
                         dst[slot].copy_(src[expert], non_blocking=True)
                 event = torch.cuda.Event(enable_timing=True)
                 event.record(self._stream)
@@ -153,9 +167,10 @@ class DeviceSlots:
         self._write_map(evicted + [(layer, e) for e, _ in placed], [-1] * len(evicted) + [s for _, s in placed])
 
     def fill_deferred(self, fills: list[tuple[int, int, int]], evicted: list[ExpertKey],
-                      host_parts: list[list[torch.Tensor]]) -> None:
+                      host_blocks: list[list[torch.Tensor]]) -> None:
         """Between steps: unmap ``evicted`` now, copy ``fills`` ((layer, expert, slot)) from
-        ``host_parts[layer]`` on the copy stream; ``commit`` maps them (module docstring)."""
+        ``host_blocks[layer]`` (as ``fill``'s) on the copy stream; ``commit`` maps them (module
+        docstring)."""
         released = [slot for slot in map(self._slot_held, evicted) if slot is not None]
         for key in evicted:
             self._pending.pop(key, None)
@@ -171,7 +186,7 @@ class DeviceSlots:
             return
         if self._stream is None:
             for layer, expert, slot in fills:
-                for dst, src in zip(self.tensors, host_parts[layer]):
+                for dst, src in zip(self._blocks, host_blocks[layer]):
                     dst[slot].copy_(src[expert])
                 self._released.pop(slot, None)
                 self._pending[(layer, expert)] = (slot, None, True)
@@ -189,7 +204,7 @@ class DeviceSlots:
                 for event in {id(e): e for e in (events[f[2]] for f in group) if e is not None}.values():
                     self._stream.wait_event(event)
                 for layer, expert, slot in group:
-                    for dst, src in zip(self.tensors, host_parts[layer]):
+                    for dst, src in zip(self._blocks, host_blocks[layer]):
                         dst[slot].copy_(src[expert], non_blocking=True)
                 copied = torch.cuda.Event()
                 copied.record(self._stream)

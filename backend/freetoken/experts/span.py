@@ -70,3 +70,12 @@ class SpanLayout:
             size = math.prod(shape) * dtype.itemsize
             parts.append(buffer[:, offset : offset + size].view(dtype).unflatten(1, shape))
         return parts
+
+    def holds(self, buffer: torch.Tensor, parts: Sequence[torch.Tensor]) -> bool:
+        """``parts`` are ``views(buffer)`` (the same places, shapes, strides and dtypes)."""
+        if buffer.dim() != 2 or buffer.shape[1] != self.nbytes or len(parts) != len(self.offsets):
+            return False
+        return all(
+            p.data_ptr() == v.data_ptr() and p.shape == v.shape and p.stride() == v.stride() and p.dtype == v.dtype
+            for p, v in zip(parts, self.views(buffer))
+        )
