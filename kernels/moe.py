@@ -48,9 +48,18 @@ def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
 
 
 def fused_experts_reference(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    expert_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``Σ_j weight_j · down_e(silu(gate_e(x)) · up_e(x))`` over each token's chosen experts ``e = ids_j``."""
+    """``Σ_j weight_j · down_e(silu(gate_e(x)) · up_e(x))`` over each token's chosen experts ``e = ids_j``.
+    ``expert_slots [E]`` (int32): expert ``e``'s weights are ``w13[expert_slots[e]]`` and
+    ``w2[expert_slots[e]]`` (an expert cache's slots, where the weight tensors hold more or fewer
+    rows than ``E``; entries of experts no id names are never read); None: ``w13[e]``."""
+    if expert_slots is not None:
+        used = torch.unique(topk_ids.flatten().long())
+        index = torch.zeros(expert_slots.shape[0], dtype=torch.long, device=w13.device)
+        index[used] = expert_slots.long()[used]
+        w13, w2 = w13[index], w2[index]
     num_tokens, top_k = topk_ids.shape
     order, offsets = moe_sort_tokens_reference(topk_ids, w13.shape[0])
     out = torch.zeros_like(x)

@@ -383,14 +383,24 @@ def _gate_up_block_tma(
 
 
 @device_function
+def _slot_of(expert, slots_ptr, HAS_SLOTS: tl.constexpr):
+    """The weight tensors' row of ``expert``: its expert-cache slot ``slots[expert]`` (``HAS_SLOTS``),
+    else the expert itself."""
+    slot = expert
+    if HAS_SLOTS:
+        slot = tl.load(slots_ptr + expert)
+    return slot
+
+
+@device_function
 def _gate_up_routed(
-    tile, col_block, x_ptr, x_st, w_ptr, w_se, w_sn, order_ptr, offsets_ptr, h_ptr, hidden, inter, num_experts,
-    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    tile, col_block, x_ptr, x_st, w_ptr, w_se, w_sn, order_ptr, offsets_ptr, slots_ptr, h_ptr, hidden, inter,
+    num_experts, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, HAS_SLOTS: tl.constexpr,
 ):
     expert, first, end = _tile_of(tile, offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
     if expert < num_experts:
-        _gate_up_rows(expert, first, end, col_block, x_ptr, x_st, w_ptr, w_se, w_sn, None, order_ptr, h_ptr, hidden,
+        _gate_up_rows(_slot_of(expert, slots_ptr, HAS_SLOTS), first, end, col_block, x_ptr, x_st, w_ptr, w_se, w_sn, None, order_ptr, h_ptr, hidden,
                       inter, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, False)
 
 
@@ -400,8 +410,8 @@ def _gate_up_rows(
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
-    """The routed tile of ``expert``'s sorted pairs ``[first, min(first + BLOCK_M, end))``; ``TMA``:
-    its weight rows through ``w_desc`` (``_gate_up_block_tma``)."""
+    """The routed tile of ``expert``'s sorted pairs ``[first, min(first + BLOCK_M, end))`` (``expert``:
+    its weights' row, ``_slot_of``); ``TMA``: its weight rows through ``w_desc`` (``_gate_up_block_tma``)."""
     rows = first + tl.arange(0, BLOCK_M)
     row_ok = rows < end
     token = tl.load(order_ptr + rows, mask=row_ok, other=0) // TOP_K
@@ -415,12 +425,12 @@ def _gate_up_rows(
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, x_st, w_ptr, w_se, w_sn, order_ptr, offsets_ptr, h_ptr,
+    x_ptr, x_st, w_ptr, w_se, w_sn, order_ptr, offsets_ptr, slots_ptr, h_ptr,
     hidden, inter, num_experts, num_row_tiles,
     ws_ptr, ws_sn, num_tokens, num_pairs, shared_tiles,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    SHARED: tl.constexpr,
+    SHARED: tl.constexpr, HAS_SLOTS: tl.constexpr,
 ):
     """``SHARED``: the first ``shared_tiles`` row tiles are the shared expert's (weight ``ws``,
     every token in order, ``h`` rows from ``num_pairs``), the rest the routed pairs' tiles."""
@@ -432,11 +442,12 @@ def _gate_up_kernel(
                            col_block, hidden, inter, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
         else:
             _gate_up_routed(tile - shared_tiles, col_block, x_ptr, x_st, w_ptr, w_se, w_sn, order_ptr, offsets_ptr,
-                            h_ptr, hidden, inter, num_experts, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, EVEN_K,
-                            PRECISION)
+                            slots_ptr, h_ptr, hidden, inter, num_experts, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E,
+                            EVEN_K, PRECISION, HAS_SLOTS)
     else:
-        _gate_up_routed(tile, col_block, x_ptr, x_st, w_ptr, w_se, w_sn, order_ptr, offsets_ptr, h_ptr, hidden,
-                        inter, num_experts, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, EVEN_K, PRECISION)
+        _gate_up_routed(tile, col_block, x_ptr, x_st, w_ptr, w_se, w_sn, order_ptr, offsets_ptr, slots_ptr, h_ptr,
+                        hidden, inter, num_experts, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, EVEN_K, PRECISION,
+                        HAS_SLOTS)
 
 
 @device_function
@@ -488,13 +499,13 @@ def _down_block_tma(
 
 @device_function
 def _down_routed(
-    tile, col_block, h_ptr, w_ptr, w_se, w_sn, order_ptr, offsets_ptr, topk_w_ptr, y_ptr, hidden, inter, num_experts,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    tile, col_block, h_ptr, w_ptr, w_se, w_sn, order_ptr, offsets_ptr, slots_ptr, topk_w_ptr, y_ptr, hidden, inter,
+    num_experts, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, HAS_SLOTS: tl.constexpr,
 ):
     expert, first, end = _tile_of(tile, offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
     if expert < num_experts:
-        _down_rows(expert, first, end, col_block, h_ptr, w_ptr, w_se, w_sn, order_ptr, topk_w_ptr, y_ptr, hidden, inter,
+        _down_rows(_slot_of(expert, slots_ptr, HAS_SLOTS), first, end, col_block, h_ptr, w_ptr, w_se, w_sn, order_ptr, topk_w_ptr, y_ptr, hidden, inter,
                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
 
 
@@ -504,7 +515,8 @@ def _down_rows(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """The routed tile of ``expert``'s sorted pairs ``[first, min(first + BLOCK_M, end))``."""
+    """The routed tile of ``expert``'s sorted pairs ``[first, min(first + BLOCK_M, end))`` (``expert``:
+    its weights' row, ``_slot_of``)."""
     rows = first + tl.arange(0, BLOCK_M)
     row_ok = rows < end
     pair = tl.load(order_ptr + rows, mask=row_ok, other=0)
@@ -515,12 +527,12 @@ def _down_rows(
 
 @triton.jit
 def _down_kernel(
-    h_ptr, w_ptr, w_se, w_sn, order_ptr, offsets_ptr, topk_w_ptr, y_ptr,
+    h_ptr, w_ptr, w_se, w_sn, order_ptr, offsets_ptr, slots_ptr, topk_w_ptr, y_ptr,
     hidden, inter, num_experts, num_row_tiles,
     ws_ptr, ws_sn, gate_ptr, g_st, num_tokens, num_pairs, shared_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    SHARED: tl.constexpr,
+    SHARED: tl.constexpr, HAS_SLOTS: tl.constexpr,
 ):
     """``SHARED``: the first ``shared_tiles`` row tiles are the shared expert's (weight ``ws``, ``h``
     and ``y`` rows from ``num_pairs``), scaled by ``sigmoid(gate)`` rounded to the activations' dtype."""
@@ -534,21 +546,22 @@ def _down_kernel(
             _down_block(h_ptr, num_pairs + tokens, t_ok, ws_ptr, ws_sn, weight, y_ptr, num_pairs + tokens, col_block,
                         hidden, inter, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
         else:
-            _down_routed(tile - shared_tiles, col_block, h_ptr, w_ptr, w_se, w_sn, order_ptr, offsets_ptr, topk_w_ptr,
-                         y_ptr, hidden, inter, num_experts, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, EVEN_K, PRECISION)
+            _down_routed(tile - shared_tiles, col_block, h_ptr, w_ptr, w_se, w_sn, order_ptr, offsets_ptr, slots_ptr,
+                         topk_w_ptr, y_ptr, hidden, inter, num_experts, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, EVEN_K,
+                         PRECISION, HAS_SLOTS)
     else:
-        _down_routed(tile, col_block, h_ptr, w_ptr, w_se, w_sn, order_ptr, offsets_ptr, topk_w_ptr, y_ptr, hidden,
-                     inter, num_experts, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, EVEN_K, PRECISION)
+        _down_routed(tile, col_block, h_ptr, w_ptr, w_se, w_sn, order_ptr, offsets_ptr, slots_ptr, topk_w_ptr, y_ptr,
+                     hidden, inter, num_experts, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, EVEN_K, PRECISION, HAS_SLOTS)
 
 
 @triton.jit
 def _gate_up_persistent_kernel(
-    x_ptr, x_st, w_ptr, w_se, w_sn, order_ptr, offsets_ptr, h_ptr,
+    x_ptr, x_st, w_ptr, w_se, w_sn, order_ptr, offsets_ptr, slots_ptr, h_ptr,
     hidden, inter, num_experts,
     ws_ptr, ws_sn, num_tokens, num_pairs, shared_tiles, w_desc, ws_desc,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    SHARED: tl.constexpr, TMA: tl.constexpr, HALF_TAIL: tl.constexpr,
+    SHARED: tl.constexpr, TMA: tl.constexpr, HALF_TAIL: tl.constexpr, HAS_SLOTS: tl.constexpr,
 ):
     """``_gate_up_kernel``'s tiles, a program looping over every ``num_programs``-th (GemmConfig.persistent);
     ``TMA``: the weight rows through the descriptors; ``HALF_TAIL``: a routed tile of at most
@@ -569,6 +582,7 @@ def _gate_up_persistent_kernel(
                                col_block, hidden, inter, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
         else:
             expert, first, end = _tile_in(tile - shared_tiles, starts, ends, tiles_end, BLOCK_M, BLOCK_E)
+            expert = _slot_of(expert, slots_ptr, HAS_SLOTS)
             if HALF_TAIL and end - first <= BLOCK_M // 2:
                 _gate_up_rows(expert, first, end, col_block, x_ptr, x_st, w_ptr, w_se, w_sn, w_desc, order_ptr, h_ptr,
                               hidden, inter, TOP_K, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA)
@@ -579,12 +593,12 @@ def _gate_up_persistent_kernel(
 
 @triton.jit
 def _down_persistent_kernel(
-    h_ptr, w_ptr, w_se, w_sn, order_ptr, offsets_ptr, topk_w_ptr, y_ptr,
+    h_ptr, w_ptr, w_se, w_sn, order_ptr, offsets_ptr, slots_ptr, topk_w_ptr, y_ptr,
     hidden, inter, num_experts,
     ws_ptr, ws_sn, gate_ptr, g_st, num_tokens, num_pairs, shared_tiles, h_desc, w_desc, ws_desc, h_half_desc,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    SHARED: tl.constexpr, TMA: tl.constexpr, HALF_TAIL: tl.constexpr,
+    SHARED: tl.constexpr, TMA: tl.constexpr, HALF_TAIL: tl.constexpr, HAS_SLOTS: tl.constexpr,
 ):
     """``_down_kernel``'s tiles, a program looping over every ``num_programs``-th (GemmConfig.persistent);
     ``TMA``: the operands through the descriptors (``_down_block_tma``; ``h_half_desc``: ``h``'s of
@@ -608,6 +622,7 @@ def _down_persistent_kernel(
                             col_block, hidden, inter, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
         else:
             expert, first, end = _tile_in(tile - shared_tiles, starts, ends, tiles_end, BLOCK_M, BLOCK_E)
+            expert = _slot_of(expert, slots_ptr, HAS_SLOTS)
             if HALF_TAIL and end - first <= BLOCK_M // 2:
                 _down_routed_tile(expert, first, end, col_block, h_ptr, h_half_desc, w_ptr, w_se, w_sn, w_desc,
                                   order_ptr, topk_w_ptr, y_ptr, hidden, inter, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K,
@@ -698,12 +713,15 @@ class SharedTiles:
 
 def gate_up(
     x: torch.Tensor, w13: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, h: torch.Tensor, top_k: int,
-    config: GemmConfig, shared: SharedTiles | None = None,
+    config: GemmConfig, shared: SharedTiles | None = None, expert_slots: torch.Tensor | None = None,
 ) -> None:
     """``h[sorted pair] = silu(x w_gateᵀ) · (x w_upᵀ)`` of the pair's expert (the tuner launches it
-    too); with ``shared``, ``h[pairs + t]`` the shared expert's of token ``t``."""
-    num_experts, two_inter, hidden = w13.shape
+    too); with ``shared``, ``h[pairs + t]`` the shared expert's of token ``t``; with ``expert_slots``
+    (``fused_experts``), expert ``e``'s weights are ``w13[expert_slots[e]]``."""
+    _, two_inter, hidden = w13.shape
+    num_experts = expert_slots.shape[0] if expert_slots is not None else w13.shape[0]
     inter = two_inter // 2
+    slots = expert_slots if expert_slots is not None else offsets
     num_pairs = order.shape[0]
     tiles = _row_tiles(num_pairs, num_experts, config.block_m)
     shared_tiles = shared.tiles(x.shape[0], config.block_m) if shared is not None else 0
@@ -716,33 +734,37 @@ def gate_up(
             TensorDescriptor.from_tensor(ws.reshape(-1, hidden), [config.block_n, config.block_k]),
         ) if tma else (None, None)
         _gate_up_persistent_kernel[(_persistent_programs(config, work, x.device),)](
-            x, x.stride(0), w13, w13.stride(0), w13.stride(1), order, offsets, h,
+            x, x.stride(0), w13, w13.stride(0), w13.stride(1), order, offsets, slots, h,
             hidden, inter, num_experts,
             ws, ws.stride(-2), x.shape[0], num_pairs, shared_tiles, *descs,
             TOP_K=top_k, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             GROUP_M=config.group_m, BLOCK_E=pow2(num_experts), EVEN_K=hidden % config.block_k == 0,
             PRECISION=dot_precision(x.dtype), SHARED=shared is not None, TMA=tma, HALF_TAIL=config.half_tail,
+            HAS_SLOTS=expert_slots is not None,
             num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.max_registers or None,
         )
         return
     _gate_up_kernel[(work,)](
-        x, x.stride(0), w13, w13.stride(0), w13.stride(1), order, offsets, h,
+        x, x.stride(0), w13, w13.stride(0), w13.stride(1), order, offsets, slots, h,
         hidden, inter, num_experts, tiles,
         ws, ws.stride(-2), x.shape[0], num_pairs, shared_tiles,
         TOP_K=top_k, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, BLOCK_E=pow2(num_experts), EVEN_K=hidden % config.block_k == 0,
-        PRECISION=dot_precision(x.dtype), SHARED=shared is not None,
+        PRECISION=dot_precision(x.dtype), SHARED=shared is not None, HAS_SLOTS=expert_slots is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
 
 def down(
     h: torch.Tensor, w2: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, topk_weights: torch.Tensor,
-    y: torch.Tensor, config: GemmConfig, shared: SharedTiles | None = None,
+    y: torch.Tensor, config: GemmConfig, shared: SharedTiles | None = None, expert_slots: torch.Tensor | None = None,
 ) -> None:
     """``y[pair] = weight · (h w_downᵀ)`` of the pair's expert, in pair order (the tuner launches it
-    too); with ``shared``, ``y[pairs + t] = sigmoid(gate_t) · (h[pairs + t] w_sharedᵀ)``."""
-    num_experts, hidden, inter = w2.shape
+    too); with ``shared``, ``y[pairs + t] = sigmoid(gate_t) · (h[pairs + t] w_sharedᵀ)``; with
+    ``expert_slots``, expert ``e``'s weights are ``w2[expert_slots[e]]``."""
+    _, hidden, inter = w2.shape
+    num_experts = expert_slots.shape[0] if expert_slots is not None else w2.shape[0]
+    slots = expert_slots if expert_slots is not None else offsets
     num_pairs = order.shape[0]
     tiles = _row_tiles(num_pairs, num_experts, config.block_m)
     num_tokens = h.shape[0] - num_pairs
@@ -759,22 +781,23 @@ def down(
             TensorDescriptor.from_tensor(h, [config.block_m // 2, config.block_k]) if config.half_tail else None,
         ) if tma else (None, None, None, None)
         _down_persistent_kernel[(_persistent_programs(config, work, h.device),)](
-            h, w2, w2.stride(0), w2.stride(1), order, offsets, topk_weights, y,
+            h, w2, w2.stride(0), w2.stride(1), order, offsets, slots, topk_weights, y,
             hidden, inter, num_experts,
             ws, ws.stride(-2), gate, gate.stride(0), num_tokens, num_pairs, shared_tiles, *descs,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             GROUP_M=config.group_m, BLOCK_E=pow2(num_experts), EVEN_K=inter % config.block_k == 0,
             PRECISION=dot_precision(h.dtype), SHARED=shared is not None, TMA=tma, HALF_TAIL=config.half_tail,
+            HAS_SLOTS=expert_slots is not None,
             num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.max_registers or None,
         )
         return
     _down_kernel[(work,)](
-        h, w2, w2.stride(0), w2.stride(1), order, offsets, topk_weights, y,
+        h, w2, w2.stride(0), w2.stride(1), order, offsets, slots, topk_weights, y,
         hidden, inter, num_experts, tiles,
         ws, ws.stride(-2), gate, gate.stride(0), num_tokens, num_pairs, shared_tiles,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, BLOCK_E=pow2(num_experts), EVEN_K=inter % config.block_k == 0,
-        PRECISION=dot_precision(h.dtype), SHARED=shared is not None,
+        PRECISION=dot_precision(h.dtype), SHARED=shared is not None, HAS_SLOTS=expert_slots is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
@@ -789,46 +812,55 @@ def _check_experts(name: str, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
 
 def _pair_outputs(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, order: torch.Tensor,
-    offsets: torch.Tensor, shared: SharedTiles | None = None,
+    offsets: torch.Tensor, shared: SharedTiles | None = None, expert_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``y [T·k, H]``: each pair's weighted expert output, in pair order (gate/up, then down); with
-    ``shared``, ``y [T·k + T, H]``: then each token's gated shared expert output."""
+    ``shared``, ``y [T·k + T, H]``: then each token's gated shared expert output. ``expert_slots``:
+    as ``fused_experts``'; the tiles are those of its ``E`` experts."""
     num_tokens, hidden = x.shape
-    num_experts, two_inter, _ = w13.shape
+    two_inter = w13.shape[1]
+    num_experts = offsets.shape[0] - 1
     inter = two_inter // 2
     top_k = topk_weights.shape[1]
     num_pairs = num_tokens * top_k
     rows = num_pairs + (num_tokens if shared is not None else 0)
     h = new_empty((rows, inter), x.dtype, x.device)
     config = moe_gemm_config("gate_up", x.dtype, num_pairs, num_experts, hidden, inter)
-    gate_up(x, w13, order, offsets, h, top_k, config, shared)
+    gate_up(x, w13, order, offsets, h, top_k, config, shared, expert_slots)
     y = new_empty((rows, hidden), x.dtype, x.device)
     config = moe_gemm_config("down", x.dtype, num_pairs, num_experts, hidden, inter)
-    down(h, w2, order, offsets, topk_weights, y, config, shared)
+    down(h, w2, order, offsets, topk_weights, y, config, shared, expert_slots)
     return y
 
 
 def _routed_inputs(
-    name: str, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    name: str, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    num_experts: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The checked, unit-stride inputs of the grouped path and the pairs sorted by expert:
-    ``(x, w13, w2, topk_weights, order, offsets)``."""
+    """The checked, unit-stride inputs of the grouped path and the pairs sorted by expert (of
+    ``num_experts``, default ``w13``'s): ``(x, w13, w2, topk_weights, order, offsets)``."""
     _check_experts(name, x, w13, w2, topk_ids.numel())
     if topk_weights.shape != topk_ids.shape:
         raise ValueError(f"{name}: weights {tuple(topk_weights.shape)}, ids {tuple(topk_ids.shape)} disagree")
     x = x if x.stride(-1) == 1 else x.contiguous()
-    order, offsets = moe_sort_tokens(topk_ids, w13.shape[0])
+    order, offsets = moe_sort_tokens(topk_ids, w13.shape[0] if num_experts is None else num_experts)
     return x, w13.contiguous(), w2.contiguous(), topk_weights.contiguous(), order, offsets
 
 
 def fused_experts(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    expert_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     _check_experts("fused_experts", x, w13, w2, topk_ids.numel())
     out = new_empty(x.shape, x.dtype, x.device)
     if x.shape[0] == 0:
         return out
-    y = _pair_outputs(*_routed_inputs("fused_experts", x, w13, w2, topk_weights, topk_ids))
+    if expert_slots is not None and (expert_slots.dim() != 1 or expert_slots.dtype != torch.int32):
+        raise ValueError(f"fused_experts: expert_slots must be a 1-D int32 tensor, got {expert_slots.dtype} "
+                         f"{tuple(expert_slots.shape)}")
+    num_experts = None if expert_slots is None else expert_slots.shape[0]
+    inputs = _routed_inputs("fused_experts", x, w13, w2, topk_weights, topk_ids, num_experts)
+    y = _pair_outputs(*inputs, expert_slots=None if expert_slots is None else expert_slots.contiguous())
     sum_choices(y, out, topk_ids.shape[1])
     return out
 

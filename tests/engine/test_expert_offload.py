@@ -101,8 +101,8 @@ def test_counters_add_up_to_the_routed_uses(zero_copy):
         (num_slots, 2 * text.moe_intermediate_size, text.hidden_size),
         (num_slots, text.hidden_size, text.moe_intermediate_size),
     ]
-    # more slots than a layer's experts: scattered layers are packed into one layer's staging rows
-    assert [t.shape[0] for t in slots.staging] == [text.num_experts] * 2
+    # more slots than a layer's experts, dense: the GEMMs read each expert in its slot, no staging rows
+    assert [t.shape[0] for t in slots.staging] == [0, 0]
     assert all(m.w13.shape[0] == text.num_experts for m in moe)  # every expert stays in host memory
 
 
@@ -210,10 +210,10 @@ def test_span_slots_copy_an_expert_as_one_block():
     for view, part in zip(parts, host):
         view.copy_(part)
     assert layout.holds(span, parts) and not layout.holds(span, host)
-    slots = DeviceSlots(parts, num_slots=7, num_layers=1, device=torch.device("cpu"), layout=layout)
+    slots = DeviceSlots([[span]], num_slots=7, device=torch.device("cpu"), staging_rows=5, layout=layout)
     assert slots.nbytes == (7 + 5) * layout.nbytes and slots.tensors[1].stride(0) == layout.nbytes // 4
-    slots.fill(0, [span], [(3, 6), (0, 2)], [])
-    slots.fill_deferred([(0, 4, 5)], [], [[span]])
+    slots.fill(0, [(3, 6), (0, 2)], [])
+    slots.fill_deferred([(0, 4, 5)], [])
     for slot, expert in ((6, 3), (2, 0), (5, 4)):
         assert all(torch.equal(t[slot], p[expert]) for t, p in zip(slots.tensors, host))
     staged = slots.gather([5, 6])

@@ -47,13 +47,13 @@ def test_zero_copy_decode_greedy_equals_transformers(monkeypatch, family, padded
     copies: list[int] = []  # experts copied into slots, by either path
     fill, fill_deferred = offload.slots.fill, offload.slots.fill_deferred
 
-    def counted_fill(layer, host_parts, placed, evicted, ahead=False):
+    def counted_fill(layer, placed, evicted, ahead=False):
         copies.append(len(placed))
-        fill(layer, host_parts, placed, evicted, ahead)
+        fill(layer, placed, evicted, ahead)
 
-    def counted_fill_deferred(fills, evicted, host_parts):
+    def counted_fill_deferred(fills, evicted):
         copies.append(len(fills))
-        fill_deferred(fills, evicted, host_parts)
+        fill_deferred(fills, evicted)
 
     monkeypatch.setattr(offload.slots, "fill", counted_fill)
     monkeypatch.setattr(offload.slots, "fill_deferred", counted_fill_deferred)
@@ -108,26 +108,26 @@ def test_zero_copy_decode_greedy_equals_transformers(monkeypatch, family, padded
 
 def test_deferred_fills_map_only_once_copied_and_evictions_at_once():
     parts = [torch.arange(6 * 4, dtype=torch.float32).view(6, 4), -torch.arange(6 * 2, dtype=torch.float32).view(6, 2)]
-    slots = DeviceSlots(parts, num_slots=2, num_layers=1, device=torch.device("cpu"))
-    slots.fill_deferred([(0, 3, 0)], [], [parts])
+    slots = DeviceSlots([parts], num_slots=2, device=torch.device("cpu"))
+    slots.fill_deferred([(0, 3, 0)], [])
     assert slots.slot_map[0, 3] == -1 and slots.is_pending((0, 3))
     assert torch.equal(slots.tensors[0][0], parts[0][3]) and torch.equal(slots.tensors[1][0], parts[1][3])
     slots.commit()
     assert slots.slot_map[0, 3] == 0 and not slots.is_pending((0, 3))
     # evicting a mapped expert unmaps it at once; its successor is mapped only at the commit
-    slots.fill_deferred([(0, 4, 0)], [(0, 3)], [parts])
+    slots.fill_deferred([(0, 4, 0)], [(0, 3)])
     assert slots.slot_map[0, 3] == -1 and slots.slot_map[0, 4] == -1
     slots.commit()
     assert slots.slot_map[0, 4] == 0
     # a pending expert evicted before its commit is never mapped (its slot went on to another)
-    slots.fill_deferred([(0, 1, 1)], [], [parts])
-    slots.fill_deferred([(0, 2, 1)], [(0, 1)], [parts])
+    slots.fill_deferred([(0, 1, 1)], [])
+    slots.fill_deferred([(0, 2, 1)], [(0, 1)])
     slots.commit()
     assert slots.slot_map[0].tolist() == [-1, -1, 1, -1, 0, -1]
     assert torch.equal(slots.tensors[0][1], parts[0][2])
     # the eager path's fill drops a pending expert it evicts, too
-    slots.fill_deferred([(0, 5, 1)], [(0, 2)], [parts])
-    slots.fill(0, parts, [(3, 1)], [(0, 5)])
+    slots.fill_deferred([(0, 5, 1)], [(0, 2)])
+    slots.fill(0, [(3, 1)], [(0, 5)])
     slots.commit()
     assert slots.slot_map[0].tolist() == [-1, -1, -1, 1, 0, -1]
 

@@ -225,10 +225,10 @@ def test_a_deeper_stream_queues_every_layer_ahead_before_the_launch(short_chunks
         events.append(("begin", layer))
         return begin(layer, experts)
 
-    def recorded_fill(layer, host_parts, placed, evicted, ahead=False):
+    def recorded_fill(layer, placed, evicted, ahead=False):
         if ahead:
             events.append(("ahead", layer))
-        return fill(layer, host_parts, placed, evicted, ahead)
+        return fill(layer, placed, evicted, ahead)
 
     monkeypatch.setattr(offload, "begin", recorded_begin)
     monkeypatch.setattr(offload.slots, "fill", recorded_fill)

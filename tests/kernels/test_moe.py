@@ -123,6 +123,35 @@ def test_fused_experts_grouped_tiles(rng, monkeypatch, hidden, block_k, persiste
     assert_close(moe.fused_experts(x, w13, w2, weights, ids), ref.fused_experts_reference(x, w13, w2, weights, ids))
 
 
+# one program per tile; a persistent launch through pointers; through TMA descriptors
+@pytest.mark.parametrize("persistent,tma", [(0, False), (3, False), (3, True)])
+@pytest.mark.parametrize("rows", [11, 4])  # an expert cache larger and smaller than the layer's experts
+def test_fused_experts_expert_slots(rng, monkeypatch, persistent, tma, rows):
+    """``expert_slots``: each expert's weights at its slot of tensors of ``rows`` experts (the
+    expert cache's), other slots holding other weights; experts no token routes have slot -1."""
+    from freetoken.kernels.triton.moe_configs import GemmConfig
+
+    moe = _triton()
+    config = GemmConfig(block_m=16, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1,
+                        persistent=persistent, tma=tma)
+    monkeypatch.setattr(moe, "moe_gemm_config", lambda *args: config)
+    e, k, tokens, hidden, inter = 7, 2, 29, 64, 48
+    routed = min(rows, 4)  # the experts the tokens route to
+    x = torch.randn(tokens, hidden, generator=rng).to(DEVICE)
+    w13 = (torch.randn(rows, 2 * inter, hidden, generator=rng) * hidden**-0.5).to(DEVICE)
+    w2 = (torch.randn(rows, hidden, inter, generator=rng) * inter**-0.5).to(DEVICE)
+    experts = torch.randperm(e, generator=rng)[:routed]
+    slots = torch.full((e,), -1, dtype=torch.int32)
+    slots[experts] = torch.randperm(rows, generator=rng)[:routed].int()
+    logits = torch.randn(tokens, routed, generator=rng).to(DEVICE)
+    weights, local = ref.moe_topk_softmax_reference(logits, k, True)
+    ids = experts.to(DEVICE)[local.long()].int()
+    slots = slots.to(DEVICE)
+    want = ref.fused_experts_reference(x, w13[slots.long()[experts]], w2[slots.long()[experts]], weights, local)
+    assert_close(ref.fused_experts_reference(x, w13, w2, weights, ids, slots), want)
+    assert_close(moe.fused_experts(x, w13, w2, weights, ids, slots), want)
+
+
 @pytest.mark.parametrize("tma", [False, True])
 def test_fused_experts_half_tail(rng, monkeypatch, tma):
     """``GemmConfig.half_tail`` at 32-row tiles: experts of 0, 16 (a half tile), 17 (a full one),

@@ -107,7 +107,6 @@ class ExpertOffload:
         # Distinct misses of the last settled decode forwards: how many slots to keep lent.
         self._demand: deque[int] = deque(maxlen=DEMAND_WINDOW)
         self.nvfp4 = False
-        self._blocks: list[list[torch.Tensor]] = []  # what a fill copies, per layer (``DeviceSlots``)
         self.timeline: PrefillTimeline | None = None  # ``record_timeline``
 
     def record_timeline(self) -> PrefillTimeline | None:
@@ -151,6 +150,13 @@ class ExpertOffload:
         """Experts of one layer."""
         return self.layers[0].num_experts
 
+    def staging_rows(self, num_slots: int) -> int:
+        """Device rows of experts beside a cache of ``num_slots``: one layer's experts for NVFP4
+        layers when the cache is larger than a layer (a layer's slots are then scattered, and its
+        grouped GEMMs read them packed: ``DeviceSlots.gather``); none for dense experts, whose GEMMs
+        read each expert in its slot (``fused_experts``' ``expert_slots``)."""
+        return self.num_experts if self.layers[0].is_nvfp4() and num_slots > self.num_experts else 0
+
     @property
     def num_slots(self) -> int:
         return 0 if self.table is None else self.table.num_slots
@@ -184,9 +190,9 @@ class ExpertOffload:
                 if not layout.holds(span, layer_parts):
                     raise ValueError(f"moe_offload: layer {index}'s experts are not laid out as experts.span lays "
                                      "them out; the device cache could not copy them as one span")
-        self._blocks = [layer_parts if span is None else [span] for layer_parts, span in zip(parts, spans)]
+        blocks = [layer_parts if span is None else [span] for layer_parts, span in zip(parts, spans)]
         self.table = SlotTable(num_slots, make_policy(self.policy), self.expert_bytes)
-        self.slots = DeviceSlots(parts[0], num_slots, len(self.layers), device, layout)
+        self.slots = DeviceSlots(blocks, num_slots, device, self.staging_rows(num_slots), layout)
         if decode_tokens > 0 and all(layer.zero_copy_ready() for layer in self.layers):
             read_through = not self.nvfp4
             self.log = RoutedLog(len(self.layers), decode_tokens, self.layers[0].top_k, device, read_through)
@@ -247,7 +253,7 @@ class ExpertOffload:
         hits_before, misses_before = counters.hits, counters.misses
         if self.lender is None:
             fills, evicted = table.settle((layer, *record.layer(layer)) for layer in range(len(self.layers)))
-            slots.fill_deferred(fills, evicted, self._blocks)
+            slots.fill_deferred(fills, evicted)
         else:
             fills = []
             for layer in range(len(self.layers)):
@@ -351,7 +357,7 @@ class ExpertOffload:
         keep = {(first - 1, e) for e in running}
         for layer, experts in enumerate(predicted, start=first):
             placed, evicted = table.prefetch(layer, experts, keep)
-            self.slots.fill(layer, self._blocks[layer], placed, evicted, ahead=True)
+            self.slots.fill(layer, placed, evicted, ahead=True)
             keep |= {(layer, e) for e in range(self.num_experts)}
 
     def passed(self, layer: int, counts: dict[int, int]) -> None:
@@ -362,7 +368,7 @@ class ExpertOffload:
     def bring_in(self, layer: int, experts: list[int]) -> None:
         placed, evicted = self._table().admit(layer, experts)
         assert self.slots is not None
-        self.slots.fill(layer, self._blocks[layer], placed, evicted)
+        self.slots.fill(layer, placed, evicted)
 
     def slot_of(self, layer: int, expert: int) -> int:
         slot = self._table().slot_of((layer, expert))

@@ -76,26 +76,28 @@ from freetoken.experts.timeline import PrefillTimeline
 
 
 class DeviceSlots:
-    def __init__(self, parts: list[torch.Tensor], num_slots: int, num_layers: int, device: torch.device,
-                 layout: SpanLayout | None = None) -> None:
-        """``parts``: one layer's host weight parts, each ``[E, ...]`` (every layer's have these shapes);
-        ``layout``: they are views of one span an expert (NVFP4), and so are the slots'.
-
-        The copies move *blocks*: the span alone with a ``layout`` (a fill's host blocks are the
-        layer's ``[E, span]``), else each part."""
+    def __init__(self, host_blocks: list[list[torch.Tensor]], num_slots: int, device: torch.device,
+                 staging_rows: int = 0, layout: SpanLayout | None = None) -> None:
+        """``host_blocks[layer]``: what a fill of that layer copies, each ``[E, ...]`` (every layer's
+        have the first layer's shapes): its weight parts, or with ``layout`` (NVFP4 experts) the one
+        uint8 ``[E, span]`` the parts are views of, and the slots are laid out alike.
+        ``staging_rows``: experts' rows for ``gather`` (``ExpertOffload.staging_rows``)."""
         self.device = device
-        num_experts = parts[0].shape[0]
-        # A cache larger than one layer's experts scatters a layer over more slots than it has
-        # experts; ``gather`` then packs them into the staging rows.
-        staging_rows = num_experts if num_slots > num_experts else 0
+        blocks = host_blocks[0]
+        num_experts, num_layers = blocks[0].shape[0], len(host_blocks)
         if layout is None:
-            self._blocks = [torch.empty((num_slots, *p.shape[1:]), dtype=p.dtype, device=device) for p in parts]
-            self._staging_blocks = [torch.empty((staging_rows, *p.shape[1:]), dtype=p.dtype, device=device) for p in parts]
+            self._blocks = [torch.empty((num_slots, *p.shape[1:]), dtype=p.dtype, device=device) for p in blocks]
+            self._staging_blocks = [torch.empty((staging_rows, *p.shape[1:]), dtype=p.dtype, device=device)
+                                    for p in blocks]
             self.tensors, self.staging = self._blocks, self._staging_blocks
         else:
             self._blocks, self._staging_blocks = [layout.empty(num_slots, device)], [layout.empty(staging_rows, device)]
             self.tensors, self.staging = layout.views(self._blocks[0]), layout.views(self._staging_blocks[0])
-        self.slot_map = torch.full((num_layers, parts[0].shape[0]), -1, dtype=torch.int32, device=device)
+        # Every slot's and every host expert's block as a view made once: a fill then indexes tuples
+        # and queues its copies in one call (``_copy``), no tensor indexing per block.
+        self._slot_rows = [t.unbind(0) for t in self._blocks]
+        self._host_rows = [[p.unbind(0) for p in layer_blocks] for layer_blocks in host_blocks]
+        self.slot_map = torch.full((num_layers, num_experts), -1, dtype=torch.int32, device=device)
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._ready: torch.cuda.Event | None = None
         self._ahead: dict[int, list[torch.cuda.Event]] = {}  # layer -> its prefetches' copies
@@ -132,10 +134,8 @@ class DeviceSlots:
             torch.index_select(t, 0, index, out=s[:rows])
         return self.staging  # all rows: the kernels always see one layer's experts
 
-    def fill(self, layer: int, host_blocks: list[torch.Tensor], placed: list[tuple[int, int]],
-             evicted: list[ExpertKey], ahead: bool = False) -> None:
-        """Copy ``layer``'s experts (``host_blocks``: its host blocks, each ``[E, ...]``, see
-        ``__init__``) into their slots (``placed``: (expert, slot)) and update the map.
+    def fill(self, layer: int, placed: list[tuple[int, int]], evicted: list[ExpertKey], ahead: bool = False) -> None:
+        """Copy ``layer``'s experts into their slots (``placed``: (expert, slot)) and update the map.
         ``ahead``: a prefetch for a later layer, which only that layer's ``wait`` waits for."""
         for key in evicted:
             self._pending.pop(key, None)
@@ -144,17 +144,13 @@ class DeviceSlots:
         if not placed:
             return
         if self._stream is None:
-            for expert, slot in placed:
-                for dst, src in zip(self._blocks, host_blocks):
-                    dst[slot].copy_(src[expert])
+            self._copy([(layer, expert, slot) for expert, slot in placed])
         else:
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream):
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(self._stream)  # once the copies queued before are done: this batch alone
-                for expert, slot in placed:
-                    for dst, src in zip(self._blocks, host_blocks):
-                        dst[slot].copy_(src[expert], non_blocking=True)
+                self._copy([(layer, expert, slot) for expert, slot in placed])
                 event = torch.cuda.Event(enable_timing=True)
                 event.record(self._stream)
             self._copy_spans.append((start, event))
@@ -166,11 +162,9 @@ class DeviceSlots:
                 self._ready = event
         self._write_map(evicted + [(layer, e) for e, _ in placed], [-1] * len(evicted) + [s for _, s in placed])
 
-    def fill_deferred(self, fills: list[tuple[int, int, int]], evicted: list[ExpertKey],
-                      host_blocks: list[list[torch.Tensor]]) -> None:
-        """Between steps: unmap ``evicted`` now, copy ``fills`` ((layer, expert, slot)) from
-        ``host_blocks[layer]`` (as ``fill``'s) on the copy stream; ``commit`` maps them (module
-        docstring)."""
+    def fill_deferred(self, fills: list[tuple[int, int, int]], evicted: list[ExpertKey]) -> None:
+        """Between steps: unmap ``evicted`` now, copy ``fills`` ((layer, expert, slot)) from host
+        memory on the copy stream; ``commit`` maps them (module docstring)."""
         released = [slot for slot in map(self._slot_held, evicted) if slot is not None]
         for key in evicted:
             self._pending.pop(key, None)
@@ -185,9 +179,8 @@ class DeviceSlots:
         if not fills:
             return
         if self._stream is None:
+            self._copy(fills)
             for layer, expert, slot in fills:
-                for dst, src in zip(self._blocks, host_blocks[layer]):
-                    dst[slot].copy_(src[expert])
                 self._released.pop(slot, None)
                 self._pending[(layer, expert)] = (slot, None, True)
             return
@@ -203,13 +196,20 @@ class DeviceSlots:
                     continue
                 for event in {id(e): e for e in (events[f[2]] for f in group) if e is not None}.values():
                     self._stream.wait_event(event)
-                for layer, expert, slot in group:
-                    for dst, src in zip(self._blocks, host_blocks[layer]):
-                        dst[slot].copy_(src[expert], non_blocking=True)
+                self._copy(group)
                 copied = torch.cuda.Event()
                 copied.record(self._stream)
                 for layer, expert, slot in group:
                     self._pending[(layer, expert)] = (slot, copied, is_clean)
+
+    def _copy(self, fills: list[tuple[int, int, int]]) -> None:
+        """Copy each ``(layer, expert, slot)``'s blocks from host memory into the slot, on the current
+        stream (asynchronously on CUDA: the host weights are pinned), as one ``_foreach_copy_``:
+        one call from Python for the batch instead of an indexing and a ``copy_`` per part (host
+        time at a prompt chunk's routing sync, when the GPU waits for the layer's launch)."""
+        dsts = [rows[slot] for _, _, slot in fills for rows in self._slot_rows]
+        srcs = [rows[expert] for layer, expert, _ in fills for rows in self._host_rows[layer]]
+        torch._foreach_copy_(dsts, srcs, non_blocking=self._stream is not None)
 
     def commit(self, wait: bool = False) -> int:
         """Map the deferred fills: on the compute stream, a wait for each copy's event, then the map

@@ -209,13 +209,17 @@ class OffloadedExperts(nn.Module):
     def _run(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, group: list[int]) -> torch.Tensor:
         """The experts of ``group`` (all cached) for pairs routed only to them.
 
-        The grouped-GEMM kernels cost per launch as much as the experts they are given, and compile
-        and pick their tuned tiles per expert count: they always see ``E`` experts, as a resident
-        layer (or the whole cache, when it holds fewer): a window of ``E`` slots holding the
-        group when there is one, else the group packed into the staging rows
-        (``DeviceSlots.gather``: device-to-device copies)."""
+        The grouped-GEMM kernels compile and pick their tuned tiles per expert count: they see the
+        layer's ``E`` experts, as a resident layer. Dense experts are read in their slots through
+        the layer's row of the slot map (``fused_experts``' ``expert_slots``). NVFP4 experts see a
+        window of ``E`` slots holding the group when there is one (or the whole cache, when it holds
+        fewer), else the group packed into the staging rows (``DeviceSlots.gather``:
+        device-to-device copies)."""
         slots = self.offload.slots
         assert slots is not None
+        if not self.offload.nvfp4:
+            return kernels.fused_experts(x, slots.tensors[0], slots.tensors[1], weights, expert_ids,
+                                         expert_slots=slots.slot_map[self.layer])
         num_slots = slots.tensors[0].shape[0]
         if num_slots <= self.num_experts:
             tensors, local = slots.tensors, slots.slot_ids(self.layer, expert_ids)
@@ -232,9 +236,7 @@ class OffloadedExperts(nn.Module):
                 for position, expert in enumerate(group):
                     rank[expert] = position
                 local = to_device(rank, x.device, torch.int32)[expert_ids.long()]
-        if self.offload.nvfp4:
-            return kernels.fused_experts_nvfp4(x, *tensors, weights, local)
-        return kernels.fused_experts(x, tensors[0], tensors[1], weights, local)
+        return kernels.fused_experts_nvfp4(x, *tensors, weights, local)
 
 
 def make_store(num_experts: int, intermediate: int, hidden: int, top_k: int) -> ResidentExperts | OffloadedExperts:
