@@ -1,11 +1,16 @@
 """How fast do expert-sized host-to-device copies run, as the expert cache issues them?
 
-The offloaded 8k prefill is bound by its copies (issue 11). ``DeviceSlots.fill`` copies each
-expert as its weight parts (bf16: ``w13`` 4.2 MB and ``w2`` 2.1 MB, two ``cudaMemcpyAsync``) from
-pinned host memory into its slot, on one copy stream. This times the same batch of experts copied
-(a) part by part, as the cache does, (b) as one contiguous span per expert, (c) part by part
-alternating over two copy streams, (d) as one copy of the whole batch (the bandwidth ceiling), and
-prints GB/s for each, so the per-copy cost is measured rather than guessed.
+The offloaded 8k prefill is bound by its copies (issue 11). The host store and the device cache
+keep a layer's experts in the engine's layout (``experts.span``, imported here): bf16 experts as
+their weight parts (``w13`` 4.2 MB and ``w2`` 2.1 MB), which ``DeviceSlots.fill`` copies part by
+part (two ``cudaMemcpyAsync`` an expert); NVFP4 experts as one byte span an expert with the six
+parts (codes, e4m3 block scales, float32 row scales of ``w13`` and ``w2``) strided views of it,
+which the cache copies as one span (one ``cudaMemcpyAsync``; before session 25 it copied the six
+parts). This times the same batch of experts, from pinned host memory into slots on one copy
+stream, copied (a) part by part (the parts' views of the spans: the bf16 cache, and the NVFP4
+cache before), (b) as one span per expert (the NVFP4 cache), (c) part by part alternating over
+two copy streams, (d) as one copy of the whole batch (the bandwidth ceiling), and prints GB/s for
+each, so the per-copy cost is measured rather than guessed.
 
     python benchmarks/pcie_expert_copy.py [--experts 400] [--nvfp4]
 """
@@ -16,16 +21,25 @@ import argparse
 
 import torch
 
+from freetoken.experts.span import SpanLayout
+
 HIDDEN, INTERMEDIATE, EXPERTS = 2048, 512, 256  # Qwen3.6-35B-A3B's expert shape
 
 
-def _parts(nvfp4: bool) -> list[tuple[int, ...]]:
-    """Byte shapes of one expert's parts (``[E, ...]`` uint8), as the cache stores them."""
+def _layout(nvfp4: bool) -> SpanLayout:
+    """One expert's parts as the engine lays them out (``experts.span``; shapes only)."""
+    def part(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty((EXPERTS, *shape), dtype=dtype, device="meta")
+
     if not nvfp4:
-        return [(2 * INTERMEDIATE, HIDDEN * 2), (HIDDEN, INTERMEDIATE * 2)]
+        return SpanLayout.of([part(2 * INTERMEDIATE, HIDDEN, dtype=torch.bfloat16),
+                              part(HIDDEN, INTERMEDIATE, dtype=torch.bfloat16)])
     # NVFP4: packed codes, one e4m3 scale per 16 weights, one float32 row scale, per weight.
-    return [(2 * INTERMEDIATE, HIDDEN // 2), (2 * INTERMEDIATE, HIDDEN // 16), (2 * INTERMEDIATE, 4),
-            (HIDDEN, INTERMEDIATE // 2), (HIDDEN, INTERMEDIATE // 16), (HIDDEN, 4)]
+    parts = []
+    for rows, cols in ((2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)):
+        parts += [part(rows, cols // 2, dtype=torch.uint8), part(rows, cols // 16, dtype=torch.float8_e4m3fn),
+                  part(rows, dtype=torch.float32)]
+    return SpanLayout.of(parts)
 
 
 def _time(fn, streams: list[torch.cuda.Stream], repeats: int) -> float:
@@ -53,14 +67,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--nvfp4", action="store_true", help="NVFP4 experts' parts instead of bf16")
     args = parser.parse_args()
-    shapes = _parts(args.nvfp4)
-    expert_bytes = sum(r * c for r, c in shapes)
+    layout = _layout(args.nvfp4)
+    expert_bytes = layout.nbytes
     n = args.experts
     gen = torch.Generator().manual_seed(0)
-    host_parts = [torch.empty((EXPERTS, *s), dtype=torch.uint8, pin_memory=True) for s in shapes]
-    dev_parts = [torch.empty((n, *s), dtype=torch.uint8, device="cuda") for s in shapes]
-    host_flat = torch.empty((EXPERTS, expert_bytes), dtype=torch.uint8, pin_memory=True)
-    dev_flat = torch.empty((n, expert_bytes), dtype=torch.uint8, device="cuda")
+    host_flat = layout.empty(EXPERTS, "cpu", pin=True)
+    dev_flat = layout.empty(n, "cuda")
+    host_parts, dev_parts = layout.views(host_flat), layout.views(dev_flat)
     order = torch.randperm(EXPERTS, generator=gen)[: min(n, EXPERTS)].tolist()
     picks = [order[i % len(order)] for i in range(n)]  # host experts, in the cache's random order
     one, two = torch.cuda.Stream(), [torch.cuda.Stream(), torch.cuda.Stream()]
@@ -91,9 +104,10 @@ def main() -> None:
 
     total = n * expert_bytes
     kind = "NVFP4" if args.nvfp4 else "bf16"
-    print(f"{n} {kind} experts of {expert_bytes / 1e6:.2f} MB ({len(shapes)} parts), {total / 1e9:.2f} GB a batch")
-    for name, fn, streams in (("part by part, one stream (the cache today)", by_part, [one]),
-                              ("one span per expert, one stream", by_expert, [one]),
+    print(f"{n} {kind} experts of {expert_bytes / 1e6:.2f} MB ({len(host_parts)} parts), {total / 1e9:.2f} GB a batch")
+    cache = " (the cache)"
+    for name, fn, streams in ((f"part by part, one stream{'' if args.nvfp4 else cache}", by_part, [one]),
+                              (f"one span per expert, one stream{cache if args.nvfp4 else ''}", by_expert, [one]),
                               ("part by part, two streams alternating", two_streams, two),
                               ("the whole batch as one copy", whole, [one])):
         ms = _time(fn, streams, args.repeats)

@@ -134,7 +134,9 @@ def sparse_moe_decode_offload_nvfp4_reference(
     routed: torch.Tensor,
 ) -> torch.Tensor:
     """``sparse_moe_decode_offload`` over NVFP4 routed and shared experts (``kernels/nvfp4.py``'s
-    layout): each routed weight's three parts, in the slots ``[S, ...]`` and on the host ``[E, ...]``."""
+    layout): each routed weight's three parts, in the slots ``[S, ...]`` and on the host ``[E, ...]``,
+    with any expert (dim 0) stride and contiguous rows (an offloaded layer's are views of one byte
+    span an expert, ``experts.span``)."""
     num_experts = host_w13_packed.shape[0]
     _route(gate_logits, slot_map, num_experts, top_k, renormalize, routed)
     slot_parts = (slot_w13_packed, slot_w13_scales, slot_w13_row_scales, slot_w2_packed, slot_w2_scales,

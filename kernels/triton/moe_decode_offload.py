@@ -21,7 +21,9 @@ and down programs that load a claimed expert's tiles also store them into its sl
 The rest (rounding, launch shapes and tiles, the shared expert) is the resident block's, without
 programmatic dependent launch (each launch starts once the previous one is done). NVFP4 experts
 route inside their gate/up programs as the resident NVFP4 block does and pick the base of each of
-their three parts (packed codes, block scales, row scales) the same way.
+their three parts (packed codes, block scales, row scales) the same way, each from its own expert
+stride: an offloaded layer's parts are views of one span an expert (``experts.span``), in the slots
+and on the host alike, and only their rows need be contiguous.
 """
 
 from __future__ import annotations
@@ -286,11 +288,24 @@ def sparse_moe_decode_offload(
     return out
 
 
+@device_function
+def _expert_parts(hit, slot, expert, slot_w_ptr, slot_s_ptr, slot_r_ptr, host_w_ptr, host_s_ptr, host_r_ptr,
+                  slot_es_w, slot_es_s, slot_es_r, host_es_w, host_es_s, host_es_r):
+    """The bases of a routed expert's three NVFP4 parts (packed codes, block scales, row scales): in
+    its cache slot on a hit, in host memory on a miss, each part from its own expert stride
+    (elements; an expert span's views have the span's, ``experts.span``). Its rows follow contiguous."""
+    s = slot.to(tl.int64)
+    e = expert.to(tl.int64)
+    return (tl.where(hit, slot_w_ptr + s * slot_es_w, host_w_ptr + e * host_es_w),
+            tl.where(hit, slot_s_ptr + s * slot_es_s, host_s_ptr + e * host_es_s),
+            tl.where(hit, slot_r_ptr + s * slot_es_r, host_r_ptr + e * host_es_r))
+
+
 @triton.jit
 def _offload_nvfp4_gate_up_kernel(
     x_ptr, x_st, logits_ptr, l_st, map_ptr,
-    slot_w_ptr, slot_s_ptr, slot_r_ptr, host_w_ptr, host_s_ptr, host_r_ptr, sw_ptr, sw_s_ptr, sw_r_ptr,
-    h_ptr, h_width, topw_ptr, topi_ptr,
+    slot_w_ptr, slot_s_ptr, slot_r_ptr, host_w_ptr, host_s_ptr, host_r_ptr, slot_es_w, slot_es_s, slot_es_r,
+    host_es_w, host_es_s, host_es_r, sw_ptr, sw_s_ptr, sw_r_ptr, h_ptr, h_width, topw_ptr, topi_ptr,
     hidden, inter, shared_inter, num_experts,
     TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -308,12 +323,9 @@ def _offload_nvfp4_gate_up_kernel(
         if tl.program_id(1) == 0:
             tl.store(topw_ptr + t * TOP_K + j, weight)
             tl.store(topi_ptr + t * TOP_K + j, tl.where(hit, expert, -1 - expert))
-        rows = tl.where(hit, slot, expert).to(tl.int64) * 2 * inter  # first row of the flattened [* x 2I, H]
-        gate, up = _gate_up(
-            x_row, tl.where(hit, slot_w_ptr, host_w_ptr) + rows * (hidden // 2),
-            tl.where(hit, slot_s_ptr, host_s_ptr) + rows * (hidden // 16), tl.where(hit, slot_r_ptr, host_r_ptr) + rows,
-            hidden, inter, n, BLOCK_N, BLOCK_K,
-        )
+        w, s, r = _expert_parts(hit, slot, expert, slot_w_ptr, slot_s_ptr, slot_r_ptr, host_w_ptr, host_s_ptr,
+                                host_r_ptr, slot_es_w, slot_es_s, slot_es_r, host_es_w, host_es_s, host_es_r)
+        gate, up = _gate_up(x_row, w, s, r, hidden, inter, n, BLOCK_N, BLOCK_K)
         limit = inter
     else:
         gate, up = _gate_up(x_row, sw_ptr, sw_s_ptr, sw_r_ptr, hidden, shared_inter, n, BLOCK_N, BLOCK_K)
@@ -326,6 +338,7 @@ def _offload_nvfp4_gate_up_kernel(
 @triton.jit
 def _offload_nvfp4_down_kernel(
     h_ptr, h_width, map_ptr, slot_w_ptr, slot_s_ptr, slot_r_ptr, host_w_ptr, host_s_ptr, host_r_ptr,
+    slot_es_w, slot_es_s, slot_es_r, host_es_w, host_es_s, host_es_r,
     sd_ptr, sd_s_ptr, sd_r_ptr, topw_ptr, topi_ptr, logits_ptr, l_st, out_ptr,
     hidden, inter, shared_inter, num_experts,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -341,14 +354,11 @@ def _offload_nvfp4_down_kernel(
         expert = tl.where(code >= 0, code, -1 - code)
         slot = tl.load(map_ptr + expert)
         hit = slot >= 0
-        rows = tl.where(hit, slot, expert).to(tl.int64) * hidden  # first row of the flattened [* x H, I]
+        w, s, r = _expert_parts(hit, slot, expert, slot_w_ptr, slot_s_ptr, slot_r_ptr, host_w_ptr, host_s_ptr,
+                                host_r_ptr, slot_es_w, slot_es_s, slot_es_r, host_es_w, host_es_s, host_es_r)
         # The weight as the reference holds it: rounded to the activations' dtype.
         weight = cast(tl.load(topw_ptr + t * TOP_K + j), dtype).to(tl.float32)
-        acc = _down(
-            h_ptr + (pairs + j) * h_width, tl.where(hit, slot_w_ptr, host_w_ptr) + rows * (inter // 2),
-            tl.where(hit, slot_s_ptr, host_s_ptr) + rows * (inter // 16), tl.where(hit, slot_r_ptr, host_r_ptr) + rows,
-            inter, n, n_ok, BLOCK_N, BLOCK_K,
-        )
+        acc = _down(h_ptr + (pairs + j) * h_width, w, s, r, inter, n, n_ok, BLOCK_N, BLOCK_K)
         routed += round_as(round_as(acc, dtype) * weight, dtype)
     shared = _down(h_ptr + (pairs + TOP_K) * h_width, sd_ptr, sd_s_ptr, sd_r_ptr, shared_inter, n, n_ok, BLOCK_N, BLOCK_K)
     gate = round_as(tl.sigmoid(tl.load(logits_ptr + t * l_st + num_experts).to(tl.float32)), dtype)
@@ -407,12 +417,17 @@ def sparse_moe_decode_offload_nvfp4(
     check("shared_gate_up", shared_gate_up_packed, shared_gate_up_scales, shared_gate_up_row_scales,
           (2 * shared_inter, hidden))
     check("shared_down", shared_down_packed, shared_down_scales, shared_down_row_scales, (hidden, shared_inter))
-    routed_parts = (slot_w13_packed, slot_w13_scales, slot_w13_row_scales, slot_w2_packed, slot_w2_scales,
-                    slot_w2_row_scales, host_w13_packed, host_w13_scales, host_w13_row_scales, host_w2_packed,
-                    host_w2_scales, host_w2_row_scales)
-    if not all(part.is_contiguous() for part in routed_parts):
-        raise ValueError("sparse_moe_decode_offload_nvfp4: the slot and host parts must be contiguous (copies of "
-                         "host memory would defeat the zero-copy read)")
+    routed_parts = {"slot_w13_packed": slot_w13_packed, "slot_w13_scales": slot_w13_scales,
+                    "slot_w13_row_scales": slot_w13_row_scales, "slot_w2_packed": slot_w2_packed,
+                    "slot_w2_scales": slot_w2_scales, "slot_w2_row_scales": slot_w2_row_scales,
+                    "host_w13_packed": host_w13_packed, "host_w13_scales": host_w13_scales,
+                    "host_w13_row_scales": host_w13_row_scales, "host_w2_packed": host_w2_packed,
+                    "host_w2_scales": host_w2_scales, "host_w2_row_scales": host_w2_row_scales}
+    for name, part in routed_parts.items():
+        if part.shape[0] and not part[0].is_contiguous():
+            raise ValueError(f"sparse_moe_decode_offload_nvfp4: {name} {tuple(part.shape)} strides {part.stride()} "
+                             "must have contiguous rows (any expert stride; a copy of host memory would defeat "
+                             "the zero-copy read)")
     out = new_empty((num_tokens, hidden), x.dtype, x.device)
     if num_tokens == 0:
         return out
@@ -422,22 +437,32 @@ def sparse_moe_decode_offload_nvfp4(
     def weight(packed, scales, row_scales):
         return packed.contiguous(), scales.contiguous().view(torch.uint8), row_scales.contiguous()
 
+    def experts(packed, scales, row_scales):  # as given: the expert strides go to the kernels
+        return packed, scales.view(torch.uint8), row_scales
+
+    def strides(*parts):
+        return [p.stride(0) for p in parts]
+
     h_width = max(inter, shared_inter)
     h = new_empty((num_tokens * (top_k + 1), h_width), x.dtype, x.device)
     top_w = new_empty((num_tokens, top_k), torch.float32, x.device)
     block_k = NVFP4_BLOCK_K
     _offload_nvfp4_gate_up_kernel[(num_tokens * (top_k + 1), triton.cdiv(h_width, NVFP4_GATE_UP_BLOCK_N))](
         x, x.stride(0), gate_logits, gate_logits.stride(0), slot_map,
-        *weight(slot_w13_packed, slot_w13_scales, slot_w13_row_scales),
-        *weight(host_w13_packed, host_w13_scales, host_w13_row_scales),
+        *experts(slot_w13_packed, slot_w13_scales, slot_w13_row_scales),
+        *experts(host_w13_packed, host_w13_scales, host_w13_row_scales),
+        *strides(slot_w13_packed, slot_w13_scales, slot_w13_row_scales),
+        *strides(host_w13_packed, host_w13_scales, host_w13_row_scales),
         *weight(shared_gate_up_packed, shared_gate_up_scales, shared_gate_up_row_scales),
         h, h_width, top_w, routed, hidden, inter, shared_inter, num_experts,
         TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=pow2(num_experts),
         BLOCK_N=NVFP4_GATE_UP_BLOCK_N, BLOCK_K=min(pow2(hidden), block_k), num_warps=4,
     )
     _offload_nvfp4_down_kernel[(num_tokens, triton.cdiv(hidden, NVFP4_DOWN_BLOCK_N))](
-        h, h_width, slot_map, *weight(slot_w2_packed, slot_w2_scales, slot_w2_row_scales),
-        *weight(host_w2_packed, host_w2_scales, host_w2_row_scales),
+        h, h_width, slot_map, *experts(slot_w2_packed, slot_w2_scales, slot_w2_row_scales),
+        *experts(host_w2_packed, host_w2_scales, host_w2_row_scales),
+        *strides(slot_w2_packed, slot_w2_scales, slot_w2_row_scales),
+        *strides(host_w2_packed, host_w2_scales, host_w2_row_scales),
         *weight(shared_down_packed, shared_down_scales, shared_down_row_scales),
         top_w, routed, gate_logits, gate_logits.stride(0), out, hidden, inter, shared_inter, num_experts,
         TOP_K=top_k, BLOCK_N=NVFP4_DOWN_BLOCK_N, BLOCK_K=min(pow2(h_width), block_k), num_warps=4,

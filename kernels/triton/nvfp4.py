@@ -325,7 +325,7 @@ def _row_scales(r_ptr, rows, rows_ok, FOLDED: tl.constexpr):
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, x_st, w_ptr, s_ptr, r_ptr, order_ptr, tiles_ptr, h_ptr,
+    x_ptr, x_st, w_ptr, s_ptr, r_ptr, w_es, s_es, r_es, order_ptr, tiles_ptr, h_ptr,
     hidden, inter, num_experts, num_row_tiles,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, FOLDED: tl.constexpr,
@@ -342,8 +342,12 @@ def _gate_up_kernel(
         n = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < inter
         dtype = h_ptr.dtype.element_ty
-        gate_rows = expert * 2 * inter + n  # rows of the flattened [E * 2I, H] weight
-        up_rows = gate_rows + inter
+        # The expert's parts from their expert strides (``*_es``, elements): its rows are contiguous.
+        w_ptr += expert.to(tl.int64) * w_es
+        s_ptr += expert.to(tl.int64) * s_es
+        r_ptr += expert.to(tl.int64) * r_es
+        gate_rows = n
+        up_rows = n + inter
         acc_gate = _zero_acc(BLOCK_M, BLOCK_N, SWAP_AB)
         acc_up = _zero_acc(BLOCK_M, BLOCK_N, SWAP_AB)
         for k0 in range(0, hidden, BLOCK_K):
@@ -376,7 +380,7 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    h_ptr, w_ptr, s_ptr, r_ptr, order_ptr, tiles_ptr, topk_w_ptr, y_ptr,
+    h_ptr, w_ptr, s_ptr, r_ptr, w_es, s_es, r_es, order_ptr, tiles_ptr, topk_w_ptr, y_ptr,
     hidden, inter, num_experts, num_row_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, FOLDED: tl.constexpr,
@@ -393,7 +397,10 @@ def _down_kernel(
         n = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < hidden
         dtype = y_ptr.dtype.element_ty
-        w_rows = expert * hidden + n  # rows of the flattened [E * H, I] weight
+        w_ptr += expert.to(tl.int64) * w_es  # the expert's parts, as in ``_gate_up_kernel``
+        s_ptr += expert.to(tl.int64) * s_es
+        r_ptr += expert.to(tl.int64) * r_es
+        w_rows = n
         acc = _zero_acc(BLOCK_M, BLOCK_N, SWAP_AB)
         for k0 in range(0, inter, BLOCK_K):
             codes = _packed_tile(w_ptr, w_rows, n_ok, k0, inter, BLOCK_K, EVEN_K)
@@ -416,9 +423,16 @@ def _down_kernel(
 
 
 @triton.jit
-def _dequant_kernel(w_ptr, s_ptr, r_ptr, out_ptr, num_rows, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Rows ``[BLOCK_R]`` x columns ``[BLOCK_K]`` of the dense weight: ``e2m1 · e4m3`` (exact in the
-    output dtype) times the row scale in float32, rounded once, as ``dequantize_nvfp4``."""
+def _dequant_kernel(w_ptr, s_ptr, r_ptr, out_ptr, w_es, s_es, r_es, num_rows, K, BLOCK_R: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    """Rows ``[BLOCK_R]`` x columns ``[BLOCK_K]`` of expert ``program_id(2)``'s dense weight (its parts
+    ``*_es`` elements apart, ``num_rows`` rows each): ``e2m1 · e4m3`` (exact in the output dtype)
+    times the row scale in float32, rounded once, as ``dequantize_nvfp4``."""
+    expert = tl.program_id(2).to(tl.int64)
+    w_ptr += expert * w_es
+    s_ptr += expert * s_es
+    r_ptr += expert * r_es
+    out_ptr += expert * num_rows * K
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rows_ok = rows < num_rows
     k0 = tl.program_id(1) * BLOCK_K
@@ -432,14 +446,16 @@ def _dequant_kernel(w_ptr, s_ptr, r_ptr, out_ptr, num_rows, K, BLOCK_R: tl.const
 
 def dequantize_nvfp4_into(packed: torch.Tensor, scale_bytes: torch.Tensor, row_scales: torch.Tensor,
                           out: torch.Tensor) -> None:
-    """``out [*, N, K] = dequantize_nvfp4(...)`` in ``out``'s dtype (contiguous inputs, scales as uint8)."""
-    k_in = out.shape[-1]
-    num_rows = out.numel() // max(k_in, 1)
-    if not num_rows:
+    """``out [E, N, K] = dequantize_nvfp4(...)`` of the first ``E`` experts of ``packed [E', N, K / 2]``
+    in ``out``'s dtype (contiguous), scales as uint8; the inputs' expert strides are free, their rows
+    contiguous (``expert_major``)."""
+    num_experts, num_rows, k_in = out.shape
+    if not num_experts * num_rows * k_in:
         return
     block_r, block_k = (64, 128) if INTERPRETED else (16, 256)
-    _dequant_kernel[(triton.cdiv(num_rows, block_r), triton.cdiv(k_in, block_k))](
-        packed, scale_bytes, row_scales, out, num_rows, k_in, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4,
+    _dequant_kernel[(triton.cdiv(num_rows, block_r), triton.cdiv(k_in, block_k), num_experts)](
+        packed, scale_bytes, row_scales, out, packed.stride(0), scale_bytes.stride(0), row_scales.stride(0),
+        num_rows, k_in, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4,
     )
 
 
@@ -447,7 +463,8 @@ def dequantize_nvfp4(packed: torch.Tensor, scales: torch.Tensor, row_scales: tor
     """``kernels.nvfp4.dequantize_nvfp4`` in one launch (bit-identical): the weight ``[*, out, in]``."""
     *lead, rows, half = packed.shape
     out = new_empty((*lead, rows, 2 * half), dtype, packed.device)
-    dequantize_nvfp4_into(packed.contiguous(), scales.contiguous().view(torch.uint8), row_scales.contiguous(), out)
+    dequantize_nvfp4_into(packed.contiguous().view(-1, rows, half), scales.contiguous().view(torch.uint8).view(-1, rows, half // 8),
+                          row_scales.contiguous().view(-1, rows), out.view(-1, rows, 2 * half))
     return out
 
 
@@ -497,6 +514,19 @@ def _row_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
 Packed = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # packed codes, scale bytes (uint8), row scales
 
 
+def expert_major(t: torch.Tensor) -> torch.Tensor:
+    """``t [E, ...]`` as the grouped kernels read it: its inner dims contiguous (one expert's rows as
+    a tensor of its own), its expert stride free. ``t`` itself when it is so (a contiguous tensor,
+    or an expert span's view, ``experts.span``: copying one would cost the whole layer's experts),
+    else a contiguous copy."""
+    return t if t.shape[0] == 0 or t[0].is_contiguous() else t.contiguous()
+
+
+def _expert_strides(w: Packed) -> tuple[int, int, int]:
+    """Each part's expert stride, in its elements."""
+    return w[0].stride(0), w[1].stride(0), w[2].stride(0)
+
+
 def _expert_groups(num_experts: int, rows: int, cols: int, dtype: torch.dtype) -> int:
     """Experts dequantized at a time by the dequantize-then-bf16 path (``DEQUANT_GROUP_BYTES``)."""
     per_expert = rows * cols * torch.tensor([], dtype=dtype).element_size()
@@ -526,7 +556,7 @@ def split_columns(x: torch.Tensor) -> torch.Tensor:
 def gate_up_nvfp4(x: torch.Tensor, w13: Packed, order: torch.Tensor, offsets: torch.Tensor, h: torch.Tensor,
                   top_k: int, config: Nvfp4GemmConfig | None) -> None:
     """``h[sorted pair] = silu(x w_gateᵀ) · (x w_upᵀ)`` of the pair's expert over NVFP4 ``w13``
-    (contiguous, ``[E, 2I, H / 2]`` codes): the W4A16 kernel with ``config``'s tiles, or with
+    (``[E, 2I, H / 2]`` codes; each part ``expert_major``): the W4A16 kernel with ``config``'s tiles, or with
     ``None`` the experts dequantized a group at a time and the bf16 grouped GEMM (the tuner
     launches both)."""
     packed, scale_bytes, row_scales = w13
@@ -540,7 +570,8 @@ def gate_up_nvfp4(x: torch.Tensor, w13: Packed, order: torch.Tensor, offsets: to
     tile_info, tiles = tile_map(offsets, h.shape[0], config.block_m)
     x = split_columns(x) if config.split else x
     _gate_up_kernel[(tiles * triton.cdiv(inter, config.block_n),)](
-        x, x.stride(0), packed, scale_bytes, row_scales, order, tile_info, h, hidden, inter, num_experts, tiles,
+        x, x.stride(0), packed, scale_bytes, row_scales, *_expert_strides(w13), order, tile_info, h, hidden, inter,
+        num_experts, tiles,
         TOP_K=top_k, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, EVEN_K=hidden % config.block_k == 0,
         SWAP_AB=config.swap_ab, FOLDED=config.fold_bias or config.split, SPLIT=config.split, PRECISION=dot_precision(x.dtype), num_warps=config.num_warps,
@@ -563,7 +594,8 @@ def down_nvfp4(h: torch.Tensor, w2: Packed, order: torch.Tensor, offsets: torch.
     tile_info, tiles = tile_map(offsets, h.shape[0], config.block_m)
     h = split_columns(h) if config.split else h
     _down_kernel[(tiles * triton.cdiv(hidden, config.block_n),)](
-        h, packed, scale_bytes, row_scales, order, tile_info, topk_weights, y, hidden, inter, num_experts, tiles,
+        h, packed, scale_bytes, row_scales, *_expert_strides(w2), order, tile_info, topk_weights, y, hidden, inter,
+        num_experts, tiles,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, EVEN_K=inter % config.block_k == 0,
         SWAP_AB=config.swap_ab, FOLDED=config.fold_bias or config.split, SPLIT=config.split, PRECISION=dot_precision(h.dtype), num_warps=config.num_warps,
@@ -610,7 +642,9 @@ def fused_experts_nvfp4_tiled(
     topk_ids: torch.Tensor,
     configs: tuple[Nvfp4GemmConfig | None, Nvfp4GemmConfig | None],
 ) -> torch.Tensor:
-    """``fused_experts_nvfp4`` with the given (gate/up, down) configurations (tests and the tuner)."""
+    """``fused_experts_nvfp4`` with the given (gate/up, down) configurations (tests and the tuner).
+    The experts' parts may have any expert (dim 0) stride: only their rows must be contiguous, else
+    they are copied (``expert_major``)."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13_packed.shape
     inter = two_inter // 2
@@ -635,8 +669,9 @@ def fused_experts_nvfp4_tiled(
     topk_weights = topk_weights.contiguous()
     num_pairs = num_tokens * top_k
     order, offsets = moe_sort_tokens(topk_ids, num_experts)
-    w13 = (w13_packed.contiguous(), w13_scales.contiguous().view(torch.uint8), w13_row_scales.contiguous())
-    w2 = (w2_packed.contiguous(), w2_scales.contiguous().view(torch.uint8), w2_row_scales.contiguous())
+    # Expert strides as given (an offloaded layer's cache slots are views of one span a slot).
+    w13 = (expert_major(w13_packed), expert_major(w13_scales).view(torch.uint8), expert_major(w13_row_scales))
+    w2 = (expert_major(w2_packed), expert_major(w2_scales).view(torch.uint8), expert_major(w2_row_scales))
     h = new_empty((num_pairs, inter), x.dtype, x.device)
     gate_up_nvfp4(x, w13, order, offsets, h, top_k, configs[0])
     y = new_empty((num_pairs, hidden), x.dtype, x.device)

@@ -85,6 +85,20 @@ def test_same_seed_same_packed_weights(nvfp4_llm, nvfp4_dir):
     assert not torch.equal(first.packed, other.runtime.engine.model.layers[0].mlp.w13.packed)
 
 
+def test_offloaded_dummy_experts_are_spans_holding_the_resident_values(nvfp4_llm, nvfp4_dir):
+    """``moe_offload``: the plan places each layer's packed experts in one span an expert
+    (``experts.span``) before they are drawn, and they get the resident model's values."""
+    offloaded = LLM(model=str(nvfp4_dir), load_format="dummy", dtype="float32", device="cpu", num_pages=64,
+                    moe_offload=True, expert_cache_slots=4)
+    resident_layers = nvfp4_llm.runtime.engine.model.layers
+    for layer, resident in zip(offloaded.runtime.engine.offload.layers, resident_layers):
+        span = layer.host_span()
+        assert span is not None and all(p.untyped_storage().data_ptr() == span.untyped_storage().data_ptr()
+                                        for p in layer.host_parts())
+        want = [t for w in (resident.mlp.w13, resident.mlp.w2) for t in (w.packed, w.scales, w.row_scales)]
+        assert all(torch.equal(got.view(torch.uint8), w.view(torch.uint8)) for got, w in zip(layer.host_parts(), want))
+
+
 def test_an_nvfp4_build_keeps_parameters_off_the_device_until_planned(nvfp4_dir):
     config = read_config(str(nvfp4_dir))
     model = build_model(config, torch.float32, torch.device("cpu"), meta_parameters=True)

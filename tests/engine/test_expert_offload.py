@@ -178,6 +178,13 @@ def test_nvfp4_experts_offloaded_packed():
     assert all(isinstance(m.w13, NVFP4Weight) and m.w13.packed.device.type == "cpu"
                for m in engine.model.modules() if isinstance(m, SparseMoE))
     assert [t.dtype for t in engine.offload.slots.tensors] == [torch.uint8, torch.float8_e4m3fn, torch.float32] * 2
+    # One byte span an expert, on the host and in the slots: the parts are views of it (one copy an expert).
+    span = engine.offload.expert_bytes
+    for layer in engine.offload.layers:
+        assert layer.host_span().shape == (layer.num_experts, span)
+        assert all(p.data_ptr() - layer.host_span().data_ptr() < span and p.stride(0) * p.itemsize == span
+                   for p in layer.host_parts())
+    assert all(t.stride(0) * t.itemsize == span for t in engine.offload.slots.tensors)
     prompts = batch_prompts(DEMO["qwen3_5_moe"])[4:7]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=8))
     for prompt, output in zip(prompts, outputs):
@@ -187,6 +194,30 @@ def test_nvfp4_experts_offloaded_packed():
     packed_bytes = 3 * i * h // 2 + 3 * i * h // 16 + (2 * i + h) * 4  # codes, block scales, row scales
     stats = llm.runtime.stats().expert_cache
     assert stats.bytes_copied % packed_bytes == 0 and 0 < stats.bytes_copied <= stats.misses * packed_bytes
+
+
+def test_span_slots_copy_an_expert_as_one_block():
+    """With a span layout (NVFP4 experts) the cache holds one ``[S, span]`` block: fills (eager and
+    deferred) and the staging gather copy whole spans, and every part view reads its expert."""
+    from freetoken.experts.slots import DeviceSlots
+    from freetoken.experts.span import SpanLayout
+
+    host = [torch.arange(5 * 6 * 4, dtype=torch.uint8).view(5, 6, 4),
+            torch.arange(5 * 6, dtype=torch.float32).view(5, 6) / 7]
+    layout = SpanLayout.of(host)
+    span = layout.empty(5, "cpu")
+    parts = layout.views(span)
+    for view, part in zip(parts, host):
+        view.copy_(part)
+    assert layout.holds(span, parts) and not layout.holds(span, host)
+    slots = DeviceSlots([[span]], num_slots=7, device=torch.device("cpu"), staging_rows=5, layout=layout)
+    assert slots.nbytes == (7 + 5) * layout.nbytes and slots.tensors[1].stride(0) == layout.nbytes // 4
+    slots.fill(0, [(3, 6), (0, 2)], [])
+    slots.fill_deferred([(0, 4, 5)], [])
+    for slot, expert in ((6, 3), (2, 0), (5, 4)):
+        assert all(torch.equal(t[slot], p[expert]) for t, p in zip(slots.tensors, host))
+    staged = slots.gather([5, 6])
+    assert all(torch.equal(t[:2], p[[4, 3]]) for t, p in zip(staged, host))
 
 
 def test_slot_table_passes_and_eviction():

@@ -123,6 +123,9 @@ class _HostLayer:
     def host_parts(self) -> list[torch.Tensor]:
         return self.parts
 
+    def host_span(self) -> torch.Tensor | None:
+        return None
+
     def is_nvfp4(self) -> bool:
         return False
 

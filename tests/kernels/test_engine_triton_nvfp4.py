@@ -31,3 +31,22 @@ def test_float32_greedy_tokens_equal_transformers_through_w4a16_kernels(producer
     for prompt, output in zip(prompts, outputs):
         assert output.error is None, output.error
         assert output.token_ids == reference_greedy(dequantized, prompt, max_tokens)
+
+
+@pytest.mark.parametrize("slots", [16, pytest.param(3, marks=pytest.mark.slow)], ids=["staging", "passes"])
+def test_offloaded_nvfp4_experts_through_the_kernels(slots):
+    """``moe_offload`` with NVFP4 experts: the grouped W4A16 kernels read the cache's span views
+    (``experts.span``: a window of slots or the staging rows, 16 slots over 2 layers of 8 experts;
+    passes over a cache of 3), the zero-copy decode kernel the slots' and the host's, with no copy;
+    float32 greedy tokens equal transformers' on the dequantized weights."""
+    quantized, dequantized = case("qwen3_5_moe", "compressed-tensors")
+    llm = LLM(model=str(quantized), dtype="float32", device=DEVICE.type, kernel_backend="triton",
+              max_prefill_length=16, page_size=4, num_pages=64, moe_offload=True, expert_cache_slots=slots)
+    prompts = [[5, 17, 200, 33, 98, 120, 7, 64, 301, 12, 45, 77, 150, 222, 9, 31, 180, 260, 3, 88], [42, 7, 300]]
+    max_tokens = 4
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    for prompt, output in zip(prompts, outputs):
+        assert output.error is None, output.error
+        assert output.token_ids == reference_greedy(dequantized, prompt, max_tokens)
+    stats = llm.runtime.stats().expert_cache
+    assert stats.misses > 0 and stats.slots == slots

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from expert_spans import in_span
 from kernel_checks import DEVICE, assert_close
 from freetoken.kernels import moe_decode_offload as ref
 from freetoken.kernels.moe_decode import sparse_moe_decode_reference
@@ -129,6 +130,52 @@ def test_sparse_moe_decode_offload_nvfp4(rng, dtype, tokens):
     assert_close(got.float(), want, dtype=dtype)
     assert torch.equal(got_routed, want_routed)
     assert want_routed[0, 0] >= 0 and want_routed[0, 1] < 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sparse_moe_decode_offload_nvfp4_reads_span_views(rng, dtype):
+    """The slots and the host experts as the offload holds them (``experts.span``: each part a
+    strided view of one byte span an expert, pinned on CUDA): the kernel takes both sides' expert
+    strides and gives the contiguous parts' result bit for bit, hits and misses alike."""
+    from freetoken.kernels.triton.moe_decode_offload import sparse_moe_decode_offload_nvfp4
+
+    experts, top_k, hidden, inter, shared_inter, num_slots, tokens = 7, 3, 80, 32, 48, 5, 2
+    x = torch.randn(tokens, hidden, generator=rng).to(dtype).to(DEVICE)
+    router = torch.stack([torch.randperm(experts, generator=rng) for _ in range(tokens)]) * 0.25 - 1.5
+    logits = torch.cat([router, torch.randn(tokens, 1, generator=rng)], dim=1).to(dtype).to(DEVICE)
+    slot_map = torch.full((experts,), -1, dtype=torch.int32)
+    cached = torch.randperm(experts, generator=rng)[:4]
+    slot_map[cached] = torch.randperm(num_slots, generator=rng)[:4].to(torch.int32)
+    slot_map = slot_map.to(DEVICE)
+    host = _nvfp4(rng, experts, 2 * inter, hidden) + _nvfp4(rng, experts, hidden, inter)
+    slots = [p.to(DEVICE) for p in _nvfp4(rng, num_slots, 2 * inter, hidden) + _nvfp4(rng, num_slots, hidden, inter)]
+    shared = [p.to(DEVICE) for p in _nvfp4(rng, 2 * shared_inter, hidden) + _nvfp4(rng, hidden, shared_inter)]
+    host_spans, slot_spans = in_span(host, pin=DEVICE.type == "cuda"), in_span(slots)
+    got_routed, want_routed, ref_routed = _routed(tokens, top_k), _routed(tokens, top_k), _routed(tokens, top_k)
+    got = sparse_moe_decode_offload_nvfp4(x, logits, slot_map, *slot_spans, *host_spans, *shared, top_k, True,
+                                          got_routed)
+    host = [p.pin_memory() for p in host] if DEVICE.type == "cuda" else host
+    want = sparse_moe_decode_offload_nvfp4(x, logits, slot_map, *slots, *host, *shared, top_k, True, want_routed)
+    assert torch.equal(got, want) and torch.equal(got_routed, want_routed)
+    assert (want_routed >= 0).any() and (want_routed < 0).any()
+    reference = ref.sparse_moe_decode_offload_nvfp4_reference(
+        x.float(), logits.float(), slot_map, *slot_spans, *host_spans, *shared, top_k, True, ref_routed)
+    assert_close(got.float(), reference, dtype=dtype)
+    assert torch.equal(ref_routed, want_routed)
+
+
+def test_sparse_moe_decode_offload_nvfp4_rejects_strided_rows(rng):
+    from freetoken.kernels.triton.moe_decode_offload import sparse_moe_decode_offload_nvfp4
+
+    experts, hidden, inter = 3, 32, 16
+    host = _nvfp4(rng, experts, 2 * inter, hidden) + _nvfp4(rng, experts, hidden, inter)
+    host[0] = host[0].transpose(1, 2).contiguous().transpose(1, 2)  # same shape, rows not contiguous
+    slots = _nvfp4(rng, 2, 2 * inter, hidden) + _nvfp4(rng, 2, hidden, inter)
+    shared = _nvfp4(rng, 2 * inter, hidden) + _nvfp4(rng, hidden, inter)
+    x, logits = torch.randn(1, hidden), torch.randn(1, experts + 1)
+    slot_map = torch.full((experts,), -1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="host_w13_packed .* must have contiguous rows"):
+        sparse_moe_decode_offload_nvfp4(x, logits, slot_map, *slots, *host, *shared, 2, True, _routed(1, 2))
 
 
 def _lend(claimed: int, limit: int, ring: list[int]) -> torch.Tensor:

@@ -9,6 +9,7 @@ import torch
 
 from freetoken.kernels import moe as moe_ref
 from freetoken.kernels import nvfp4 as ref
+from expert_spans import in_span
 from kernel_checks import DEVICE, assert_close
 from test_nvfp4_kernels import assert_close_to_float32, random_nvfp4
 
@@ -78,6 +79,33 @@ def test_fused_experts_nvfp4_in_every_config(rng, dtype, configs, monkeypatch):
     x, w13, w2, weights, ids = _moe_inputs(rng, dtype, 37)
     got = _triton().fused_experts_nvfp4_tiled(x, *w13, *w2, weights, ids, tuple(_config(*c) for c in configs))
     assert_close_to_float32(got, ref.fused_experts_nvfp4_reference, x, *w13, *w2, weights, ids)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("configs", [CONFIG_CASES[0], CONFIG_CASES[4], CONFIG_CASES[6], CONFIG_CASES[8]],
+                         ids=["tiles", "dequant", "folded", "split"])
+def test_fused_experts_nvfp4_reads_span_views_in_place(rng, dtype, configs, monkeypatch):
+    """The experts as an offloaded layer's cache holds them (``experts.span``: the six parts strided
+    views of one byte span an expert): the kernels take the expert strides, copy nothing, and give
+    the contiguous experts' result bit for bit (the reference's too, as close as there)."""
+    monkeypatch.setattr(_configs(), "DEQUANT_GROUP_BYTES", 2 * 2 * 48 * 80 * torch.tensor([], dtype=dtype).element_size())
+    x, w13, w2, weights, ids = _moe_inputs(rng, dtype, 37)
+    spans = in_span([*w13, *w2])
+    assert all(_triton().expert_major(part) is part for part in spans)
+    tiles = tuple(_config(*c) for c in configs)
+    got = _triton().fused_experts_nvfp4_tiled(x, *spans, weights, ids, tiles)
+    assert torch.equal(got, _triton().fused_experts_nvfp4_tiled(x, *w13, *w2, weights, ids, tiles))
+    assert torch.equal(ref.fused_experts_nvfp4_reference(x, *spans, weights, ids),
+                       ref.fused_experts_nvfp4_reference(x, *w13, *w2, weights, ids))
+    assert_close_to_float32(got, ref.fused_experts_nvfp4_reference, x, *w13, *w2, weights, ids)
+
+
+def test_expert_major_copies_only_experts_with_strided_rows(rng):
+    packed = random_nvfp4(rng, 3, 8, 32)[0]
+    assert _triton().expert_major(packed) is packed
+    transposed = packed.transpose(1, 2)
+    copied = _triton().expert_major(transposed)
+    assert copied.is_contiguous() and torch.equal(copied, transposed)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -47,6 +47,7 @@ from freetoken.experts.decode_log import RoutedLog, RoutedRecord
 from freetoken.experts.eviction import make_policy
 from freetoken.experts.lend import SlotLender
 from freetoken.experts.slots import DeviceSlots
+from freetoken.experts.span import SpanLayout
 from freetoken.experts.timeline import PrefillTimeline
 
 logger = logging.getLogger(__name__)
@@ -69,6 +70,12 @@ class HostExperts(Protocol):
 
     def host_parts(self) -> list[torch.Tensor]:
         """The layer's expert weights in host memory, each ``[E, ...]``."""
+
+    def host_span(self) -> torch.Tensor | None:
+        """The uint8 ``[E, span]`` the parts are views of (NVFP4 experts, ``experts.span``), or None."""
+
+    def pin_host(self) -> None:
+        """Page-lock the host weights (the parts stay views of the span where there is one)."""
 
     def is_nvfp4(self) -> bool: ...
 
@@ -100,7 +107,6 @@ class ExpertOffload:
         # Distinct misses of the last settled decode forwards: how many slots to keep lent.
         self._demand: deque[int] = deque(maxlen=DEMAND_WINDOW)
         self.nvfp4 = False
-        self._parts: list[list[torch.Tensor]] = []
         self.timeline: PrefillTimeline | None = None  # ``record_timeline``
 
     def record_timeline(self) -> PrefillTimeline | None:
@@ -135,8 +141,9 @@ class ExpertOffload:
 
     @property
     def expert_bytes(self) -> int:
-        """Device bytes of one expert (the same in every layer)."""
-        return sum(p[0].nbytes for p in self.layers[0].host_parts())
+        """Device bytes of one expert (the same in every layer): its span where it has one."""
+        span = self.layers[0].host_span()
+        return span.shape[1] if span is not None else sum(p[0].nbytes for p in self.layers[0].host_parts())
 
     @property
     def num_experts(self) -> int:
@@ -156,24 +163,36 @@ class ExpertOffload:
 
     def allocate(self, num_slots: int, device: torch.device, decode_tokens: int = 0) -> None:
         """The device cache of ``num_slots`` experts, after loading (NVFP4 loading replaces the dense
-        host weights by packed ones, which are pinned here). Forwards of at most ``decode_tokens``
+        host weights by packed ones, placed in one span an expert, ``OffloadedExperts.place_span``;
+        whatever is not page-locked yet is pinned here). Forwards of at most ``decode_tokens``
         tokens run the zero-copy decode kernel, when every layer's routed and shared experts are
         stored alike (both dense or both NVFP4)."""
         kinds = {layer.is_nvfp4() for layer in self.layers}
         if len(kinds) != 1:
             raise ValueError("moe_offload: every layer's experts must be stored alike (all NVFP4 or all dense)")
         self.nvfp4 = kinds.pop()
-        self._parts = [layer.host_parts() for layer in self.layers]
-        shapes = {tuple((p.shape, p.dtype) for p in parts) for parts in self._parts}
+        if self.nvfp4:
+            unspanned = [index for index, layer in enumerate(self.layers) if layer.host_span() is None]
+            if unspanned:
+                raise ValueError(f"moe_offload: the NVFP4 experts of layers {unspanned} are not placed in one span "
+                                 "an expert (OffloadedExperts.place_span, run by the NVFP4 loader)")
+        if self.pin:
+            for layer in self.layers:
+                layer.pin_host()
+        parts = [layer.host_parts() for layer in self.layers]
+        shapes = {tuple((p.shape, p.dtype) for p in layer_parts) for layer_parts in parts}
         if len(shapes) != 1:
             raise ValueError("moe_offload: the layers' experts differ in shape; one cache cannot hold them")
-        if self.pin:
-            for parts in self._parts:
-                for p in parts:
-                    if not p.is_pinned():
-                        p.data = p.data.pin_memory()
+        spans = [layer.host_span() for layer in self.layers]
+        layout = SpanLayout.of(parts[0]) if self.nvfp4 else None
+        if layout is not None:
+            for index, (layer_parts, span) in enumerate(zip(parts, spans)):
+                if not layout.holds(span, layer_parts):
+                    raise ValueError(f"moe_offload: layer {index}'s experts are not laid out as experts.span lays "
+                                     "them out; the device cache could not copy them as one span")
+        blocks = [layer_parts if span is None else [span] for layer_parts, span in zip(parts, spans)]
         self.table = SlotTable(num_slots, make_policy(self.policy), self.expert_bytes)
-        self.slots = DeviceSlots(self._parts, num_slots, device, self.staging_rows(num_slots))
+        self.slots = DeviceSlots(blocks, num_slots, device, self.staging_rows(num_slots), layout)
         if decode_tokens > 0 and all(layer.zero_copy_ready() for layer in self.layers):
             read_through = not self.nvfp4
             self.log = RoutedLog(len(self.layers), decode_tokens, self.layers[0].top_k, device, read_through)

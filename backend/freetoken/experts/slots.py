@@ -1,6 +1,8 @@
-"""The expert cache on the device: one ``[S, ...]`` tensor per weight part (``w13 [S, 2I, H]`` and
-``w2 [S, H, I]``, or NVFP4's packed codes and scales of each), the map ``(layer, expert) -> slot``,
-and the copies that fill slots from host memory.
+"""The expert cache on the device: one ``[S, ...]`` tensor per weight part (dense ``w13 [S, 2I, H]``
+and ``w2 [S, H, I]``), or for NVFP4 experts one uint8 ``[S, span]`` whose rows hold each slot's six
+parts (``experts.span``: ``tensors`` are strided views of it, as the host store's parts are of its
+``[E, span]``), the map ``(layer, expert) -> slot``, and the copies that fill slots from host memory:
+a slot's fill is one copy a block (the span: one copy of an NVFP4 expert, not six).
 
 On CUDA the copies run on a stream of their own, so the compute stream overlaps them. Two ways
 fill slots:
@@ -69,24 +71,32 @@ from collections import deque
 import torch
 
 from freetoken.experts.eviction import ExpertKey
+from freetoken.experts.span import SpanLayout
 from freetoken.experts.timeline import PrefillTimeline
 
 
 class DeviceSlots:
-    def __init__(self, host_parts: list[list[torch.Tensor]], num_slots: int, device: torch.device,
-                 staging_rows: int = 0) -> None:
-        """``host_parts[layer]``: that layer's host weight parts, each ``[E, ...]`` (every layer's have
-        the first layer's shapes), the sources of every fill. ``staging_rows``: experts' rows for
-        ``gather`` (``ExpertOffload.staging_rows``)."""
+    def __init__(self, host_blocks: list[list[torch.Tensor]], num_slots: int, device: torch.device,
+                 staging_rows: int = 0, layout: SpanLayout | None = None) -> None:
+        """``host_blocks[layer]``: what a fill of that layer copies, each ``[E, ...]`` (every layer's
+        have the first layer's shapes): its weight parts, or with ``layout`` (NVFP4 experts) the one
+        uint8 ``[E, span]`` the parts are views of, and the slots are laid out alike.
+        ``staging_rows``: experts' rows for ``gather`` (``ExpertOffload.staging_rows``)."""
         self.device = device
-        parts = host_parts[0]
-        num_experts, num_layers = parts[0].shape[0], len(host_parts)
-        self.tensors = [torch.empty((num_slots, *p.shape[1:]), dtype=p.dtype, device=device) for p in parts]
-        # Every slot's and every host expert's part as a view made once: a fill then indexes tuples
-        # and queues its copies in one call (``_copy``), no tensor indexing per part.
-        self._slot_rows = [t.unbind(0) for t in self.tensors]
-        self._host_rows = [[p.unbind(0) for p in layer_parts] for layer_parts in host_parts]
-        self.staging = [torch.empty((staging_rows, *p.shape[1:]), dtype=p.dtype, device=device) for p in parts]
+        blocks = host_blocks[0]
+        num_experts, num_layers = blocks[0].shape[0], len(host_blocks)
+        if layout is None:
+            self._blocks = [torch.empty((num_slots, *p.shape[1:]), dtype=p.dtype, device=device) for p in blocks]
+            self._staging_blocks = [torch.empty((staging_rows, *p.shape[1:]), dtype=p.dtype, device=device)
+                                    for p in blocks]
+            self.tensors, self.staging = self._blocks, self._staging_blocks
+        else:
+            self._blocks, self._staging_blocks = [layout.empty(num_slots, device)], [layout.empty(staging_rows, device)]
+            self.tensors, self.staging = layout.views(self._blocks[0]), layout.views(self._staging_blocks[0])
+        # Every slot's and every host expert's block as a view made once: a fill then indexes tuples
+        # and queues its copies in one call (``_copy``), no tensor indexing per block.
+        self._slot_rows = [t.unbind(0) for t in self._blocks]
+        self._host_rows = [[p.unbind(0) for p in layer_blocks] for layer_blocks in host_blocks]
         self.slot_map = torch.full((num_layers, num_experts), -1, dtype=torch.int32, device=device)
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._ready: torch.cuda.Event | None = None
@@ -110,17 +120,17 @@ class DeviceSlots:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors) + sum(t.nbytes for t in self.staging)
+        return sum(t.nbytes for t in self._blocks) + sum(t.nbytes for t in self._staging_blocks)
 
     def gather(self, slots: list[int]) -> list[torch.Tensor]:
         """The staging rows (one layer's experts) with row ``i`` holding slot ``slots[i]`` (at most one
-        layer's experts; device-to-device copies); the rows after are stale. The index goes up from
+        layer's experts; one device-to-device row copy a block); the rows after are stale. The index goes up from
         pinned memory without a host sync: a blocking copy would hold the host until the compute
         stream reached it, i.e. until the layer's copies were done, and the next layer's copies
         could not be queued meanwhile."""
         index = to_device(slots, self.device)
         rows = len(slots)
-        for t, s in zip(self.tensors, self.staging):
+        for t, s in zip(self._blocks, self._staging_blocks):
             torch.index_select(t, 0, index, out=s[:rows])
         return self.staging  # all rows: the kernels always see one layer's experts
 
@@ -193,7 +203,7 @@ class DeviceSlots:
                     self._pending[(layer, expert)] = (slot, copied, is_clean)
 
     def _copy(self, fills: list[tuple[int, int, int]]) -> None:
-        """Copy each ``(layer, expert, slot)``'s parts from host memory into the slot, on the current
+        """Copy each ``(layer, expert, slot)``'s blocks from host memory into the slot, on the current
         stream (asynchronously on CUDA: the host weights are pinned), as one ``_foreach_copy_``:
         one call from Python for the batch instead of an indexing and a ``copy_`` per part (host
         time at a prompt chunk's routing sync, when the GPU waits for the layer's launch)."""

@@ -8,7 +8,9 @@ those copies), ``compute(x, topk_weights, routing)``. A decode forward of an off
 
 - ``ResidentExperts``: the fused ``w13 [E, 2I, H]`` / ``w2 [E, H, I]`` on the device.
 - ``OffloadedExperts``: the same tensors in host memory; they run from the device cache of
-  ``experts.offload``, with ``topk_ids`` mapped to slots. A layer routed to more experts than the
+  ``experts.offload``, with ``topk_ids`` mapped to slots. NVFP4 experts are kept as one byte span
+  an expert (``experts.span``: the six parts views of one ``[E, span]``), so an expert crosses PCIe
+  as one copy. A layer routed to more experts than the
   cache holds runs in passes: bring a group in, run the (token, expert) pairs of that group, add
   them up, next group.
 """
@@ -24,6 +26,7 @@ from torch import nn
 from freetoken import kernels
 from freetoken.experts.offload import ExpertOffload, distinct_experts, offload_being_built
 from freetoken.experts.slots import to_device
+from freetoken.experts.span import SpanLayout
 from freetoken.layers.linear import NVFP4Weight, Weight, experts
 from freetoken.layers.weights import new_param
 
@@ -69,6 +72,7 @@ class OffloadedExperts(nn.Module):
         self.w13: Weight = _host_param(num_experts, 2 * intermediate, hidden, pin=offload.pin)
         self.w2: Weight = _host_param(num_experts, hidden, intermediate, pin=offload.pin)
         self.offload = offload  # not a module: shared by every layer
+        self.span: torch.Tensor | None = None  # NVFP4: the [E, span] the parts are views of (``place_span``)
         self.layer = offload.register(self)
         self.router: Callable[[torch.Tensor], torch.Tensor] | None = None  # x -> topk ids, set by the MoE block
         # The MoE block's shared expert (gate_up, down), set by the block: the decode kernel runs it too.
@@ -80,6 +84,38 @@ class OffloadedExperts(nn.Module):
 
     def host_parts(self) -> list[torch.Tensor]:
         return _parts(self.w13) + _parts(self.w2)
+
+    def host_span(self) -> torch.Tensor | None:
+        return self.span
+
+    def place_span(self) -> None:
+        """NVFP4 experts: move the six parts into one uint8 ``[E, span]`` in host memory (page-locked
+        with the offload's ``pin``), each part a view of it (``experts.span``), values kept. The NVFP4
+        loader calls it once it made both packed weights, before it fills them: the checkpoint's
+        tensors are then copied straight into the span, and only this layer's parts exist twice,
+        while it runs. Dense experts stay as they are."""
+        if self.is_nvfp4():
+            self._move_to_span(self.offload.pin)
+
+    def pin_host(self) -> None:
+        if self.span is not None:
+            if not self.span.is_pinned():
+                self._move_to_span(pin=True)  # a new span: ``pin_memory()`` would leave the views behind
+            return
+        for p in self.host_parts():
+            if not p.is_pinned():
+                p.data = p.data.pin_memory()
+
+    def _move_to_span(self, pin: bool) -> None:
+        """The parts' values into a new span buffer, each part (a parameter, which the loader's
+        targets hold) rebound to its view of it."""
+        parts = self.host_parts()
+        layout = SpanLayout.of(parts)
+        span = layout.empty(self.num_experts, "cpu", pin=pin)
+        for part, view in zip(parts, layout.views(span)):
+            view.copy_(part)
+            part.data = view
+        self.span = span
 
     def is_nvfp4(self) -> bool:
         return isinstance(self.w13, NVFP4Weight) and isinstance(self.w2, NVFP4Weight)

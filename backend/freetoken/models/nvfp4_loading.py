@@ -6,6 +6,10 @@ the gate/up rows of every expert) becomes an :class:`NVFP4Weight`; a fused 2-D o
 quantized and dense parts (ModelOpt leaves the GDN ``in_proj_a/b`` dense beside a quantized
 ``in_proj_qkv/z``) becomes a :class:`SplitWeight` of packed and dense row runs.
 
+Offloaded NVFP4 experts (``moe_offload``) are placed in one byte span an expert in host memory
+(``OffloadedExperts.place_span``, layer by layer) before any is filled, so the checkpoint's tensors
+go straight into it.
+
 A model built with its parameters on ``meta`` (``layers.weights.parameters_on``) never holds the
 quantized linears in the activation dtype: the plan creates the packed weights on the device and
 then allocates the dense parameters left (``device`` given). Without a checkpoint
@@ -24,6 +28,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from freetoken.experts.store import OffloadedExperts
 from freetoken.layers.linear import NVFP4Weight, SplitWeight
 from freetoken.layers.weights import WeightTarget
 from freetoken.models.checkpoint import CheckpointError, canonical_name
@@ -267,6 +272,9 @@ def _plan(
         for name, _ in parts:
             del load.targets[name]
         load.targets.update(new_targets)
+    for module in model.modules():
+        if isinstance(module, OffloadedExperts):  # one span an expert, before the targets are filled
+            module.place_span()
     if device is not None and device.type != "meta":
         moved = materialize(model, device)
         load.targets = {n: dataclasses.replace(t, param=moved.get(id(t.param), t.param)) for n, t in load.targets.items()}
