@@ -4,7 +4,9 @@ One activation row has no tensor-core work: the codes are turned into float32 ``
 (``_code_values``), multiplied with the activations, summed per group of 16 and the group sums
 scaled (``_row_dots``). Used by the NVFP4 MoE decode block (``nvfp4_decode.py``) and by
 ``nvfp4_linear`` for decode-sized batches (``nvfp4_gemv``): each program streams whole packed
-rows (2048 weights a load) so that many bytes are in flight at one token.
+rows (2048 weights a load) so that many bytes are in flight at one token. Under programmatic
+dependent launch (sm_90 on) the GEMV loads its first weight step before waiting for the previous
+launch, as ``gemv.py``'s does.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels.triton._common import _INTERPRETED, INTERPRETED, cast, device_function, pow2
+from freetoken.kernels.triton.moe_decode import _pdl_available
 
 
 @device_function
@@ -114,11 +117,21 @@ def _row_dots(packed, scale_bytes, xv, B: tl.constexpr, BLOCK_K: tl.constexpr):
     return tl.sum(groups * scales, 2)
 
 
+@device_function
+def _gemv_step(acc, w, s, k0, x_ptr, x_st, m, m_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``acc [BLOCK_M, BLOCK_N] +=`` the packed step ``w`` / ``s`` against the rows' columns ``k0 ..``."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    xv = tl.load(x_ptr + m[:, None] * x_st + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
+    return acc + _row_dots(w, s, xv.to(tl.float32)[:, None, :], BLOCK_N, BLOCK_K)
+
+
 @triton.jit
 def _gemv_kernel(
     x_ptr, x_st, w_ptr, s_ptr, r_ptr, out_ptr, M, N, K,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # the next launch may start: its programs take the slots these leave
+        tl.extra.cuda.gdc_launch_dependents()
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     m = tl.arange(0, BLOCK_M)
@@ -127,16 +140,21 @@ def _gemv_kernel(
     # other combinations make Triton convert layouts through shared memory (see _row_dots).
     rows = n.to(tl.int64)[None, :, None]
     rows_ok = n_ok[None, :, None]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        group = k0 // 16 + tl.arange(0, BLOCK_K // 16)
-        w = tl.load(w_ptr + rows * (K // 2) + half[None, None, :], mask=rows_ok & (half < K // 2)[None, None, :], other=0)
-        s = tl.load(s_ptr + rows * (K // 16) + group[None, None, :], mask=rows_ok & (group < K // 16)[None, None, :],
-                    other=0)
-        xv = tl.load(x_ptr + m[:, None] * x_st + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
-        acc += _row_dots(w, s, xv.to(tl.float32)[:, None, :], BLOCK_N, BLOCK_K)
+    half = tl.arange(0, BLOCK_K // 2)
+    group = tl.arange(0, BLOCK_K // 16)
+    # The first weight step is loaded before the wait: the model never writes its weights.
+    w = tl.load(w_ptr + rows * (K // 2) + half[None, None, :], mask=rows_ok & (half < K // 2)[None, None, :], other=0)
+    s = tl.load(s_ptr + rows * (K // 16) + group[None, None, :], mask=rows_ok & (group < K // 16)[None, None, :],
+                other=0)
+    if PDL:  # x is the previous launch's output
+        tl.extra.cuda.gdc_wait()
+    acc = _gemv_step(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), w, s, 0, x_ptr, x_st, m, m_ok, K, BLOCK_N, BLOCK_K)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        w = tl.load(w_ptr + rows * (K // 2) + (k0 // 2 + half)[None, None, :],
+                    mask=rows_ok & (k0 // 2 + half < K // 2)[None, None, :], other=0)
+        s = tl.load(s_ptr + rows * (K // 16) + (k0 // 16 + group)[None, None, :],
+                    mask=rows_ok & (k0 // 16 + group < K // 16)[None, None, :], other=0)
+        acc = _gemv_step(acc, w, s, k0, x_ptr, x_st, m, m_ok, K, BLOCK_N, BLOCK_K)
     out = acc * tl.load(r_ptr + n, mask=n_ok, other=0.0)[None, :]
     tl.store(out_ptr + m[:, None].to(tl.int64) * N + n[None, :], cast(out, out_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
@@ -162,9 +180,11 @@ def nvfp4_gemv(rows: torch.Tensor, packed: torch.Tensor, scale_bytes: torch.Tens
     num_rows, k_in = rows.shape
     n_out = packed.shape[0]
     block_n, block_k, warps = _gemv_tiles(n_out)
+    pdl = _pdl_available()
     _gemv_kernel[(triton.cdiv(n_out, block_n),)](
         rows, rows.stride(0), packed, scale_bytes, row_scales, out, num_rows, n_out, k_in,
-        BLOCK_M=pow2(num_rows), BLOCK_N=block_n, BLOCK_K=min(pow2(k_in), block_k), num_warps=warps,
+        BLOCK_M=pow2(num_rows), BLOCK_N=block_n, BLOCK_K=min(pow2(k_in), block_k), PDL=pdl,
+        num_warps=warps, launch_pdl=pdl,
     )
 
 
