@@ -5,6 +5,13 @@ also computes its head's ``β = sigmoid(b)`` (rounded to the activations' dtype,
 and ``g = -exp(A_log) · softplus(a + dt_bias)`` in float32 (softplus with torch's threshold of 20),
 so the layer's eight small gating launches go.
 
+Under programmatic dependent launch a program loads its state tile before it waits for the launch
+before (``griddepcontrol.wait``): the tile crosses HBM while the ``in_proj`` GEMV drains. That
+holds because no launch that may still be running writes a layer's recurrent state: only this
+layer's own decode launch of the step before does (or the step's slot resets and snapshot
+restores, which run as stream-ordered copies before the forward's first launch), and a launch
+starts early only under its predecessor's ``gdc_launch_dependents``.
+
 With ``NORM`` the layer's gated output RMS norm runs in the epilogue too
 (``gated_delta_rule_decode_gated_norm``): one program owns a head's whole row of value columns
 (``BLOCK_V >= value_dim``), so the sum of squares needs nothing from another program; the output
@@ -50,9 +57,6 @@ def _decode_gated_kernel(
     HEAD_RATIO: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr,
     NORM: tl.constexpr = False, GATE_SIGMOID: tl.constexpr = False, ROUND_PRODUCT: tl.constexpr = True,
 ):
-    if PDL:  # every input may be an earlier launch's output: wait before any load, then let the next launch start
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     bi = tl.program_id(0)
     h = tl.program_id(1)
     kh = h // HEAD_RATIO
@@ -61,6 +65,15 @@ def _decode_gated_kernel(
     kcols = tl.arange(0, BLOCK_K)
     k_ok = kcols < key_dim
     dtype = out_ptr.dtype.element_ty
+    # The state tile is loaded before the wait: no launch that may still run writes it (see the
+    # module's docstring), and it is the launch's bytes.
+    slot = tl.load(slot_ptr + bi).to(tl.int64)
+    s_ptrs = state_ptr + slot * st_ss + h * st_sh + kcols[:, None] * st_sk + vcols[None, :]
+    s_mask = k_ok[:, None] & v_ok[None, :]
+    s = tl.load(s_ptrs, mask=s_mask, other=0.0)
+    if PDL:  # the other inputs may be the launch before's outputs; then the next launch may start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     beta = round_as(tl.sigmoid(tl.load(b_ptr + bi * b_sb + h).to(tl.float32)), b_ptr.dtype.element_ty)
     # dt_bias in its own dtype, added in float32 (the reference promotes a.float() + dt_bias).
     x = tl.load(a_ptr + bi * a_sb + h).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
@@ -71,13 +84,10 @@ def _decode_gated_kernel(
     q = q * (tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * q_scale)
     k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
     v = tl.load(v_ptr + bi * v_sb + h * v_sh + vcols, mask=v_ok, other=0.0).to(tl.float32)
-    if NORM:  # the norm's operands, loaded before the state so their latency hides behind its load
+    if NORM:  # the norm's operands
         norm_w = tl.load(norm_w_ptr + vcols, mask=v_ok, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + bi * z_sb + h * z_sh + vcols, mask=v_ok, other=0.0).to(tl.float32)
-    slot = tl.load(slot_ptr + bi).to(tl.int64)
-    s_ptrs = state_ptr + slot * st_ss + h * st_sh + kcols[:, None] * st_sk + vcols[None, :]
-    s_mask = k_ok[:, None] & v_ok[None, :]
-    s = tl.load(s_ptrs, mask=s_mask, other=0.0) * tl.exp(g)
+    s = s * tl.exp(g)
     predicted = tl.sum(s * k[:, None], 0)
     s = s + k[:, None] * ((v - predicted) * beta)[None, :]
     tl.store(s_ptrs, s, mask=s_mask)
