@@ -67,11 +67,15 @@ def fused_experts_nvfp4_reference(
     w2_row_scales: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    expert_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``fused_experts`` over NVFP4 experts (``w13 [E, 2I, H]``, ``w2 [E, H, I]``), one expert
-    dequantized at a time."""
+    dequantized at a time. ``expert_slots [E]`` (int32), as ``fused_experts``': expert ``e``'s parts
+    are row ``expert_slots[e]`` of each part (an expert cache's slots; entries of experts no id
+    names are never read); None: row ``e``."""
     num_tokens, top_k = topk_ids.shape
-    num_experts = w13_packed.shape[0]
+    num_experts = w13_packed.shape[0] if expert_slots is None else expert_slots.shape[0]
+    rows = list(range(num_experts)) if expert_slots is None else expert_slots.tolist()
     order, offsets = moe_sort_tokens_reference(topk_ids, num_experts)
     out = torch.zeros_like(x)
     bounds = offsets.tolist()
@@ -80,8 +84,9 @@ def fused_experts_nvfp4_reference(
         if pairs.numel() == 0:
             continue
         tokens = pairs // top_k
-        w13 = dequantize_nvfp4(w13_packed[e], w13_scales[e], w13_row_scales[e], x.dtype)
-        w2 = dequantize_nvfp4(w2_packed[e], w2_scales[e], w2_row_scales[e], x.dtype)
+        r = rows[e]
+        w13 = dequantize_nvfp4(w13_packed[r], w13_scales[r], w13_row_scales[r], x.dtype)
+        w2 = dequantize_nvfp4(w2_packed[r], w2_scales[r], w2_row_scales[r], x.dtype)
         hidden = silu_and_mul_reference(F.linear(x[tokens], w13))
         expert_out = F.linear(hidden, w2) * topk_weights.flatten()[pairs, None]
         out.index_add_(0, tokens, expert_out.to(out.dtype))

@@ -847,6 +847,17 @@ def _routed_inputs(
     return x, w13.contiguous(), w2.contiguous(), topk_weights.contiguous(), order, offsets
 
 
+def checked_slots(name: str, expert_slots: torch.Tensor | None) -> torch.Tensor | None:
+    """``expert_slots`` (an expert's row of the weight tensors: ``fused_experts``) checked to be a
+    1-D int32 tensor, unit-stride for the kernels; None stays None."""
+    if expert_slots is None:
+        return None
+    if expert_slots.dim() != 1 or expert_slots.dtype != torch.int32:
+        raise ValueError(f"{name}: expert_slots must be a 1-D int32 tensor, got {expert_slots.dtype} "
+                         f"{tuple(expert_slots.shape)}")
+    return expert_slots.contiguous()
+
+
 def fused_experts(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     expert_slots: torch.Tensor | None = None,
@@ -855,12 +866,10 @@ def fused_experts(
     out = new_empty(x.shape, x.dtype, x.device)
     if x.shape[0] == 0:
         return out
-    if expert_slots is not None and (expert_slots.dim() != 1 or expert_slots.dtype != torch.int32):
-        raise ValueError(f"fused_experts: expert_slots must be a 1-D int32 tensor, got {expert_slots.dtype} "
-                         f"{tuple(expert_slots.shape)}")
+    expert_slots = checked_slots("fused_experts", expert_slots)
     num_experts = None if expert_slots is None else expert_slots.shape[0]
     inputs = _routed_inputs("fused_experts", x, w13, w2, topk_weights, topk_ids, num_experts)
-    y = _pair_outputs(*inputs, expert_slots=None if expert_slots is None else expert_slots.contiguous())
+    y = _pair_outputs(*inputs, expert_slots=expert_slots)
     sum_choices(y, out, topk_ids.shape[1])
     return out
 

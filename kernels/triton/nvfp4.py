@@ -14,10 +14,12 @@ tiles, and past ``nvfp4_configs.LINEAR_DEQUANT_MIN_ROWS`` rows the weight is deq
 grouped gate/up GEMM with SiLU-and-mul, grouped down GEMM, per-token sum) with these weight tiles,
 their sizes from ``nvfp4_configs`` by pairs per expert; where that table says ``DEQUANT`` (an 8k
 prefill's hundreds of pairs an expert) the experts are dequantized a group at a time and run through
-the bf16 grouped GEMMs instead. Two decode variants are table choices (``Nvfp4GemmConfig``):
-``fold_bias`` (one bf16x2 multiply a weight pair, the bias in the scale) and ``split`` (the even and
-odd columns decoded elementwise and multiplied apart, so the decoded weights need no layout
-conversion through shared memory into the MMA operand's).
+the bf16 grouped GEMMs instead. With ``expert_slots`` (an expert cache's slot map, as
+``fused_experts``') every tile, and the dequantization, reads its expert's parts at its slot. Two
+decode variants are table choices (``Nvfp4GemmConfig``): ``fold_bias`` (one bf16x2 multiply a weight
+pair, the bias in the scale) and ``split`` (the even and odd columns decoded elementwise and
+multiplied apart, so the decoded weights need no layout conversion through shared memory into the
+MMA operand's).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import triton.language as tl
 
 from freetoken.kernels.triton import moe, nvfp4_configs
 from freetoken.kernels.triton._common import _INTERPRETED, INTERPRETED, cast, device_function, dot, dot_precision, new_empty, pow2, round_as
-from freetoken.kernels.triton.moe import _grouped_tile, moe_sort_tokens, sum_choices
+from freetoken.kernels.triton.moe import _grouped_tile, _slot_of, checked_slots, moe_sort_tokens, sum_choices
 from freetoken.kernels.triton.moe_configs import moe_gemm_config
 from freetoken.kernels.triton.nvfp4_configs import Nvfp4GemmConfig, nvfp4_moe_config
 from freetoken.kernels.triton.nvfp4_rows import GEMV_MAX_ROWS, _e4m3_codes, nvfp4_gemv
@@ -325,11 +327,11 @@ def _row_scales(r_ptr, rows, rows_ok, FOLDED: tl.constexpr):
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, x_st, w_ptr, s_ptr, r_ptr, w_es, s_es, r_es, order_ptr, tiles_ptr, h_ptr,
+    x_ptr, x_st, w_ptr, s_ptr, r_ptr, w_es, s_es, r_es, order_ptr, tiles_ptr, slots_ptr, h_ptr,
     hidden, inter, num_experts, num_row_tiles,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, FOLDED: tl.constexpr,
-    SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, PRECISION: tl.constexpr, HAS_SLOTS: tl.constexpr,
 ):
     tile, col_block = _grouped_tile(num_row_tiles, tl.cdiv(inter, BLOCK_N), GROUP_M)
     expert = tl.load(tiles_ptr + tile)
@@ -342,10 +344,12 @@ def _gate_up_kernel(
         n = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < inter
         dtype = h_ptr.dtype.element_ty
-        # The expert's parts from their expert strides (``*_es``, elements): its rows are contiguous.
-        w_ptr += expert.to(tl.int64) * w_es
-        s_ptr += expert.to(tl.int64) * s_es
-        r_ptr += expert.to(tl.int64) * r_es
+        # The expert's parts from their expert strides (``*_es``, elements), at its row of the weight
+        # tensors (``_slot_of``: its cache slot with ``HAS_SLOTS``): its rows are contiguous.
+        slot = _slot_of(expert, slots_ptr, HAS_SLOTS).to(tl.int64)
+        w_ptr += slot * w_es
+        s_ptr += slot * s_es
+        r_ptr += slot * r_es
         gate_rows = n
         up_rows = n + inter
         acc_gate = _zero_acc(BLOCK_M, BLOCK_N, SWAP_AB)
@@ -380,11 +384,11 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    h_ptr, w_ptr, s_ptr, r_ptr, w_es, s_es, r_es, order_ptr, tiles_ptr, topk_w_ptr, y_ptr,
+    h_ptr, w_ptr, s_ptr, r_ptr, w_es, s_es, r_es, order_ptr, tiles_ptr, slots_ptr, topk_w_ptr, y_ptr,
     hidden, inter, num_experts, num_row_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, FOLDED: tl.constexpr,
-    SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, PRECISION: tl.constexpr, HAS_SLOTS: tl.constexpr,
 ):
     tile, col_block = _grouped_tile(num_row_tiles, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     expert = tl.load(tiles_ptr + tile)
@@ -397,9 +401,10 @@ def _down_kernel(
         n = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < hidden
         dtype = y_ptr.dtype.element_ty
-        w_ptr += expert.to(tl.int64) * w_es  # the expert's parts, as in ``_gate_up_kernel``
-        s_ptr += expert.to(tl.int64) * s_es
-        r_ptr += expert.to(tl.int64) * r_es
+        slot = _slot_of(expert, slots_ptr, HAS_SLOTS).to(tl.int64)  # the expert's parts, as in ``_gate_up_kernel``
+        w_ptr += slot * w_es
+        s_ptr += slot * s_es
+        r_ptr += slot * r_es
         w_rows = n
         acc = _zero_acc(BLOCK_M, BLOCK_N, SWAP_AB)
         for k0 in range(0, inter, BLOCK_K):
@@ -423,39 +428,53 @@ def _down_kernel(
 
 
 @triton.jit
-def _dequant_kernel(w_ptr, s_ptr, r_ptr, out_ptr, w_es, s_es, r_es, num_rows, K, BLOCK_R: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
+def _dequant_kernel(w_ptr, s_ptr, r_ptr, out_ptr, w_es, s_es, r_es, num_rows, K, slots_ptr, offsets_ptr,
+                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SLOTS: tl.constexpr):
     """Rows ``[BLOCK_R]`` x columns ``[BLOCK_K]`` of expert ``program_id(2)``'s dense weight (its parts
     ``*_es`` elements apart, ``num_rows`` rows each): ``e2m1 · e4m3`` (exact in the output dtype)
-    times the row scale in float32, rounded once, as ``dequantize_nvfp4``."""
-    expert = tl.program_id(2).to(tl.int64)
-    w_ptr += expert * w_es
-    s_ptr += expert * s_es
-    r_ptr += expert * r_es
-    out_ptr += expert * num_rows * K
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rows_ok = rows < num_rows
-    k0 = tl.program_id(1) * BLOCK_K
-    dtype = out_ptr.dtype.element_ty
-    w = _load_tile(w_ptr, s_ptr, rows, rows_ok, k0, K, dtype, BLOCK_R, BLOCK_K)
-    out = w.to(tl.float32) * tl.load(r_ptr + rows, mask=rows_ok, other=0.0)[:, None]
-    k = k0 + tl.arange(0, BLOCK_K)
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * K + k[None, :], cast(out, dtype),
-             mask=rows_ok[:, None] & (k < K)[None, :])
+    times the row scale in float32, rounded once, as ``dequantize_nvfp4``. ``HAS_SLOTS``: the
+    expert's parts are row ``slots[expert]`` of the inputs (``_slot_of``), and an expert no pair
+    routes to (``offsets``) is skipped, its slot never read (-1 for an expert not cached)."""
+    expert = tl.program_id(2)
+    routed = True
+    if HAS_SLOTS:
+        routed = tl.load(offsets_ptr + expert + 1) > tl.load(offsets_ptr + expert)
+    if routed:
+        slot = _slot_of(expert, slots_ptr, HAS_SLOTS).to(tl.int64)
+        w_ptr += slot * w_es
+        s_ptr += slot * s_es
+        r_ptr += slot * r_es
+        out_ptr += expert.to(tl.int64) * num_rows * K
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        rows_ok = rows < num_rows
+        k0 = tl.program_id(1) * BLOCK_K
+        dtype = out_ptr.dtype.element_ty
+        w = _load_tile(w_ptr, s_ptr, rows, rows_ok, k0, K, dtype, BLOCK_R, BLOCK_K)
+        out = w.to(tl.float32) * tl.load(r_ptr + rows, mask=rows_ok, other=0.0)[:, None]
+        k = k0 + tl.arange(0, BLOCK_K)
+        tl.store(out_ptr + rows[:, None].to(tl.int64) * K + k[None, :], cast(out, dtype),
+                 mask=rows_ok[:, None] & (k < K)[None, :])
 
 
 def dequantize_nvfp4_into(packed: torch.Tensor, scale_bytes: torch.Tensor, row_scales: torch.Tensor,
-                          out: torch.Tensor) -> None:
+                          out: torch.Tensor, expert_slots: torch.Tensor | None = None,
+                          offsets: torch.Tensor | None = None) -> None:
     """``out [E, N, K] = dequantize_nvfp4(...)`` of the first ``E`` experts of ``packed [E', N, K / 2]``
     in ``out``'s dtype (contiguous), scales as uint8; the inputs' expert strides are free, their rows
-    contiguous (``expert_major``)."""
+    contiguous (``expert_major``). With ``expert_slots`` (int32, at least ``E``) and the pairs'
+    ``offsets`` by expert: ``out[e]`` is row ``expert_slots[e]``'s, for the experts ``e`` some pair
+    routes to (the others' rows of ``out`` are left as they were)."""
     num_experts, num_rows, k_in = out.shape
     if not num_experts * num_rows * k_in:
         return
+    has_slots = expert_slots is not None
+    if has_slots and offsets is None:
+        raise ValueError("dequantize_nvfp4_into: expert_slots needs the pairs' offsets")
     block_r, block_k = (64, 128) if INTERPRETED else (16, 256)
     _dequant_kernel[(triton.cdiv(num_rows, block_r), triton.cdiv(k_in, block_k), num_experts)](
         packed, scale_bytes, row_scales, out, packed.stride(0), scale_bytes.stride(0), row_scales.stride(0),
-        num_rows, k_in, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4,
+        num_rows, k_in, expert_slots if has_slots else row_scales, offsets if has_slots else row_scales,
+        BLOCK_R=block_r, BLOCK_K=block_k, HAS_SLOTS=has_slots, num_warps=4,
     )
 
 
@@ -533,17 +552,24 @@ def _expert_groups(num_experts: int, rows: int, cols: int, dtype: torch.dtype) -
     return max(1, min(num_experts, nvfp4_configs.DEQUANT_GROUP_BYTES // per_expert))
 
 
-def _dequantized_groups(w: Packed, dtype: torch.dtype, device: torch.device) -> Iterator[tuple[int, torch.Tensor]]:
+def _dequantized_groups(w: Packed, dtype: torch.dtype, device: torch.device, offsets: torch.Tensor,
+                        expert_slots: torch.Tensor | None) -> Iterator[tuple[int, torch.Tensor]]:
     """The dequantize-then-bf16 path's expert groups in turn: ``(first expert, the group's weights
     in dtype)``, every group dequantized into one scratch buffer, so each is consumed (its grouped
-    GEMM enqueued) before the next overwrites it."""
+    GEMM enqueued) before the next overwrites it. The experts are those of ``offsets``; with
+    ``expert_slots`` each is read from its slot (only the routed ones), into the group's rows in
+    expert order, so the bf16 GEMM sees contiguous experts."""
     packed, scale_bytes, row_scales = w
-    num_experts, rows, half = packed.shape
+    _, rows, half = packed.shape
+    num_experts = offsets.shape[0] - 1
     group = _expert_groups(num_experts, rows, 2 * half, dtype)
     scratch = new_empty((group, rows, 2 * half), dtype, device)
     for e0 in range(0, num_experts, group):
         weights = scratch[: min(group, num_experts - e0)]
-        dequantize_nvfp4_into(packed[e0:], scale_bytes[e0:], row_scales[e0:], weights)
+        if expert_slots is None:
+            dequantize_nvfp4_into(packed[e0:], scale_bytes[e0:], row_scales[e0:], weights)
+        else:
+            dequantize_nvfp4_into(packed, scale_bytes, row_scales, weights, expert_slots[e0:], offsets[e0:])
         yield e0, weights
 
 
@@ -554,53 +580,61 @@ def split_columns(x: torch.Tensor) -> torch.Tensor:
 
 
 def gate_up_nvfp4(x: torch.Tensor, w13: Packed, order: torch.Tensor, offsets: torch.Tensor, h: torch.Tensor,
-                  top_k: int, config: Nvfp4GemmConfig | None) -> None:
+                  top_k: int, config: Nvfp4GemmConfig | None, expert_slots: torch.Tensor | None = None) -> None:
     """``h[sorted pair] = silu(x w_gateᵀ) · (x w_upᵀ)`` of the pair's expert over NVFP4 ``w13``
     (``[E, 2I, H / 2]`` codes; each part ``expert_major``): the W4A16 kernel with ``config``'s tiles, or with
     ``None`` the experts dequantized a group at a time and the bf16 grouped GEMM (the tuner
-    launches both)."""
+    launches both). With ``expert_slots`` (``fused_experts_nvfp4``), expert ``e``'s parts are row
+    ``expert_slots[e]`` of ``w13``'s (the experts are ``offsets``')."""
     packed, scale_bytes, row_scales = w13
-    num_experts, two_inter, half = packed.shape
+    _, two_inter, half = packed.shape
+    num_experts = offsets.shape[0] - 1
     hidden, inter = 2 * half, two_inter // 2
     if config is None:
         bf16_config = moe_gemm_config("gate_up", x.dtype, h.shape[0], num_experts, hidden, inter)
-        for e0, weights in _dequantized_groups(w13, x.dtype, x.device):
+        for e0, weights in _dequantized_groups(w13, x.dtype, x.device, offsets, expert_slots):
             moe.gate_up(x, weights, order, offsets[e0:], h, top_k, bf16_config)
         return
     tile_info, tiles = tile_map(offsets, h.shape[0], config.block_m)
     x = split_columns(x) if config.split else x
     _gate_up_kernel[(tiles * triton.cdiv(inter, config.block_n),)](
-        x, x.stride(0), packed, scale_bytes, row_scales, *_expert_strides(w13), order, tile_info, h, hidden, inter,
-        num_experts, tiles,
+        x, x.stride(0), packed, scale_bytes, row_scales, *_expert_strides(w13), order, tile_info,
+        _slots_arg(expert_slots, offsets), h, hidden, inter, num_experts, tiles,
         TOP_K=top_k, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, EVEN_K=hidden % config.block_k == 0,
-        SWAP_AB=config.swap_ab, FOLDED=config.fold_bias or config.split, SPLIT=config.split, PRECISION=dot_precision(x.dtype), num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        SWAP_AB=config.swap_ab, FOLDED=config.fold_bias or config.split, SPLIT=config.split, PRECISION=dot_precision(x.dtype),
+        HAS_SLOTS=expert_slots is not None, num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
 
 def down_nvfp4(h: torch.Tensor, w2: Packed, order: torch.Tensor, offsets: torch.Tensor, topk_weights: torch.Tensor,
-               y: torch.Tensor, config: Nvfp4GemmConfig | None) -> None:
+               y: torch.Tensor, config: Nvfp4GemmConfig | None, expert_slots: torch.Tensor | None = None) -> None:
     """``y[pair] = weight · (h w_downᵀ)`` of the pair's expert over NVFP4 ``w2`` (``[E, H, I / 2]``
-    codes), in pair order; ``config`` as in ``gate_up_nvfp4``."""
+    codes), in pair order; ``config`` and ``expert_slots`` as in ``gate_up_nvfp4``."""
     packed, scale_bytes, row_scales = w2
-    num_experts, hidden, half = packed.shape
+    _, hidden, half = packed.shape
+    num_experts = offsets.shape[0] - 1
     inter = 2 * half
     if config is None:
         bf16_config = moe_gemm_config("down", h.dtype, h.shape[0], num_experts, hidden, inter)
-        for e0, weights in _dequantized_groups(w2, h.dtype, h.device):
+        for e0, weights in _dequantized_groups(w2, h.dtype, h.device, offsets, expert_slots):
             moe.down(h, weights, order, offsets[e0:], topk_weights, y, bf16_config)
         return
     tile_info, tiles = tile_map(offsets, h.shape[0], config.block_m)
     h = split_columns(h) if config.split else h
     _down_kernel[(tiles * triton.cdiv(hidden, config.block_n),)](
-        h, packed, scale_bytes, row_scales, *_expert_strides(w2), order, tile_info, topk_weights, y, hidden, inter,
-        num_experts, tiles,
+        h, packed, scale_bytes, row_scales, *_expert_strides(w2), order, tile_info, _slots_arg(expert_slots, offsets),
+        topk_weights, y, hidden, inter, num_experts, tiles,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, EVEN_K=inter % config.block_k == 0,
-        SWAP_AB=config.swap_ab, FOLDED=config.fold_bias or config.split, SPLIT=config.split, PRECISION=dot_precision(h.dtype), num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        SWAP_AB=config.swap_ab, FOLDED=config.fold_bias or config.split, SPLIT=config.split, PRECISION=dot_precision(h.dtype),
+        HAS_SLOTS=expert_slots is not None, num_warps=config.num_warps, num_stages=config.num_stages,
     )
+
+
+def _slots_arg(expert_slots: torch.Tensor | None, offsets: torch.Tensor) -> torch.Tensor:
+    """The kernels' ``slots_ptr``: ``expert_slots``, or without them any int32 tensor (never read)."""
+    return offsets if expert_slots is None else expert_slots
 
 
 def expert_configs(dtype: torch.dtype, num_pairs: int, num_experts: int, hidden: int,
@@ -620,13 +654,15 @@ def fused_experts_nvfp4(
     w2_row_scales: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    expert_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     num_tokens, hidden = x.shape
-    num_experts, two_inter, _ = w13_packed.shape
+    two_inter = w13_packed.shape[1]
+    num_experts = w13_packed.shape[0] if expert_slots is None else expert_slots.shape[0]
     inter = two_inter // 2
     return fused_experts_nvfp4_tiled(
         x, w13_packed, w13_scales, w13_row_scales, w2_packed, w2_scales, w2_row_scales, topk_weights, topk_ids,
-        expert_configs(x.dtype, num_tokens * topk_ids.shape[-1], num_experts, hidden, inter),
+        expert_configs(x.dtype, num_tokens * topk_ids.shape[-1], num_experts, hidden, inter), expert_slots,
     )
 
 
@@ -641,40 +677,44 @@ def fused_experts_nvfp4_tiled(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     configs: tuple[Nvfp4GemmConfig | None, Nvfp4GemmConfig | None],
+    expert_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``fused_experts_nvfp4`` with the given (gate/up, down) configurations (tests and the tuner).
     The experts' parts may have any expert (dim 0) stride: only their rows must be contiguous, else
-    they are copied (``expert_major``)."""
+    they are copied (``expert_major``). ``expert_slots [E]`` (int32): as ``fused_experts``', expert
+    ``e``'s parts are row ``expert_slots[e]`` of each (an expert cache's ``S`` slots); the pairs are
+    sorted over its ``E`` experts."""
     num_tokens, hidden = x.shape
-    num_experts, two_inter, _ = w13_packed.shape
+    rows, two_inter, _ = w13_packed.shape
     inter = two_inter // 2
     top_k = topk_ids.shape[1]
     if (
         w13_packed.shape[2] * 2 != hidden
-        or w13_scales.shape != (num_experts, two_inter, hidden // GROUP)
-        or w13_row_scales.shape != (num_experts, two_inter)
-        or w2_packed.shape != (num_experts, hidden, inter // 2)
-        or w2_scales.shape != (num_experts, hidden, inter // GROUP)
-        or w2_row_scales.shape != (num_experts, hidden)
+        or w13_scales.shape != (rows, two_inter, hidden // GROUP)
+        or w13_row_scales.shape != (rows, two_inter)
+        or w2_packed.shape != (rows, hidden, inter // 2)
+        or w2_scales.shape != (rows, hidden, inter // GROUP)
+        or w2_row_scales.shape != (rows, hidden)
         or topk_weights.shape != topk_ids.shape
     ):
         raise ValueError(
             f"fused_experts_nvfp4: x {tuple(x.shape)}, w13 {tuple(w13_packed.shape)}/{tuple(w13_scales.shape)}, "
             f"w2 {tuple(w2_packed.shape)}/{tuple(w2_scales.shape)}, ids {tuple(topk_ids.shape)} disagree"
         )
+    expert_slots = checked_slots("fused_experts_nvfp4", expert_slots)
     out = new_empty((num_tokens, hidden), x.dtype, x.device)
     if num_tokens == 0:
         return out
     x = x if x.stride(-1) == 1 else x.contiguous()
     topk_weights = topk_weights.contiguous()
     num_pairs = num_tokens * top_k
-    order, offsets = moe_sort_tokens(topk_ids, num_experts)
+    order, offsets = moe_sort_tokens(topk_ids, rows if expert_slots is None else expert_slots.shape[0])
     # Expert strides as given (an offloaded layer's cache slots are views of one span a slot).
     w13 = (expert_major(w13_packed), expert_major(w13_scales).view(torch.uint8), expert_major(w13_row_scales))
     w2 = (expert_major(w2_packed), expert_major(w2_scales).view(torch.uint8), expert_major(w2_row_scales))
     h = new_empty((num_pairs, inter), x.dtype, x.device)
-    gate_up_nvfp4(x, w13, order, offsets, h, top_k, configs[0])
+    gate_up_nvfp4(x, w13, order, offsets, h, top_k, configs[0], expert_slots)
     y = new_empty((num_pairs, hidden), x.dtype, x.device)
-    down_nvfp4(h, w2, order, offsets, topk_weights, y, configs[1])
+    down_nvfp4(h, w2, order, offsets, topk_weights, y, configs[1], expert_slots)
     sum_choices(y, out, top_k)
     return out

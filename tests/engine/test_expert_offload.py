@@ -101,8 +101,8 @@ def test_counters_add_up_to_the_routed_uses(zero_copy):
         (num_slots, 2 * text.moe_intermediate_size, text.hidden_size),
         (num_slots, text.hidden_size, text.moe_intermediate_size),
     ]
-    # more slots than a layer's experts, dense: the GEMMs read each expert in its slot, no staging rows
-    assert [t.shape[0] for t in slots.staging] == [0, 0]
+    # more slots than a layer's experts: the GEMMs read each expert in its slot, the cache is its slots alone
+    assert slots.nbytes == sum(t.nbytes for t in slots.tensors)
     assert all(m.w13.shape[0] == text.num_experts for m in moe)  # every expert stays in host memory
 
 
@@ -198,7 +198,7 @@ def test_nvfp4_experts_offloaded_packed():
 
 def test_span_slots_copy_an_expert_as_one_block():
     """With a span layout (NVFP4 experts) the cache holds one ``[S, span]`` block: fills (eager and
-    deferred) and the staging gather copy whole spans, and every part view reads its expert."""
+    deferred) copy whole spans, and every part view reads its expert."""
     from freetoken.experts.slots import DeviceSlots
     from freetoken.experts.span import SpanLayout
 
@@ -210,14 +210,12 @@ def test_span_slots_copy_an_expert_as_one_block():
     for view, part in zip(parts, host):
         view.copy_(part)
     assert layout.holds(span, parts) and not layout.holds(span, host)
-    slots = DeviceSlots([[span]], num_slots=7, device=torch.device("cpu"), staging_rows=5, layout=layout)
-    assert slots.nbytes == (7 + 5) * layout.nbytes and slots.tensors[1].stride(0) == layout.nbytes // 4
+    slots = DeviceSlots([[span]], num_slots=7, device=torch.device("cpu"), layout=layout)
+    assert slots.nbytes == 7 * layout.nbytes and slots.tensors[1].stride(0) == layout.nbytes // 4
     slots.fill(0, [(3, 6), (0, 2)], [])
     slots.fill_deferred([(0, 4, 5)], [])
     for slot, expert in ((6, 3), (2, 0), (5, 4)):
         assert all(torch.equal(t[slot], p[expert]) for t, p in zip(slots.tensors, host))
-    staged = slots.gather([5, 6])
-    assert all(torch.equal(t[:2], p[[4, 3]]) for t, p in zip(staged, host))
 
 
 def test_slot_table_passes_and_eviction():

@@ -33,10 +33,10 @@ def test_float32_greedy_tokens_equal_transformers_through_w4a16_kernels(producer
         assert output.token_ids == reference_greedy(dequantized, prompt, max_tokens)
 
 
-@pytest.mark.parametrize("slots", [16, pytest.param(3, marks=pytest.mark.slow)], ids=["staging", "passes"])
+@pytest.mark.parametrize("slots", [16, pytest.param(3, marks=pytest.mark.slow)], ids=["in_slots", "passes"])
 def test_offloaded_nvfp4_experts_through_the_kernels(slots):
     """``moe_offload`` with NVFP4 experts: the grouped W4A16 kernels read the cache's span views
-    (``experts.span``: a window of slots or the staging rows, 16 slots over 2 layers of 8 experts;
+    (``experts.span``) in their slots through the slot map (16 slots over 2 layers of 8 experts;
     passes over a cache of 3), the zero-copy decode kernel the slots' and the host's, with no copy;
     float32 greedy tokens equal transformers' on the dequantized weights."""
     quantized, dequantized = case("qwen3_5_moe", "compressed-tensors")

@@ -1,6 +1,6 @@
 """Expert offload through the Triton kernels (the interpreter on the CPU, compiled on a GPU): the
-grouped-GEMM kernels run prefill chunks on windows of the slot tensors, the staging rows, or (a
-cache smaller than a layer) the whole cache in passes, and decode steps run the zero-copy decode
+grouped-GEMM kernels run prefill chunks on the experts in their slots through the slot map (a
+cache smaller than a layer: in passes), and decode steps run the zero-copy decode
 kernel (``kernels/triton/moe_decode_offload.py``); float32 greedy tokens equal transformers'."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ PROMPTS = ["The quick brown fox jumps over the lazy dog", "Numbers: 1024 3.14 ca
 CASE = Case("qwen3_5_moe", "two_layers")  # 2 layers of 4 experts, top-2
 
 
-@pytest.mark.parametrize("slots", [6, pytest.param(1, marks=pytest.mark.slow)], ids=["window_or_staging", "passes"])
+@pytest.mark.parametrize("slots", [6, pytest.param(1, marks=pytest.mark.slow)], ids=["in_slots", "passes"])
 def test_offloaded_greedy_tokens_equal_transformers_through_triton(slots):
     llm = LLM(
         model=str(checkpoint(CASE)),

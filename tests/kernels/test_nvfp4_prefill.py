@@ -100,6 +100,55 @@ def test_fused_experts_nvfp4_reads_span_views_in_place(rng, dtype, configs, monk
     assert_close_to_float32(got, ref.fused_experts_nvfp4_reference, x, *w13, *w2, weights, ids)
 
 
+def _slotted_inputs(rng, rows, e=7, k=2, tokens=29, hidden=80, inter=48):
+    """Experts in an expert cache of ``rows`` slots (span views, other slots holding other experts'
+    values) with their ``slots [e]`` (-1 for the experts no token routes to), the routed ids, and
+    the same experts contiguous (``dense [e, ...]``: expert ``j`` at row ``j``, the unrouted ones
+    zero): ``(x, spans, slots, dense, weights, ids)``."""
+    routed = min(rows, 4)  # the experts the tokens route to
+    x = torch.randn(tokens, hidden, generator=rng).to(torch.bfloat16).to(DEVICE)
+    cache = [*random_nvfp4(rng, rows, 2 * inter, hidden), *random_nvfp4(rng, rows, hidden, inter)]
+    experts = torch.randperm(e, generator=rng)[:routed]
+    slots = torch.full((e,), -1, dtype=torch.int32)
+    slots[experts] = torch.randperm(rows, generator=rng)[:routed].int()
+    logits = torch.randn(tokens, routed, generator=rng).to(torch.bfloat16).to(DEVICE)
+    weights, local = moe_ref.moe_topk_softmax_reference(logits, k, True)
+    ids = experts.to(DEVICE)[local.long()].int()
+    dense = []
+    for part in cache:
+        rows_of = torch.zeros((e, *part.shape[1:]), dtype=part.dtype, device=DEVICE)
+        rows_of[experts.to(DEVICE)] = part[slots.long()[experts].to(DEVICE)]
+        dense.append(rows_of)
+    return x, in_span(cache), slots.to(DEVICE), dense, weights, ids
+
+
+@pytest.mark.parametrize("configs", [CONFIG_CASES[0], CONFIG_CASES[4], CONFIG_CASES[6], CONFIG_CASES[8]],
+                         ids=["tiles", "dequant", "folded", "split"])
+@pytest.mark.parametrize("rows", [11, 4])  # an expert cache larger and smaller than the layer's experts
+def test_fused_experts_nvfp4_expert_slots(rng, configs, rows, monkeypatch):
+    """``expert_slots``: the kernels (each tile variant, and the dequantize path two experts a
+    group) read each expert's parts in its cache slot and give the contiguous experts' result bit
+    for bit, as the reference does its own; the kernels as close to the reference as ever."""
+    monkeypatch.setattr(_configs(), "DEQUANT_GROUP_BYTES", 2 * 2 * 48 * 80 * 2)
+    x, spans, slots, dense, weights, ids = _slotted_inputs(rng, rows)
+    tiles = tuple(_config(*c) for c in configs)
+    want = _triton().fused_experts_nvfp4_tiled(x, *dense, weights, ids, tiles)
+    assert torch.equal(_triton().fused_experts_nvfp4_tiled(x, *spans, weights, ids, tiles, slots), want)
+    assert torch.equal(ref.fused_experts_nvfp4_reference(x, *spans, weights, ids, slots),
+                       ref.fused_experts_nvfp4_reference(x, *dense, weights, ids))
+    assert_close_to_float32(want, ref.fused_experts_nvfp4_reference, x, *dense, weights, ids)
+
+
+def test_fused_experts_nvfp4_expert_slots_tiles_by_the_layers_experts(rng):
+    """Its configurations are those of the slot map's experts (the layer's), not of the cache's
+    slots: the contiguous layer's, so the same result."""
+    x, spans, slots, dense, weights, ids = _slotted_inputs(rng, 11)
+    assert torch.equal(_triton().fused_experts_nvfp4(x, *spans, weights, ids, slots),
+                       _triton().fused_experts_nvfp4(x, *dense, weights, ids))
+    with pytest.raises(ValueError, match="1-D int32"):
+        _triton().fused_experts_nvfp4(x, *spans, weights, ids, slots.long())
+
+
 def test_expert_major_copies_only_experts_with_strided_rows(rng):
     packed = random_nvfp4(rng, 3, 8, 32)[0]
     assert _triton().expert_major(packed) is packed

@@ -84,7 +84,7 @@ class Engine:
                 raise ValueError("moe_offload: the model has no routed experts")
             cache_slots = size_expert_cache(
                 config, self.device, self.pool_sizes, text_config.hidden_size, self.offload.expert_bytes,
-                self.offload.num_experts, len(self.offload.layers), self.offload.staging_rows,
+                self.offload.num_experts, len(self.offload.layers),
             )
         # Snapshot slots are state rows only: no page-table row, no sampling tables.
         self.model.allocate_state(self.pool_sizes.num_pages, config.page_size, self.pool_sizes.num_state_slots)

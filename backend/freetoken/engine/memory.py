@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -110,14 +109,12 @@ def size_pools(
 
 def size_expert_cache(
     config: EngineConfig, device: torch.device, pools: PoolSizes, hidden_size: int, expert_bytes: int,
-    num_experts: int, num_layers: int, staging_rows: Callable[[int], int],
+    num_experts: int, num_layers: int,
 ) -> int:
     """Device slots of the expert cache (``moe_offload``): ``expert_cache_slots`` if set, else on a
     GPU what the budget of ``pool_budget_bytes`` leaves after the KV pages and state slots (the KV
     pool is sized first; ``num_pages`` or ``max_model_len`` x ``max_running_requests`` bound it, so
-    they move the split), on the CPU one layer's experts. Never more than every layer's experts.
-    ``staging_rows(slots)``: the rows of experts a cache of ``slots`` takes beside its slots
-    (``ExpertOffload.staging_rows``: one layer's for NVFP4 experts), counted in the budget here."""
+    they move the split), on the CPU one layer's experts. Never more than every layer's experts."""
     everything = num_experts * num_layers
     if config.expert_cache_slots is not None:
         slots = config.expert_cache_slots
@@ -126,7 +123,6 @@ def size_expert_cache(
     else:
         left = pool_budget_bytes(config, device, hidden_size) - pools.total_bytes
         slots = max(0, left) // expert_bytes
-        slots -= staging_rows(slots)
         if slots < 1:
             raise MemoryError(
                 f"no memory left for the expert cache on {device}: {left / GiB:.2f} GiB after the weights and "
@@ -137,7 +133,6 @@ def size_expert_cache(
     if slots < num_experts:
         logger.warning("expert cache of %d slots holds fewer than one layer's %d experts: layers routed to more "
                        "run in passes", slots, num_experts)
-    staging = staging_rows(slots)
-    logger.info("expert cache: %d of %d experts (%.2f GiB with %d staging rows), beside %.2f GiB of KV pages and "
-                "states", slots, everything, (slots + staging) * expert_bytes / GiB, staging, pools.total_bytes / GiB)
+    logger.info("expert cache: %d of %d experts (%.2f GiB), beside %.2f GiB of KV pages and states", slots, everything,
+                slots * expert_bytes / GiB, pools.total_bytes / GiB)
     return slots

@@ -150,13 +150,6 @@ class ExpertOffload:
         """Experts of one layer."""
         return self.layers[0].num_experts
 
-    def staging_rows(self, num_slots: int) -> int:
-        """Device rows of experts beside a cache of ``num_slots``: one layer's experts for NVFP4
-        layers when the cache is larger than a layer (a layer's slots are then scattered, and its
-        grouped GEMMs read them packed: ``DeviceSlots.gather``); none for dense experts, whose GEMMs
-        read each expert in its slot (``fused_experts``' ``expert_slots``)."""
-        return self.num_experts if self.layers[0].is_nvfp4() and num_slots > self.num_experts else 0
-
     @property
     def num_slots(self) -> int:
         return 0 if self.table is None else self.table.num_slots
@@ -192,7 +185,7 @@ class ExpertOffload:
                                      "them out; the device cache could not copy them as one span")
         blocks = [layer_parts if span is None else [span] for layer_parts, span in zip(parts, spans)]
         self.table = SlotTable(num_slots, make_policy(self.policy), self.expert_bytes)
-        self.slots = DeviceSlots(blocks, num_slots, device, self.staging_rows(num_slots), layout)
+        self.slots = DeviceSlots(blocks, num_slots, device, layout)
         if decode_tokens > 0 and all(layer.zero_copy_ready() for layer in self.layers):
             read_through = not self.nvfp4
             self.log = RoutedLog(len(self.layers), decode_tokens, self.layers[0].top_k, device, read_through)
@@ -369,11 +362,6 @@ class ExpertOffload:
         placed, evicted = self._table().admit(layer, experts)
         assert self.slots is not None
         self.slots.fill(layer, placed, evicted)
-
-    def slot_of(self, layer: int, expert: int) -> int:
-        slot = self._table().slot_of((layer, expert))
-        assert slot is not None, f"expert {expert} of layer {layer} is not cached"
-        return slot
 
     @property
     def counters(self) -> CacheCounters:

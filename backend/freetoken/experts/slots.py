@@ -77,22 +77,19 @@ from freetoken.experts.timeline import PrefillTimeline
 
 class DeviceSlots:
     def __init__(self, host_blocks: list[list[torch.Tensor]], num_slots: int, device: torch.device,
-                 staging_rows: int = 0, layout: SpanLayout | None = None) -> None:
+                 layout: SpanLayout | None = None) -> None:
         """``host_blocks[layer]``: what a fill of that layer copies, each ``[E, ...]`` (every layer's
         have the first layer's shapes): its weight parts, or with ``layout`` (NVFP4 experts) the one
-        uint8 ``[E, span]`` the parts are views of, and the slots are laid out alike.
-        ``staging_rows``: experts' rows for ``gather`` (``ExpertOffload.staging_rows``)."""
+        uint8 ``[E, span]`` the parts are views of, and the slots are laid out alike."""
         self.device = device
         blocks = host_blocks[0]
         num_experts, num_layers = blocks[0].shape[0], len(host_blocks)
         if layout is None:
             self._blocks = [torch.empty((num_slots, *p.shape[1:]), dtype=p.dtype, device=device) for p in blocks]
-            self._staging_blocks = [torch.empty((staging_rows, *p.shape[1:]), dtype=p.dtype, device=device)
-                                    for p in blocks]
-            self.tensors, self.staging = self._blocks, self._staging_blocks
+            self.tensors = self._blocks
         else:
-            self._blocks, self._staging_blocks = [layout.empty(num_slots, device)], [layout.empty(staging_rows, device)]
-            self.tensors, self.staging = layout.views(self._blocks[0]), layout.views(self._staging_blocks[0])
+            self._blocks = [layout.empty(num_slots, device)]
+            self.tensors = layout.views(self._blocks[0])
         # Every slot's and every host expert's block as a view made once: a fill then indexes tuples
         # and queues its copies in one call (``_copy``), no tensor indexing per block.
         self._slot_rows = [t.unbind(0) for t in self._blocks]
@@ -120,19 +117,7 @@ class DeviceSlots:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self._blocks) + sum(t.nbytes for t in self._staging_blocks)
-
-    def gather(self, slots: list[int]) -> list[torch.Tensor]:
-        """The staging rows (one layer's experts) with row ``i`` holding slot ``slots[i]`` (at most one
-        layer's experts; one device-to-device row copy a block); the rows after are stale. The index goes up from
-        pinned memory without a host sync: a blocking copy would hold the host until the compute
-        stream reached it, i.e. until the layer's copies were done, and the next layer's copies
-        could not be queued meanwhile."""
-        index = to_device(slots, self.device)
-        rows = len(slots)
-        for t, s in zip(self._blocks, self._staging_blocks):
-            torch.index_select(t, 0, index, out=s[:rows])
-        return self.staging  # all rows: the kernels always see one layer's experts
+        return sum(t.nbytes for t in self._blocks)
 
     def fill(self, layer: int, placed: list[tuple[int, int]], evicted: list[ExpertKey], ahead: bool = False) -> None:
         """Copy ``layer``'s experts into their slots (``placed``: (expert, slot)) and update the map.
@@ -315,10 +300,6 @@ class DeviceSlots:
         stream ran before it), and time the compute stream waited for them (the copies not hidden
         behind compute). Zero on the CPU, which has no copy stream."""
         return _drain(self._copy_spans), _drain(self._eager_waits)
-
-    def slot_ids(self, layer: int, expert_ids: torch.Tensor) -> torch.Tensor:
-        """``expert_ids`` (any shape) of ``layer`` -> their slots, int32, on the device."""
-        return self.slot_map[layer][expert_ids.long()]
 
 
 def to_device(values: list, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:

@@ -25,7 +25,6 @@ from torch import nn
 
 from freetoken import kernels
 from freetoken.experts.offload import ExpertOffload, distinct_experts, offload_being_built
-from freetoken.experts.slots import to_device
 from freetoken.experts.span import SpanLayout
 from freetoken.layers.linear import NVFP4Weight, Weight, experts
 from freetoken.layers.weights import new_param
@@ -187,7 +186,7 @@ class OffloadedExperts(nn.Module):
         assert slots is not None
         if len(routing.groups) == 1:
             slots.wait(self.layer)
-            out = self._run(x, topk_weights, routing.topk_ids, routing.groups[0])
+            out = self._run(x, topk_weights, routing.topk_ids)
             self.offload.mark_computed(self.layer)
             self.after_launch(routing)
             return out
@@ -201,42 +200,22 @@ class OffloadedExperts(nn.Module):
             members = torch.tensor(group, dtype=flat_ids.dtype).to(x.device)
             pairs = torch.isin(flat_ids, members).nonzero().squeeze(1)
             tokens = pairs // top_k
-            part = self._run(x[tokens], flat_weights[pairs, None], flat_ids[pairs, None], group)
+            part = self._run(x[tokens], flat_weights[pairs, None], flat_ids[pairs, None])
             out.index_add_(0, tokens, part)
         self.offload.mark_computed(self.layer)
         return out
 
-    def _run(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, group: list[int]) -> torch.Tensor:
-        """The experts of ``group`` (all cached) for pairs routed only to them.
-
-        The grouped-GEMM kernels compile and pick their tuned tiles per expert count: they see the
-        layer's ``E`` experts, as a resident layer. Dense experts are read in their slots through
-        the layer's row of the slot map (``fused_experts``' ``expert_slots``). NVFP4 experts see a
-        window of ``E`` slots holding the group when there is one (or the whole cache, when it holds
-        fewer), else the group packed into the staging rows (``DeviceSlots.gather``:
-        device-to-device copies)."""
+    def _run(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts (all cached) for pairs routed only to them, read in their slots
+        through the layer's row of the slot map (``expert_slots``): the grouped-GEMM kernels
+        compile and pick their tuned tiles per expert count, and see the layer's ``E`` experts, as
+        a resident layer, whatever the cache's size."""
         slots = self.offload.slots
         assert slots is not None
-        if not self.offload.nvfp4:
-            return kernels.fused_experts(x, slots.tensors[0], slots.tensors[1], weights, expert_ids,
-                                         expert_slots=slots.slot_map[self.layer])
-        num_slots = slots.tensors[0].shape[0]
-        if num_slots <= self.num_experts:
-            tensors, local = slots.tensors, slots.slot_ids(self.layer, expert_ids)
-        else:
-            taken = [self.offload.slot_of(self.layer, e) for e in group]
-            low, high = min(taken), max(taken) + 1
-            if high - low <= self.num_experts:
-                start = min(low, num_slots - self.num_experts)
-                tensors = [t[start : start + self.num_experts] for t in slots.tensors]
-                local = slots.slot_ids(self.layer, expert_ids) - start
-            else:
-                tensors = slots.gather(taken)
-                rank = [0] * self.num_experts
-                for position, expert in enumerate(group):
-                    rank[expert] = position
-                local = to_device(rank, x.device, torch.int32)[expert_ids.long()]
-        return kernels.fused_experts_nvfp4(x, *tensors, weights, local)
+        slot_map = slots.slot_map[self.layer]
+        if self.offload.nvfp4:
+            return kernels.fused_experts_nvfp4(x, *slots.tensors, weights, expert_ids, expert_slots=slot_map)
+        return kernels.fused_experts(x, slots.tensors[0], slots.tensors[1], weights, expert_ids, expert_slots=slot_map)
 
 
 def make_store(num_experts: int, intermediate: int, hidden: int, top_k: int) -> ResidentExperts | OffloadedExperts:
