@@ -132,22 +132,33 @@ def sparse_moe_decode_offload_nvfp4_reference(
     top_k: int,
     renormalize: bool,
     routed: torch.Tensor,
+    fills: torch.Tensor | None = None,
+    lend: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``sparse_moe_decode_offload`` over NVFP4 routed and shared experts (``kernels/nvfp4.py``'s
     layout): each routed weight's three parts, in the slots ``[S, ...]`` and on the host ``[E, ...]``,
-    with any expert (dim 0) stride and contiguous rows (an offloaded layer's are views of one byte
-    span an expert, ``experts.span``)."""
+    with one expert (dim 0) stride on both sides and contiguous rows (an offloaded layer's are views
+    of one byte span an expert, ``experts.span``). The read-through fill (``fills``, ``lend``) as
+    there: a claimed slot gets all six parts of its expert."""
     num_experts = host_w13_packed.shape[0]
+    if (fills is None) != (lend is None):
+        raise ValueError("sparse_moe_decode_offload_nvfp4: fills and lend come together (the read-through fill)")
     _route(gate_logits, slot_map, num_experts, top_k, renormalize, routed)
     slot_parts = (slot_w13_packed, slot_w13_scales, slot_w13_row_scales, slot_w2_packed, slot_w2_scales,
                   slot_w2_row_scales)
     host_parts = (host_w13_packed, host_w13_scales, host_w13_row_scales, host_w2_packed, host_w2_scales,
                   host_w2_row_scales)
     experts = [_as_read(slot_map, s, h, x.device) for s, h in zip(slot_parts, host_parts)]
-    return sparse_moe_decode_nvfp4_reference(
+    out = sparse_moe_decode_nvfp4_reference(
         x, gate_logits, *experts, shared_gate_up_packed, shared_gate_up_scales, shared_gate_up_row_scales,
         shared_down_packed, shared_down_scales, shared_down_row_scales, top_k, renormalize,
     )
+    if fills is not None and lend is not None:
+        for expert, slot in _claim(routed, fills, lend):
+            for slot_part, host_part in zip(slot_parts, host_parts):
+                slot_part[slot].copy_(host_part[expert])
+            slot_map[expert] = slot
+    return out
 
 
 sparse_moe_decode_offload = op("moe_decode_offload")(sparse_moe_decode_offload_reference)

@@ -1,6 +1,6 @@
 """Triton few-token sparse MoE block of an offloaded layer: ``kernels/triton/moe_decode.py``'s
-three launches (``kernels/triton/nvfp4_decode.py``'s two for NVFP4 experts), each routed expert read
-from its cache slot or, on a miss, from pinned host memory.
+three launches (for NVFP4 experts, the routing launch and ``kernels/triton/nvfp4_decode_stream.py``'s
+two), each routed expert read from its cache slot or, on a miss, from pinned host memory.
 
 The routing launch routes each token (``moe_decode._top_k``), loads each choice's slot from the
 layer's slot map and writes the choice into the caller's ``routed`` buffer as ``e`` (a hit) or
@@ -19,11 +19,15 @@ only for a hit's code, so this step still reads the claimed expert from host mem
 and down programs that load a claimed expert's tiles also store them into its slot.
 
 The rest (rounding, launch shapes and tiles, the shared expert) is the resident block's, without
-programmatic dependent launch (each launch starts once the previous one is done). NVFP4 experts
-route inside their gate/up programs as the resident NVFP4 block does and pick the base of each of
-their three parts (packed codes, block scales, row scales) the same way, each from its own expert
-stride: an offloaded layer's parts are views of one span an expert (``experts.span``), in the slots
-and on the host alike, and only their rows need be contiguous.
+programmatic dependent launch (each launch starts once the previous one is done). NVFP4 experts run
+the resident NVFP4 block's two streams (``nvfp4_decode_stream``, ``OFFLOAD``) behind the same routing
+launch, under programmatic dependent launch as the resident block: each stream reads the codes and
+picks the base of each of an expert's three parts (packed codes, block scales, row scales) in its
+slot or on the host, from the part's expert stride (an offloaded layer's parts are views of one
+span an expert, ``experts.span``, in the slots and on the host alike; only their rows need be
+contiguous); with the fill, the stream programs store a claimed expert's tiles into its slot as the
+dense ones do. The streams' loads before their wait (the down pass's first tile, and its routing)
+read what the routing launch wrote: it ended before the gate/up programs' wait returned.
 """
 
 from __future__ import annotations
@@ -32,52 +36,11 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels.triton._common import cast, device_function, new_empty, pow2, round_as
+from freetoken.kernels.triton._common import cast, new_empty, pow2
 from freetoken.kernels.triton import moe_decode, nvfp4_decode
 from freetoken.kernels.triton.moe_decode import _down_choices, _gate_up_pairs, _top_k
-from freetoken.kernels.triton.nvfp4 import _load_tile
-
-NVFP4_GATE_UP_BLOCK_N, NVFP4_DOWN_BLOCK_N, NVFP4_BLOCK_K = 16, 16, 256  # the former block's tiles
-
-
-# The NVFP4 offloaded block keeps the two-launch structure (routing inside each gate/up program,
-# a down pass over the choices in turn) that the resident NVFP4 block had before its rebuild.
-@device_function
-def _choice(row_ptr, num_experts, j, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr):
-    """(routing weight in float32, expert id) of choice ``j`` of one token's router logits."""
-    weights, experts = _top_k(row_ptr, num_experts, TOP_K, RENORMALIZE, BLOCK_E)
-    lane = tl.arange(0, BLOCK_E) == j
-    return tl.sum(tl.where(lane, weights, 0.0), 0), tl.sum(tl.where(lane, experts, 0), 0)
-
-
-@device_function
-def _rows_dot(x_row, w_ptr, s_ptr, rows, rows_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Float32 ``x · W[rows]`` over the ``K`` columns of NVFP4 rows (``w_ptr`` packed ``[*, K / 2]``,
-    ``s_ptr`` e4m3 ``[*, K / 16]``), before the row scale."""
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        xv = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
-        w = _load_tile(w_ptr, s_ptr, rows, rows_ok, k0, K, tl.float32, BLOCK_N, BLOCK_K)
-        acc += tl.sum(w * xv[None, :], 1)
-    return acc
-
-
-@device_function
-def _gate_up(x_row, w_ptr, s_ptr, r_ptr, hidden, inter, n, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``silu(gate) · up`` in float32 (rounded as the reference) of rows ``n`` of a ``[2·inter, hidden]``
-    NVFP4 weight (gate rows, then up rows) against one token."""
-    n_ok = n < inter
-    gate = _rows_dot(x_row, w_ptr, s_ptr, n, n_ok, hidden, BLOCK_N, BLOCK_K)
-    up = _rows_dot(x_row, w_ptr, s_ptr, inter + n, n_ok, hidden, BLOCK_N, BLOCK_K)
-    return gate * tl.load(r_ptr + n, mask=n_ok, other=0.0), up * tl.load(r_ptr + inter + n, mask=n_ok, other=0.0)
-
-
-@device_function
-def _down(h_row, w_ptr, s_ptr, r_ptr, inter, n, n_ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Float32 ``h · W[n]`` times the row scales, of rows ``n`` of a ``[hidden, inter]`` NVFP4 weight."""
-    acc = _rows_dot(h_row, w_ptr, s_ptr, n, n_ok, inter, BLOCK_N, BLOCK_K)
-    return acc * tl.load(r_ptr + n, mask=n_ok, other=0.0)
+from freetoken.kernels.triton.nvfp4 import GROUP
+from freetoken.kernels.triton.nvfp4_decode_stream import _down_stream_kernel, _gate_up_stream_kernel
 
 
 @triton.jit
@@ -288,84 +251,6 @@ def sparse_moe_decode_offload(
     return out
 
 
-@device_function
-def _expert_parts(hit, slot, expert, slot_w_ptr, slot_s_ptr, slot_r_ptr, host_w_ptr, host_s_ptr, host_r_ptr,
-                  slot_es_w, slot_es_s, slot_es_r, host_es_w, host_es_s, host_es_r):
-    """The bases of a routed expert's three NVFP4 parts (packed codes, block scales, row scales): in
-    its cache slot on a hit, in host memory on a miss, each part from its own expert stride
-    (elements; an expert span's views have the span's, ``experts.span``). Its rows follow contiguous."""
-    s = slot.to(tl.int64)
-    e = expert.to(tl.int64)
-    return (tl.where(hit, slot_w_ptr + s * slot_es_w, host_w_ptr + e * host_es_w),
-            tl.where(hit, slot_s_ptr + s * slot_es_s, host_s_ptr + e * host_es_s),
-            tl.where(hit, slot_r_ptr + s * slot_es_r, host_r_ptr + e * host_es_r))
-
-
-@triton.jit
-def _offload_nvfp4_gate_up_kernel(
-    x_ptr, x_st, logits_ptr, l_st, map_ptr,
-    slot_w_ptr, slot_s_ptr, slot_r_ptr, host_w_ptr, host_s_ptr, host_r_ptr, slot_es_w, slot_es_s, slot_es_r,
-    host_es_w, host_es_s, host_es_r, sw_ptr, sw_s_ptr, sw_r_ptr, h_ptr, h_width, topw_ptr, topi_ptr,
-    hidden, inter, shared_inter, num_experts,
-    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    p = tl.program_id(0)
-    t = p // (TOP_K + 1)
-    j = p % (TOP_K + 1)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    dtype = h_ptr.dtype.element_ty
-    x_row = x_ptr + t * x_st
-    if j < TOP_K:
-        weight, expert = _choice(logits_ptr + t * l_st, num_experts, j, TOP_K, RENORMALIZE, BLOCK_E)
-        slot = tl.load(map_ptr + expert)
-        hit = slot >= 0
-        if tl.program_id(1) == 0:
-            tl.store(topw_ptr + t * TOP_K + j, weight)
-            tl.store(topi_ptr + t * TOP_K + j, tl.where(hit, expert, -1 - expert))
-        w, s, r = _expert_parts(hit, slot, expert, slot_w_ptr, slot_s_ptr, slot_r_ptr, host_w_ptr, host_s_ptr,
-                                host_r_ptr, slot_es_w, slot_es_s, slot_es_r, host_es_w, host_es_s, host_es_r)
-        gate, up = _gate_up(x_row, w, s, r, hidden, inter, n, BLOCK_N, BLOCK_K)
-        limit = inter
-    else:
-        gate, up = _gate_up(x_row, sw_ptr, sw_s_ptr, sw_r_ptr, hidden, shared_inter, n, BLOCK_N, BLOCK_K)
-        limit = shared_inter
-    gate = round_as(gate, dtype)
-    h = round_as(gate * tl.sigmoid(gate), dtype) * round_as(up, dtype)
-    tl.store(h_ptr + p.to(tl.int64) * h_width + n, cast(h, dtype), mask=n < limit)
-
-
-@triton.jit
-def _offload_nvfp4_down_kernel(
-    h_ptr, h_width, map_ptr, slot_w_ptr, slot_s_ptr, slot_r_ptr, host_w_ptr, host_s_ptr, host_r_ptr,
-    slot_es_w, slot_es_s, slot_es_r, host_es_w, host_es_s, host_es_r,
-    sd_ptr, sd_s_ptr, sd_r_ptr, topw_ptr, topi_ptr, logits_ptr, l_st, out_ptr,
-    hidden, inter, shared_inter, num_experts,
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    t = tl.program_id(0)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < hidden
-    dtype = out_ptr.dtype.element_ty
-    pairs = t.to(tl.int64) * (TOP_K + 1)
-    routed = tl.zeros([BLOCK_N], tl.float32)
-    for j in range(TOP_K):
-        code = tl.load(topi_ptr + t * TOP_K + j)
-        expert = tl.where(code >= 0, code, -1 - code)
-        slot = tl.load(map_ptr + expert)
-        hit = slot >= 0
-        w, s, r = _expert_parts(hit, slot, expert, slot_w_ptr, slot_s_ptr, slot_r_ptr, host_w_ptr, host_s_ptr,
-                                host_r_ptr, slot_es_w, slot_es_s, slot_es_r, host_es_w, host_es_s, host_es_r)
-        # The weight as the reference holds it: rounded to the activations' dtype.
-        weight = cast(tl.load(topw_ptr + t * TOP_K + j), dtype).to(tl.float32)
-        acc = _down(h_ptr + (pairs + j) * h_width, w, s, r, inter, n, n_ok, BLOCK_N, BLOCK_K)
-        routed += round_as(round_as(acc, dtype) * weight, dtype)
-    shared = _down(h_ptr + (pairs + TOP_K) * h_width, sd_ptr, sd_s_ptr, sd_r_ptr, shared_inter, n, n_ok, BLOCK_N, BLOCK_K)
-    gate = round_as(tl.sigmoid(tl.load(logits_ptr + t * l_st + num_experts).to(tl.float32)), dtype)
-    out = round_as(routed, dtype) + round_as(gate * round_as(shared, dtype), dtype)
-    tl.store(out_ptr + t * hidden + n, cast(out, dtype), mask=n_ok)
-
-
 def sparse_moe_decode_offload_nvfp4(
     x: torch.Tensor,
     gate_logits: torch.Tensor,
@@ -391,6 +276,8 @@ def sparse_moe_decode_offload_nvfp4(
     top_k: int,
     renormalize: bool,
     routed: torch.Tensor,
+    fills: torch.Tensor | None = None,
+    lend: torch.Tensor | None = None,
 ) -> torch.Tensor:
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = host_w13_packed.shape
@@ -409,6 +296,7 @@ def sparse_moe_decode_offload_nvfp4(
         )
     if slot_map.dtype != torch.int32 or routed.dtype != torch.int32 or not routed.is_contiguous():
         raise ValueError("sparse_moe_decode_offload_nvfp4: slot_map and routed must be contiguous int32")
+    _check_fill(routed, fills, lend)
     check = nvfp4_decode._check
     check("host w13", host_w13_packed, host_w13_scales, host_w13_row_scales, (num_experts, two_inter, hidden))
     check("host w2", host_w2_packed, host_w2_scales, host_w2_row_scales, (num_experts, hidden, inter))
@@ -417,54 +305,71 @@ def sparse_moe_decode_offload_nvfp4(
     check("shared_gate_up", shared_gate_up_packed, shared_gate_up_scales, shared_gate_up_row_scales,
           (2 * shared_inter, hidden))
     check("shared_down", shared_down_packed, shared_down_scales, shared_down_row_scales, (hidden, shared_inter))
-    routed_parts = {"slot_w13_packed": slot_w13_packed, "slot_w13_scales": slot_w13_scales,
-                    "slot_w13_row_scales": slot_w13_row_scales, "slot_w2_packed": slot_w2_packed,
-                    "slot_w2_scales": slot_w2_scales, "slot_w2_row_scales": slot_w2_row_scales,
-                    "host_w13_packed": host_w13_packed, "host_w13_scales": host_w13_scales,
-                    "host_w13_row_scales": host_w13_row_scales, "host_w2_packed": host_w2_packed,
-                    "host_w2_scales": host_w2_scales, "host_w2_row_scales": host_w2_row_scales}
-    for name, part in routed_parts.items():
-        if part.shape[0] and not part[0].is_contiguous():
-            raise ValueError(f"sparse_moe_decode_offload_nvfp4: {name} {tuple(part.shape)} strides {part.stride()} "
-                             "must have contiguous rows (any expert stride; a copy of host memory would defeat "
-                             "the zero-copy read)")
+    pairs_of_parts = {
+        "w13_packed": (slot_w13_packed, host_w13_packed), "w13_scales": (slot_w13_scales, host_w13_scales),
+        "w13_row_scales": (slot_w13_row_scales, host_w13_row_scales), "w2_packed": (slot_w2_packed, host_w2_packed),
+        "w2_scales": (slot_w2_scales, host_w2_scales), "w2_row_scales": (slot_w2_row_scales, host_w2_row_scales),
+    }
+    for name, (slot_part, host_part) in pairs_of_parts.items():
+        for side, part in (("slot", slot_part), ("host", host_part)):
+            if part.shape[0] and not part[0].is_contiguous():
+                raise ValueError(f"sparse_moe_decode_offload_nvfp4: {side}_{name} {tuple(part.shape)} strides "
+                                 f"{part.stride()} must have contiguous rows (any expert stride; a copy of host "
+                                 "memory would defeat the zero-copy read)")
+        if slot_part.shape[0] > 1 and host_part.shape[0] > 1 and slot_part.stride(0) != host_part.stride(0):
+            raise ValueError(f"sparse_moe_decode_offload_nvfp4: slot_{name} and host_{name} must have one expert "
+                             f"stride (the slots hold the host's layout), got {slot_part.stride(0)} and "
+                             f"{host_part.stride(0)}")
     out = new_empty((num_tokens, hidden), x.dtype, x.device)
     if num_tokens == 0:
         return out
     x = x if x.stride(-1) == 1 else x.contiguous()
     gate_logits = gate_logits if gate_logits.stride(-1) == 1 else gate_logits.contiguous()
 
-    def weight(packed, scales, row_scales):
-        return packed.contiguous(), scales.contiguous().view(torch.uint8), row_scales.contiguous()
+    def routed_parts(slot_parts, host_parts):
+        """The slot and host parts as the stream kernels read them (packed codes as int32 words), then
+        each part's expert stride (the host's where it has more than one expert)."""
+        as_read = [(p[0].view(torch.int32), p[1].view(torch.uint8), p[2]) for p in (slot_parts, host_parts)]
+        return (*as_read[0], *as_read[1], *(h.stride(0) if h.shape[0] > 1 else s.stride(0)
+                                           for s, h in zip(*as_read)))
 
-    def experts(packed, scales, row_scales):  # as given: the expert strides go to the kernels
-        return packed, scales.view(torch.uint8), row_scales
-
-    def strides(*parts):
-        return [p.stride(0) for p in parts]
+    def words(packed, scales, row_scales):
+        return packed.contiguous().view(torch.int32), scales.contiguous().view(torch.uint8), row_scales.contiguous()
 
     h_width = max(inter, shared_inter)
     h = new_empty((num_tokens * (top_k + 1), h_width), x.dtype, x.device)
     top_w = new_empty((num_tokens, top_k), torch.float32, x.device)
-    block_k = NVFP4_BLOCK_K
-    _offload_nvfp4_gate_up_kernel[(num_tokens * (top_k + 1), triton.cdiv(h_width, NVFP4_GATE_UP_BLOCK_N))](
-        x, x.stride(0), gate_logits, gate_logits.stride(0), slot_map,
-        *experts(slot_w13_packed, slot_w13_scales, slot_w13_row_scales),
-        *experts(host_w13_packed, host_w13_scales, host_w13_row_scales),
-        *strides(slot_w13_packed, slot_w13_scales, slot_w13_row_scales),
-        *strides(host_w13_packed, host_w13_scales, host_w13_row_scales),
-        *weight(shared_gate_up_packed, shared_gate_up_scales, shared_gate_up_row_scales),
-        h, h_width, top_w, routed, hidden, inter, shared_inter, num_experts,
-        TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=pow2(num_experts),
-        BLOCK_N=NVFP4_GATE_UP_BLOCK_N, BLOCK_K=min(pow2(hidden), block_k), num_warps=4,
+    fill = lend is not None
+    fills_arg = fills if fills is not None else routed  # not read without the fill
+    lend_arg = lend if lend is not None else routed
+    _offload_route_kernel[(1,)](
+        gate_logits, gate_logits.stride(0), slot_map, top_w, routed, fills_arg, lend_arg, num_tokens, num_experts,
+        lend.numel() - 2 if lend is not None else 1, TOP_K=top_k, RENORMALIZE=renormalize,
+        BLOCK_E=pow2(num_experts), BLOCK_C=pow2(top_k), FILL=fill, num_warps=moe_decode.ROUTE_WARPS,
     )
-    _offload_nvfp4_down_kernel[(num_tokens, triton.cdiv(hidden, NVFP4_DOWN_BLOCK_N))](
-        h, h_width, slot_map, *experts(slot_w2_packed, slot_w2_scales, slot_w2_row_scales),
-        *experts(host_w2_packed, host_w2_scales, host_w2_row_scales),
-        *strides(slot_w2_packed, slot_w2_scales, slot_w2_row_scales),
-        *strides(host_w2_packed, host_w2_scales, host_w2_row_scales),
-        *weight(shared_down_packed, shared_down_scales, shared_down_row_scales),
-        top_w, routed, gate_logits, gate_logits.stride(0), out, hidden, inter, shared_inter, num_experts,
-        TOP_K=top_k, BLOCK_N=NVFP4_DOWN_BLOCK_N, BLOCK_K=min(pow2(h_width), block_k), num_warps=4,
+    tiles = nvfp4_decode.TILES
+    pdl = tiles.pdl and moe_decode._pdl_available()
+    stream = dict(TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=pow2(num_experts), BLOCK_C=pow2(top_k),
+                  FUSE_ROUTE=False, PREFETCH=tiles.prefetch, PDL=pdl, OFFLOAD=True, FILL=fill, launch_pdl=pdl)
+    gate_up_parts = routed_parts((slot_w13_packed, slot_w13_scales, slot_w13_row_scales),
+                                 (host_w13_packed, host_w13_scales, host_w13_row_scales))
+    gate_up_tiles = (top_k + 1) * triton.cdiv(h_width, tiles.gate_up_block_n)
+    _gate_up_stream_kernel[(num_tokens, nvfp4_decode._stream_programs(x.device, max(1, tiles.gate_up_per_sm),
+                                                                      num_tokens, gate_up_tiles))](
+        x, x.stride(0), *gate_up_parts, slot_map, fills_arg,
+        *words(shared_gate_up_packed, shared_gate_up_scales, shared_gate_up_row_scales), top_w, routed,
+        gate_logits, gate_logits.stride(0), h, h_width, hidden, hidden // 8, hidden // GROUP, inter, shared_inter,
+        num_experts, BLOCK_N=tiles.gate_up_block_n, NB=triton.cdiv(h_width, tiles.gate_up_block_n),
+        BLOCK_K=pow2(hidden), SHARED_FIRST=tiles.shared_first, num_warps=tiles.gate_up_warps, **stream,
+    )
+    down_parts = routed_parts((slot_w2_packed, slot_w2_scales, slot_w2_row_scales),
+                              (host_w2_packed, host_w2_scales, host_w2_row_scales))
+    _down_stream_kernel[(num_tokens, nvfp4_decode._stream_programs(x.device, max(1, tiles.down_per_sm), num_tokens,
+                                                                   triton.cdiv(hidden, tiles.down_block_n)))](
+        h, h_width, *down_parts, slot_map, fills_arg,
+        *words(shared_down_packed, shared_down_scales, shared_down_row_scales), top_w, routed,
+        gate_logits, gate_logits.stride(0), out, hidden, inter, shared_inter, inter // 8, inter // GROUP,
+        shared_inter // 8, shared_inter // GROUP, num_experts, BLOCK_N=tiles.down_block_n, BLOCK_K=pow2(h_width),
+        num_warps=tiles.down_warps, **stream,
     )
     return out

@@ -340,16 +340,21 @@ def sparse_moe_decode_nvfp4_tiled(
     shared_down = weight(shared_down_packed, shared_down_scales, shared_down_row_scales)
     routing = dict(TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=pow2(num_experts), BLOCK_C=pow2(top_k),
                    FUSE_ROUTE=tiles.fuse_route, PREFETCH=tiles.prefetch, PDL=pdl, launch_pdl=pdl)
+    stream = dict(routing, OFFLOAD=False, FILL=False)
     def words(weight):  # the packed codes as int32 words (8 codes each) for the stream kernels
         return (weight[0].view(torch.int32), *weight[1:])
+
+    def routed_parts(weight):  # resident experts: the slot of each is its id, nothing on the host
+        parts = words(weight)
+        return (*parts, *parts, *(p.stride(0) for p in parts), top_i, top_i)  # the map, the fills: not read
 
     if tiles.gate_up_per_sm:
         tiles_per_token = (top_k + 1) * triton.cdiv(h_width, tiles.gate_up_block_n)
         _gate_up_stream_kernel[(num_tokens, _stream_programs(x.device, tiles.gate_up_per_sm, num_tokens, tiles_per_token))](
-            x, x.stride(0), *words(w13), *words(shared_gate_up), top_w, top_i, gate_logits, gate_logits.stride(0),
+            x, x.stride(0), *routed_parts(w13), *words(shared_gate_up), top_w, top_i, gate_logits, gate_logits.stride(0),
             h, h_width, hidden, hidden // 8, hidden // GROUP, inter, shared_inter, num_experts,
             BLOCK_N=tiles.gate_up_block_n, NB=triton.cdiv(h_width, tiles.gate_up_block_n), BLOCK_K=pow2(hidden),
-            SHARED_FIRST=tiles.shared_first, num_warps=tiles.gate_up_warps, **routing, **_regs(tiles.gate_up_regs),
+            SHARED_FIRST=tiles.shared_first, num_warps=tiles.gate_up_warps, **stream, **_regs(tiles.gate_up_regs),
         )
     else:
         _gate_up_kernel[(triton.cdiv(pairs, tiles.gate_up_pairs), triton.cdiv(h_width, tiles.gate_up_block_n))](
@@ -362,10 +367,10 @@ def sparse_moe_decode_nvfp4_tiled(
     if tiles.down_per_sm:
         tiles_per_token = triton.cdiv(hidden, tiles.down_block_n)
         _down_stream_kernel[(num_tokens, _stream_programs(x.device, tiles.down_per_sm, num_tokens, tiles_per_token))](
-            h, h_width, *words(w2), *words(shared_down), top_w, top_i, gate_logits, gate_logits.stride(0), out,
+            h, h_width, *routed_parts(w2), *words(shared_down), top_w, top_i, gate_logits, gate_logits.stride(0), out,
             hidden, inter, shared_inter, inter // 8, inter // GROUP, shared_inter // 8, shared_inter // GROUP, num_experts,
             BLOCK_N=tiles.down_block_n, BLOCK_K=pow2(h_width), num_warps=tiles.down_warps,
-            **routing, **_regs(tiles.down_regs),
+            **stream, **_regs(tiles.down_regs),
         )
     else:
         _down_kernel[(num_tokens, triton.cdiv(hidden, tiles.down_block_n))](

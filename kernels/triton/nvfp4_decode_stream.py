@@ -77,19 +77,45 @@ def _route_token(logits_ptr, l_st, topw_ptr, topi_ptr, t, num_experts, TOP_K: tl
 
 
 @device_function
-def _choices(logits_ptr, l_st, topw_ptr, topi_ptr, t, num_experts, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-             BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr, FUSE_ROUTE: tl.constexpr):
-    """Token ``t``'s routing weights (float32) and expert ids (int32), ``[BLOCK_C]`` with choice ``c``
-    in lane ``c``: the routing launch's output, or (``FUSE_ROUTE``) computed here first and read
-    back after a barrier, both from L2 (``.cg``: L1 may hold an earlier layer's at the same address;
-    the program's own stores are in L2)."""
+def _choices(logits_ptr, l_st, topw_ptr, topi_ptr, map_ptr, fill_ptr, t, num_experts, TOP_K: tl.constexpr,
+             RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr, FUSE_ROUTE: tl.constexpr,
+             OFFLOAD: tl.constexpr, FILL: tl.constexpr):
+    """Token ``t``'s routing weights (float32), expert ids, slots and fill slots (int32), ``[BLOCK_C]``
+    with choice ``c`` in lane ``c``: the routing launch's output, or (``FUSE_ROUTE``) computed here
+    first and read back after a barrier, both from L2 (``.cg``: L1 may hold an earlier layer's at
+    the same address; the program's own stores are in L2).
+
+    Resident experts: the slot is the expert id (its index in the layer's weights). ``OFFLOAD``: the
+    routing launch wrote ``e`` for a hit and ``-1 - e`` for a miss (``moe_decode_offload``); a hit's
+    slot comes from the layer's slot map, a miss has slot -1 (read from host memory). ``FILL``: the
+    slot a miss claimed for the read-through fill, else -1."""
     if FUSE_ROUTE:
         _route_token(logits_ptr, l_st, topw_ptr, topi_ptr, t, num_experts, TOP_K, RENORMALIZE, BLOCK_E)
         tl.debug_barrier()
     c = tl.arange(0, BLOCK_C)
-    weights = tl.load(topw_ptr + t * TOP_K + c, mask=c < TOP_K, other=0.0, cache_modifier=".cg")
-    experts = tl.load(topi_ptr + t * TOP_K + c, mask=c < TOP_K, other=0, cache_modifier=".cg")
-    return weights, experts
+    c_ok = c < TOP_K
+    weights = tl.load(topw_ptr + t * TOP_K + c, mask=c_ok, other=0.0, cache_modifier=".cg")
+    codes = tl.load(topi_ptr + t * TOP_K + c, mask=c_ok, other=0, cache_modifier=".cg")
+    fills = tl.full([BLOCK_C], -1, tl.int32)
+    if OFFLOAD:
+        experts = tl.where(codes >= 0, codes, -1 - codes)
+        slots = tl.load(map_ptr + experts, mask=c_ok & (codes >= 0), other=-1, cache_modifier=".cg")
+        if FILL:
+            fills = tl.load(fill_ptr + t * TOP_K + c, mask=c_ok, other=-1, cache_modifier=".cg")
+    else:
+        experts = codes
+        slots = codes
+    return weights, experts, slots, fills
+
+
+@device_function
+def _expert_base(ptr, host_ptr, slot, expert, stride, OFFLOAD: tl.constexpr):
+    """Where a routed expert's part starts: in its slot (resident experts: the slot is the expert),
+    or (``OFFLOAD``, slot -1: a miss) in host memory; both sides have the part's expert ``stride``."""
+    if OFFLOAD:
+        return tl.where(slot >= 0, ptr + slot.to(tl.int64) * stride, host_ptr + expert.to(tl.int64) * stride)
+    else:
+        return ptr + slot.to(tl.int64) * stride
 
 
 @device_function
@@ -114,22 +140,40 @@ def _pair(tile, TOP_K: tl.constexpr, NB: tl.constexpr, SHARED_FIRST: tl.constexp
 
 
 @device_function
-def _gate_up_tile(w13_ptr, w13_s_ptr, w13_r_ptr, sw_ptr, sw_s_ptr, sw_r_ptr, experts, tile, num_tiles, w_row, s_row,
-                  w_offs, s_offs, w_k_ok, s_k_ok, inter, shared_inter, TOP_K: tl.constexpr, BLOCK_C: tl.constexpr,
-                  BLOCK_N: tl.constexpr, NB: tl.constexpr, SHARED_FIRST: tl.constexpr):
-    """Tile ``tile``'s packed gate and up rows as int32 words ``[1, BLOCK_N, BLOCK_K / 8]``, their scale bytes
-    ``[1, BLOCK_N, BLOCK_K / 16]`` and row scales ``[1, BLOCK_N]`` (zeros past ``num_tiles``). The
-    element offsets within a tile (``w_offs``, ``s_offs``) are the program's, so a tile costs one
-    64-bit add and one mask a vector."""
+def _select(lanes, j, TOP_K: tl.constexpr, other):
+    """Lane ``j`` of an int32 ``[BLOCK_C]`` vector, ``other`` at ``j = TOP_K`` (the shared expert)."""
+    picked = tl.sum(tl.where(tl.arange(0, lanes.shape[0]) == j, lanes, 0), 0)
+    return tl.where(j < TOP_K, picked, other)
+
+
+@device_function
+def _gate_up_rows(tile, num_tiles, inter, shared_inter, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,
+                  SHARED_FIRST: tl.constexpr):
+    """Tile ``tile``'s pair ``j``, its row count ``limit`` (the gate rows of its expert), its first
+    row and the rows in range ``[1, BLOCK_N]`` (none past ``num_tiles``)."""
     j = _pair(tile, TOP_K, NB, SHARED_FIRST)
+    limit = tl.where(j < TOP_K, inter, shared_inter)
+    first_row = (tile % NB) * BLOCK_N
+    n_ok = (tl.arange(0, BLOCK_N) < tl.where(tile < num_tiles, limit - first_row, 0))[None, :]
+    return j, limit, first_row, n_ok
+
+
+@device_function
+def _gate_up_tile(w13_ptr, w13_s_ptr, w13_r_ptr, host_w_ptr, host_s_ptr, host_r_ptr, es_w, es_s, es_r,
+                  sw_ptr, sw_s_ptr, sw_r_ptr, experts, slots, tile, num_tiles, w_row, s_row,
+                  w_offs, s_offs, w_k_ok, s_k_ok, inter, shared_inter, TOP_K: tl.constexpr,
+                  BLOCK_N: tl.constexpr, NB: tl.constexpr, SHARED_FIRST: tl.constexpr, OFFLOAD: tl.constexpr):
+    """Tile ``tile``'s packed gate and up rows as int32 words ``[1, BLOCK_N, BLOCK_K / 8]``, their scale bytes
+    ``[1, BLOCK_N, BLOCK_K / 16]`` and row scales ``[1, BLOCK_N]`` (zeros past ``num_tiles``), read
+    where ``_expert_base`` says (``es_*``: the parts' expert strides in words, bytes and floats).
+    The element offsets within a tile (``w_offs``, ``s_offs``) are the program's, so a tile costs
+    one 64-bit add and one mask a vector."""
+    j, limit, first_row, n_ok = _gate_up_rows(tile, num_tiles, inter, shared_inter, TOP_K, BLOCK_N, NB, SHARED_FIRST)
     routed = j < TOP_K
-    expert = tl.sum(tl.where(tl.arange(0, BLOCK_C) == j, experts, 0), 0).to(tl.int64)
-    limit = tl.where(routed, inter, shared_inter)
-    row = tl.where(routed, expert * 2 * inter, 0) + (tile % NB) * BLOCK_N  # the tile's first gate row
-    n_ok = (tl.arange(0, BLOCK_N) < tl.where(tile < num_tiles, limit - (tile % NB) * BLOCK_N, 0))[None, :]
-    gate_w_ptr = tl.where(routed, w13_ptr, sw_ptr) + row * w_row
-    gate_s_ptr = tl.where(routed, w13_s_ptr, sw_s_ptr) + row * s_row
-    gate_r_ptr = tl.where(routed, w13_r_ptr, sw_r_ptr) + row
+    expert, slot = _select(experts, j, TOP_K, 0), _select(slots, j, TOP_K, 0)
+    gate_w_ptr = tl.where(routed, _expert_base(w13_ptr, host_w_ptr, slot, expert, es_w, OFFLOAD), sw_ptr) + first_row * w_row
+    gate_s_ptr = tl.where(routed, _expert_base(w13_s_ptr, host_s_ptr, slot, expert, es_s, OFFLOAD), sw_s_ptr) + first_row * s_row
+    gate_r_ptr = tl.where(routed, _expert_base(w13_r_ptr, host_r_ptr, slot, expert, es_r, OFFLOAD), sw_r_ptr) + first_row
     gate_w = tl.load(gate_w_ptr + w_offs, mask=n_ok[:, :, None] & w_k_ok, other=0)
     up_w = tl.load(gate_w_ptr + limit * w_row + w_offs, mask=n_ok[:, :, None] & w_k_ok, other=0)
     gate_s = tl.load(gate_s_ptr + s_offs, mask=n_ok[:, :, None] & s_k_ok, other=0)
@@ -140,17 +184,43 @@ def _gate_up_tile(w13_ptr, w13_s_ptr, w13_r_ptr, sw_ptr, sw_s_ptr, sw_r_ptr, exp
     return gate_w, up_w, gate_s, up_s, gate_r, up_r
 
 
+@device_function
+def _fill_gate_up_tile(w13_ptr, w13_s_ptr, w13_r_ptr, es_w, es_s, es_r, fills, tile, num_tiles, w_row, s_row,
+                       w_offs, s_offs, w_k_ok, s_k_ok, inter, shared_inter, gate_w, up_w, gate_s, up_s, gate_r, up_r,
+                       TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SHARED_FIRST: tl.constexpr):
+    """The read-through fill of a gate/up tile: its rows, as ``_gate_up_tile`` loaded them from host
+    memory, stored into the slot its miss claimed (nothing for a hit, the shared expert or a miss
+    that claimed none)."""
+    fill = _select(fills, _pair(tile, TOP_K, NB, SHARED_FIRST), TOP_K, -1)
+    # No rows where the pair claimed no slot: as if past the last tile.
+    j, limit, first_row, n_ok = _gate_up_rows(tile, tl.where(fill >= 0, num_tiles, 0), inter, shared_inter, TOP_K,
+                                              BLOCK_N, NB, SHARED_FIRST)
+    slot = tl.maximum(fill, 0).to(tl.int64)
+    w_ptr = w13_ptr + slot * es_w + first_row * w_row
+    s_ptr = w13_s_ptr + slot * es_s + first_row * s_row
+    r_ptr = w13_r_ptr + slot * es_r + first_row
+    tl.store(w_ptr + w_offs, gate_w, mask=n_ok[:, :, None] & w_k_ok)
+    tl.store(w_ptr + limit * w_row + w_offs, up_w, mask=n_ok[:, :, None] & w_k_ok)
+    tl.store(s_ptr + s_offs, gate_s, mask=n_ok[:, :, None] & s_k_ok)
+    tl.store(s_ptr + limit * s_row + s_offs, up_s, mask=n_ok[:, :, None] & s_k_ok)
+    n = tl.arange(0, BLOCK_N)[None, :]
+    tl.store(r_ptr + n, gate_r, mask=n_ok)
+    tl.store(r_ptr + limit + n, up_r, mask=n_ok)
+
+
 @triton.jit
 def _gate_up_stream_kernel(
-    x_ptr, x_st, w13_ptr, w13_s_ptr, w13_r_ptr, sw_ptr, sw_s_ptr, sw_r_ptr, topw_ptr, topi_ptr, logits_ptr, l_st,
+    x_ptr, x_st, w13_ptr, w13_s_ptr, w13_r_ptr, host_w_ptr, host_s_ptr, host_r_ptr, es_w, es_s, es_r, map_ptr,
+    fill_ptr, sw_ptr, sw_s_ptr, sw_r_ptr, topw_ptr, topi_ptr, logits_ptr, l_st,
     h_ptr, h_width, hidden, w_row, s_row, inter, shared_inter, num_experts,
     TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
     BLOCK_N: tl.constexpr, NB: tl.constexpr, BLOCK_K: tl.constexpr, FUSE_ROUTE: tl.constexpr, PREFETCH: tl.constexpr,
-    SHARED_FIRST: tl.constexpr, PDL: tl.constexpr,
+    SHARED_FIRST: tl.constexpr, PDL: tl.constexpr, OFFLOAD: tl.constexpr, FILL: tl.constexpr,
 ):
     # NB: column blocks a pair (cdiv(h_width, BLOCK_N)), a constant so that a tile's pair is a shift.
     # w_row, s_row: hidden / 8 and hidden / 16, the row strides in int32 words of packed codes and in
     # scale bytes, as arguments so that Triton sees them divisible by 16 where they are (wide loads).
+    # es_w, es_s, es_r: the routed experts' strides (words, bytes, floats), in the slots and on the host.
     # SHARED_FIRST: the programs whose first tile is the shared expert's (the first NB) issue its loads
     # before the wait and the routing, which it needs neither of; the others load theirs after.
     t = tl.program_id(0)
@@ -166,22 +236,23 @@ def _gate_up_stream_kernel(
     if SHARED_FIRST:
         early = first < NB
     if SHARED_FIRST:  # past num_tiles (every lane masked, zeros) where the first tile is a choice's
+        none = tl.zeros([BLOCK_C], tl.int32)
         shared_tile = _gate_up_tile(
-            w13_ptr, w13_s_ptr, w13_r_ptr, sw_ptr, sw_s_ptr, sw_r_ptr, tl.zeros([BLOCK_C], tl.int32),
-            tl.where(early, first, num_tiles), num_tiles, w_row, s_row, w_offs, s_offs, w_k_ok, s_k_ok, inter,
-            shared_inter, TOP_K, BLOCK_C, BLOCK_N, NB, SHARED_FIRST)
+            w13_ptr, w13_s_ptr, w13_r_ptr, host_w_ptr, host_s_ptr, host_r_ptr, es_w, es_s, es_r, sw_ptr, sw_s_ptr,
+            sw_r_ptr, none, none, tl.where(early, first, num_tiles), num_tiles, w_row, s_row, w_offs, s_offs, w_k_ok,
+            s_k_ok, inter, shared_inter, TOP_K, BLOCK_N, NB, SHARED_FIRST, OFFLOAD)
     if PDL:  # the routing (or the router logits) is the previous launch's output; the down programs may start
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    _, experts = _choices(logits_ptr, l_st, topw_ptr, topi_ptr, t, num_experts, TOP_K, RENORMALIZE, BLOCK_E, BLOCK_C,
-                          FUSE_ROUTE)
+    _, experts, slots, fills = _choices(logits_ptr, l_st, topw_ptr, topi_ptr, map_ptr, fill_ptr, t, num_experts, TOP_K,
+                                        RENORMALIZE, BLOCK_E, BLOCK_C, FUSE_ROUTE, OFFLOAD, FILL)
     x0, x1, x2, x3, x4, x5, x6, x7 = _word_columns(x_ptr + t * x_st + word[None, None, :] * 0, word[None, None, :],
                                                    (word < w_row)[None, None, :])
     dtype = h_ptr.dtype.element_ty
     gate_w, up_w, gate_s, up_s, gate_r, up_r = _gate_up_tile(
-        w13_ptr, w13_s_ptr, w13_r_ptr, sw_ptr, sw_s_ptr, sw_r_ptr, experts, tl.where(early, num_tiles, first),
-        num_tiles, w_row, s_row, w_offs, s_offs, w_k_ok, s_k_ok, inter, shared_inter, TOP_K, BLOCK_C, BLOCK_N, NB,
-        SHARED_FIRST)
+        w13_ptr, w13_s_ptr, w13_r_ptr, host_w_ptr, host_s_ptr, host_r_ptr, es_w, es_s, es_r, sw_ptr, sw_s_ptr,
+        sw_r_ptr, experts, slots, tl.where(early, num_tiles, first), num_tiles, w_row, s_row, w_offs, s_offs, w_k_ok,
+        s_k_ok, inter, shared_inter, TOP_K, BLOCK_N, NB, SHARED_FIRST, OFFLOAD)
     if SHARED_FIRST:  # one of the two loads is all zeros
         gate_w, up_w = gate_w | shared_tile[0], up_w | shared_tile[1]
         gate_s, up_s = gate_s | shared_tile[2], up_s | shared_tile[3]
@@ -189,8 +260,13 @@ def _gate_up_stream_kernel(
     for tile in range(first, num_tiles, step):
         if PREFETCH:  # the next tile's loads in flight during this tile's decode
             next_tile = _gate_up_tile(
-                w13_ptr, w13_s_ptr, w13_r_ptr, sw_ptr, sw_s_ptr, sw_r_ptr, experts, tile + step, num_tiles, w_row,
-                s_row, w_offs, s_offs, w_k_ok, s_k_ok, inter, shared_inter, TOP_K, BLOCK_C, BLOCK_N, NB, SHARED_FIRST)
+                w13_ptr, w13_s_ptr, w13_r_ptr, host_w_ptr, host_s_ptr, host_r_ptr, es_w, es_s, es_r, sw_ptr,
+                sw_s_ptr, sw_r_ptr, experts, slots, tile + step, num_tiles, w_row, s_row, w_offs, s_offs, w_k_ok,
+                s_k_ok, inter, shared_inter, TOP_K, BLOCK_N, NB, SHARED_FIRST, OFFLOAD)
+        if FILL:  # this tile's rows, read from host memory for a miss that claimed a slot, into that slot
+            _fill_gate_up_tile(w13_ptr, w13_s_ptr, w13_r_ptr, es_w, es_s, es_r, fills, tile, num_tiles, w_row, s_row,
+                               w_offs, s_offs, w_k_ok, s_k_ok, inter, shared_inter, gate_w, up_w, gate_s, up_s,
+                               gate_r, up_r, TOP_K, BLOCK_N, NB, SHARED_FIRST)
         j = _pair(tile, TOP_K, NB, SHARED_FIRST)
         n = (tile % NB) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < tl.where(j < TOP_K, inter, shared_inter)
@@ -204,45 +280,70 @@ def _gate_up_stream_kernel(
             gate_w, up_w, gate_s, up_s, gate_r, up_r = next_tile
         else:
             gate_w, up_w, gate_s, up_s, gate_r, up_r = _gate_up_tile(
-                w13_ptr, w13_s_ptr, w13_r_ptr, sw_ptr, sw_s_ptr, sw_r_ptr, experts, tile + step, num_tiles, w_row,
-                s_row, w_offs, s_offs, w_k_ok, s_k_ok, inter, shared_inter, TOP_K, BLOCK_C, BLOCK_N, NB, SHARED_FIRST)
+                w13_ptr, w13_s_ptr, w13_r_ptr, host_w_ptr, host_s_ptr, host_r_ptr, es_w, es_s, es_r, sw_ptr,
+                sw_s_ptr, sw_r_ptr, experts, slots, tile + step, num_tiles, w_row, s_row, w_offs, s_offs, w_k_ok,
+                s_k_ok, inter, shared_inter, TOP_K, BLOCK_N, NB, SHARED_FIRST, OFFLOAD)
 
 
 @device_function
-def _down_tile(w2_ptr, w2_s_ptr, w2_r_ptr, sd_ptr, sd_s_ptr, sd_r_ptr, experts, tile, num_tiles, hidden, w_row, s_row,
+def _down_tile(w2_ptr, w2_s_ptr, w2_r_ptr, host_w_ptr, host_s_ptr, host_r_ptr, es_w, es_s, es_r,
+               sd_ptr, sd_s_ptr, sd_r_ptr, experts, slots, tile, num_tiles, hidden, w_row, s_row,
                sw_row, ss_row, w_offs, s_offs, ws_offs, ss_offs, w_k_ok, s_k_ok, ws_k_ok, ss_k_ok,
-               TOP_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr):
+               TOP_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, OFFLOAD: tl.constexpr):
     """Tile ``tile``'s packed down rows (int32 words) of every choice ``[BLOCK_C, BLOCK_N, BLOCK_K / 8]``
     and of the shared expert ``[1, BLOCK_N, BLOCK_K / 8]``, their scale bytes and row scales (zeros past
-    ``num_tiles``); the element offsets within a tile are the program's, as in ``_gate_up_tile``."""
+    ``num_tiles``), each choice's read where ``_expert_base`` says; the element offsets within a tile
+    are the program's, as in ``_gate_up_tile``."""
     n0 = tile * BLOCK_N
     n_ok = (tl.arange(0, BLOCK_N) < tl.where(tile < num_tiles, hidden - n0, 0))[None, :]
-    row = experts.to(tl.int64) * hidden + n0  # each choice's first row of the flattened [E · H, I] weight
     rows_ok = (tl.arange(0, BLOCK_C) < TOP_K)[:, None] & n_ok
-    w = tl.load(w2_ptr + (row * w_row)[:, None, None] + w_offs, mask=rows_ok[:, :, None] & w_k_ok, other=0)
-    s = tl.load(w2_s_ptr + (row * s_row)[:, None, None] + s_offs, mask=rows_ok[:, :, None] & s_k_ok, other=0)
-    r = tl.load(w2_r_ptr + row[:, None] + tl.arange(0, BLOCK_N)[None, :], mask=rows_ok, other=0.0)
+    w_base = _expert_base(w2_ptr, host_w_ptr, slots, experts, es_w, OFFLOAD) + n0.to(tl.int64) * w_row
+    s_base = _expert_base(w2_s_ptr, host_s_ptr, slots, experts, es_s, OFFLOAD) + n0.to(tl.int64) * s_row
+    r_base = _expert_base(w2_r_ptr, host_r_ptr, slots, experts, es_r, OFFLOAD) + n0
+    w = tl.load(w_base[:, None, None] + w_offs, mask=rows_ok[:, :, None] & w_k_ok, other=0)
+    s = tl.load(s_base[:, None, None] + s_offs, mask=rows_ok[:, :, None] & s_k_ok, other=0)
+    r = tl.load(r_base[:, None] + tl.arange(0, BLOCK_N)[None, :], mask=rows_ok, other=0.0)
     ws = tl.load(sd_ptr + n0.to(tl.int64) * sw_row + ws_offs, mask=n_ok[:, :, None] & ws_k_ok, other=0)
     ss = tl.load(sd_s_ptr + n0.to(tl.int64) * ss_row + ss_offs, mask=n_ok[:, :, None] & ss_k_ok, other=0)
     rs = tl.load(sd_r_ptr + n0 + tl.arange(0, BLOCK_N)[None, :], mask=n_ok, other=0.0)
     return w, s, r, ws, ss, rs
 
 
+@device_function
+def _fill_down_tile(w2_ptr, w2_s_ptr, w2_r_ptr, es_w, es_s, es_r, fills, tile, num_tiles, hidden, w_row, s_row,
+                    w_offs, s_offs, w_k_ok, s_k_ok, w, s, r, BLOCK_N: tl.constexpr):
+    """The read-through fill of a down tile: each choice's rows that claimed a slot (``fills`` >= 0),
+    as ``_down_tile`` loaded them from host memory, stored into that slot."""
+    n0 = tile * BLOCK_N
+    n_ok = (tl.arange(0, BLOCK_N) < tl.where(tile < num_tiles, hidden - n0, 0))[None, :]
+    rows_ok = (fills >= 0)[:, None] & n_ok
+    slot = tl.maximum(fills, 0).to(tl.int64)
+    w_base = w2_ptr + (slot * es_w + n0 * w_row)  # the tile's offset within an expert fits int32
+    s_base = w2_s_ptr + (slot * es_s + n0 * s_row)
+    r_base = w2_r_ptr + (slot * es_r + n0)
+    tl.store(w_base[:, None, None] + w_offs, w, mask=rows_ok[:, :, None] & w_k_ok)
+    tl.store(s_base[:, None, None] + s_offs, s, mask=rows_ok[:, :, None] & s_k_ok)
+    tl.store(r_base[:, None] + tl.arange(0, BLOCK_N)[None, :], r, mask=rows_ok)
+
+
 @triton.jit
 def _down_stream_kernel(
-    h_ptr, h_width, w2_ptr, w2_s_ptr, w2_r_ptr, sd_ptr, sd_s_ptr, sd_r_ptr, topw_ptr, topi_ptr,
+    h_ptr, h_width, w2_ptr, w2_s_ptr, w2_r_ptr, host_w_ptr, host_s_ptr, host_r_ptr, es_w, es_s, es_r, map_ptr,
+    fill_ptr, sd_ptr, sd_s_ptr, sd_r_ptr, topw_ptr, topi_ptr,
     logits_ptr, l_st, out_ptr, hidden, inter, shared_inter, w_row, s_row, sw_row, ss_row, num_experts,
     TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FUSE_ROUTE: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+    OFFLOAD: tl.constexpr, FILL: tl.constexpr,
 ):
     # w_row, s_row (sw_row, ss_row): the routed (shared) down rows' strides in words and scale bytes,
     # inter / 8 and inter / 16, as arguments for their divisibility (see _gate_up_stream_kernel).
     # Under PDL this starts while the gate/up launch runs: the routing and the first tile's weights
-    # are loaded before the wait, ``h`` (the gate/up output) after it.
+    # are loaded before the wait, ``h`` (the gate/up output) after it. An offloaded layer's routing
+    # launch (slots, claims) ran before the gate/up launch's wait returned, as the routing does.
     t = tl.program_id(0)
     dtype = out_ptr.dtype.element_ty
-    weight, experts = _choices(logits_ptr, l_st, topw_ptr, topi_ptr, t, num_experts, TOP_K, RENORMALIZE, BLOCK_E,
-                               BLOCK_C, FUSE_ROUTE)
+    weight, experts, slots, fills = _choices(logits_ptr, l_st, topw_ptr, topi_ptr, map_ptr, fill_ptr, t, num_experts,
+                                             TOP_K, RENORMALIZE, BLOCK_E, BLOCK_C, FUSE_ROUTE, OFFLOAD, FILL)
     weight = cast(weight, dtype).to(tl.float32)  # as the reference holds them: rounded to the activations' dtype
     num_tiles = tl.cdiv(hidden, BLOCK_N)
     word = tl.arange(0, BLOCK_K // 8)[None, None, :]
@@ -252,9 +353,10 @@ def _down_stream_kernel(
     w_k_ok, s_k_ok, ws_k_ok, ss_k_ok = word < w_row, group < s_row, word < sw_row, group < ss_row
     step = tl.num_programs(1)
     first = tl.program_id(1)
-    w, s, r, ws, ss, rs = _down_tile(w2_ptr, w2_s_ptr, w2_r_ptr, sd_ptr, sd_s_ptr, sd_r_ptr, experts, first, num_tiles,
-                                     hidden, w_row, s_row, sw_row, ss_row, w_offs, s_offs, ws_offs, ss_offs,
-                                     w_k_ok, s_k_ok, ws_k_ok, ss_k_ok, TOP_K, BLOCK_C, BLOCK_N)
+    w, s, r, ws, ss, rs = _down_tile(w2_ptr, w2_s_ptr, w2_r_ptr, host_w_ptr, host_s_ptr, host_r_ptr, es_w, es_s, es_r,
+                                     sd_ptr, sd_s_ptr, sd_r_ptr, experts, slots, first, num_tiles, hidden, w_row,
+                                     s_row, sw_row, ss_row, w_offs, s_offs, ws_offs, ss_offs, w_k_ok, s_k_ok, ws_k_ok,
+                                     ss_k_ok, TOP_K, BLOCK_C, BLOCK_N, OFFLOAD)
     if PDL:
         tl.extra.cuda.gdc_wait()
     c = tl.arange(0, BLOCK_C)
@@ -265,9 +367,13 @@ def _down_stream_kernel(
     gate = round_as(tl.sigmoid(tl.load(logits_ptr + t * l_st + num_experts).to(tl.float32)), dtype)
     for tile in range(first, num_tiles, step):
         if PREFETCH:
-            next_tile = _down_tile(w2_ptr, w2_s_ptr, w2_r_ptr, sd_ptr, sd_s_ptr, sd_r_ptr, experts, tile + step,
-                                   num_tiles, hidden, w_row, s_row, sw_row, ss_row, w_offs, s_offs, ws_offs, ss_offs,
-                                   w_k_ok, s_k_ok, ws_k_ok, ss_k_ok, TOP_K, BLOCK_C, BLOCK_N)
+            next_tile = _down_tile(w2_ptr, w2_s_ptr, w2_r_ptr, host_w_ptr, host_s_ptr, host_r_ptr, es_w, es_s, es_r,
+                                   sd_ptr, sd_s_ptr, sd_r_ptr, experts, slots, tile + step, num_tiles, hidden, w_row,
+                                   s_row, sw_row, ss_row, w_offs, s_offs, ws_offs, ss_offs, w_k_ok, s_k_ok, ws_k_ok,
+                                   ss_k_ok, TOP_K, BLOCK_C, BLOCK_N, OFFLOAD)
+        if FILL:  # the choices' rows read from host memory for misses that claimed a slot, into those slots
+            _fill_down_tile(w2_ptr, w2_s_ptr, w2_r_ptr, es_w, es_s, es_r, fills, tile, num_tiles, hidden, w_row, s_row,
+                            w_offs, s_offs, w_k_ok, s_k_ok, w, s, r, BLOCK_N)
         acc = _word_dots(w, s, h0, h1, h2, h3, h4, h5, h6, h7, BLOCK_N, BLOCK_K // 8) * r
         shared = tl.sum(_word_dots(ws, ss, s0, s1, s2, s3, s4, s5, s6, s7, BLOCK_N, BLOCK_K // 8) * rs, 0)
         scaled = round_as(round_as(acc, dtype) * weight[:, None], dtype)
@@ -278,7 +384,8 @@ def _down_stream_kernel(
         if PREFETCH:
             w, s, r, ws, ss, rs = next_tile
         else:
-            w, s, r, ws, ss, rs = _down_tile(w2_ptr, w2_s_ptr, w2_r_ptr, sd_ptr, sd_s_ptr, sd_r_ptr, experts,
-                                             tile + step, num_tiles, hidden, w_row, s_row, sw_row, ss_row, w_offs,
-                                             s_offs, ws_offs, ss_offs, w_k_ok, s_k_ok, ws_k_ok, ss_k_ok, TOP_K,
-                                             BLOCK_C, BLOCK_N)
+            w, s, r, ws, ss, rs = _down_tile(w2_ptr, w2_s_ptr, w2_r_ptr, host_w_ptr, host_s_ptr, host_r_ptr, es_w,
+                                             es_s, es_r, sd_ptr, sd_s_ptr, sd_r_ptr, experts, slots, tile + step,
+                                             num_tiles, hidden, w_row, s_row, sw_row, ss_row, w_offs, s_offs, ws_offs,
+                                             ss_offs, w_k_ok, s_k_ok, ws_k_ok, ss_k_ok, TOP_K, BLOCK_C, BLOCK_N,
+                                             OFFLOAD)

@@ -392,3 +392,76 @@ def test_trace_routing_and_decode_counters_under_graphs(tmp_path):
         assert 0 < c["read_through_fills"] <= c["decode_misses"] and c["decode_fills"] == 0
         assert c["settle_seconds"] > 0 and c["copy_wait_seconds"] >= 0
         assert c["fills_waited_on"] > 0 or c["copy_wait_seconds"] == 0
+
+
+def test_read_through_fill_nvfp4_at_qwen36_sizes_in_a_graph():
+    """The NVFP4 layer of Qwen3.6-35B-A3B at 1 and 8 tokens, its experts in span views (pinned host
+    spans, a device span cache) as the offload holds them, replayed from a CUDA graph with nothing
+    cached and 12 slots lent: bit for bit the all-resident block, the reference's claims, each
+    claimed slot's span the expert's host span, and a second replay hits them."""
+    from expert_spans import in_span
+    from freetoken.experts.span import SpanLayout
+    from freetoken.kernels.moe_decode_offload import _claim
+    from freetoken.kernels.triton.moe_decode_offload import sparse_moe_decode_offload_nvfp4
+
+    gen = torch.Generator().manual_seed(2)
+    experts, top_k, hidden, inter, shared, num_slots, lent = 256, 8, 2048, 512, 512, 32, 12
+
+    def nvfp4(*shape):
+        *lead, rows, cols = shape
+        packed = torch.randint(0, 256, (*lead, rows, cols // 2), generator=gen, dtype=torch.uint8)
+        scales = torch.randint(0, 0x7F, (*lead, rows, cols // 16), generator=gen, dtype=torch.uint8)
+        row_scales = torch.rand(*lead, rows, generator=gen) * 2**-6 * cols**-0.5 + 1e-4
+        return [packed, scales.view(torch.float8_e4m3fn), row_scales]
+
+    host_parts = nvfp4(experts, 2 * inter, hidden) + nvfp4(experts, hidden, inter)
+    layout = SpanLayout.of(host_parts)
+    host_spans = layout.empty(experts, "cpu", pin=True)
+    host_spans.zero_()  # the padding between parts as in the zeroed cache: whole spans compare
+    host = layout.views(host_spans)
+    for view, part in zip(host, host_parts):
+        view.copy_(part)
+    resident = in_span([p.cuda() for p in host_parts])
+    shared_parts = [p.cuda() for p in nvfp4(2 * shared, hidden) + nvfp4(hidden, shared)]
+    ring = torch.randperm(num_slots, generator=gen)[:lent].tolist()
+    for tokens in (1, 8):
+        x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).cuda()
+        router = torch.stack([torch.randperm(experts, generator=gen) for _ in range(tokens)]) * 2**-6 - 2.0
+        router[1:, :] = router[0]  # every token routes as token 0: repeated misses claim one slot each
+        logits = torch.cat([router, torch.randn(tokens, 1, generator=gen)], 1).to(torch.bfloat16).cuda()
+        want = sparse_moe_decode_offload_nvfp4(
+            x, logits, torch.arange(experts, dtype=torch.int32, device="cuda"), *resident, *host, *shared_parts,
+            top_k, True, torch.empty(tokens, top_k, dtype=torch.int32, device="cuda"))
+        slot_map = torch.full((experts,), -1, dtype=torch.int32, device="cuda")
+        cache = layout.empty(num_slots, "cuda")
+        cache.zero_()
+        routed = torch.empty(tokens, top_k, dtype=torch.int32, device="cuda")
+        fills = torch.empty_like(routed)
+        lend = torch.tensor([0, 0, *ring], dtype=torch.int32, device="cuda")
+
+        def forward():
+            return sparse_moe_decode_offload_nvfp4(x, logits, slot_map, *layout.views(cache), *host, *shared_parts,
+                                                   top_k, True, routed, fills=fills, lend=lend)
+
+        forward()  # compiles (nothing lent: no claims)
+        assert (fills == -1).all() and (slot_map == -1).all()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = forward()
+        lend[1] = lent
+        torch.cuda.synchronize()
+        want_routed = torch.topk(router, top_k).indices.to(torch.int32)
+        want_fills, want_lend = torch.empty_like(want_routed), lend.cpu().clone()
+        claims = _claim(-1 - want_routed, want_fills, want_lend)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+        assert torch.equal(routed.cpu(), -1 - want_routed) and torch.equal(fills.cpu(), want_fills)
+        assert torch.equal(lend.cpu(), want_lend) and len(claims) == min(lent, top_k)
+        for expert, slot in claims:
+            assert int(slot_map[expert]) == slot
+            assert torch.equal(cache[slot].cpu(), host_spans[expert])
+        graph.replay()  # the claimed experts hit now; nothing more is lent
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+        assert int((routed[0] >= 0).sum()) == len(claims)

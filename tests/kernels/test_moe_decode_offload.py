@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from expert_spans import in_span
+from freetoken.experts.span import SpanLayout
 from kernel_checks import DEVICE, assert_close
 from freetoken.kernels import moe_decode_offload as ref
 from freetoken.kernels.moe_decode import sparse_moe_decode_reference
@@ -143,9 +144,11 @@ def test_sparse_moe_decode_offload_nvfp4_reads_span_views(rng, dtype):
     x = torch.randn(tokens, hidden, generator=rng).to(dtype).to(DEVICE)
     router = torch.stack([torch.randperm(experts, generator=rng) for _ in range(tokens)]) * 0.25 - 1.5
     logits = torch.cat([router, torch.randn(tokens, 1, generator=rng)], dim=1).to(dtype).to(DEVICE)
+    # Token 0's first choice cached and its second not: a hit and a miss in every draw.
+    first, second = torch.topk(router[0], top_k).indices[:2].tolist()
+    cached = sorted((set(torch.randperm(experts, generator=rng)[:4].tolist()) | {first}) - {second})
     slot_map = torch.full((experts,), -1, dtype=torch.int32)
-    cached = torch.randperm(experts, generator=rng)[:4]
-    slot_map[cached] = torch.randperm(num_slots, generator=rng)[:4].to(torch.int32)
+    slot_map[cached] = torch.randperm(num_slots, generator=rng)[: len(cached)].to(torch.int32)
     slot_map = slot_map.to(DEVICE)
     host = _nvfp4(rng, experts, 2 * inter, hidden) + _nvfp4(rng, experts, hidden, inter)
     slots = [p.to(DEVICE) for p in _nvfp4(rng, num_slots, 2 * inter, hidden) + _nvfp4(rng, num_slots, hidden, inter)]
@@ -224,3 +227,59 @@ def test_read_through_fill(rng, dtype, tokens, lent):
     assert torch.equal(new_w13[untouched], slot_w13[untouched]) and torch.equal(new_w2[untouched], slot_w2[untouched])
     unclaimed = [e for e in range(experts) if e not in claims]
     assert torch.equal(new_map[unclaimed], slot_map[unclaimed])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# top_k 4 fills BLOCK_C (no spare lane for the shared expert's pair), 3 leaves one.
+@pytest.mark.parametrize("tokens,lent,top_k", [(1, 3, 3), (3, 2, 4), (3, 4, 3)])
+def test_read_through_fill_nvfp4(rng, dtype, tokens, lent, top_k):
+    """NVFP4 experts in span views (as the offload holds them): the stream kernels fill the slots the
+    routing claims as the reference does (all six parts of each claimed expert, the map pointing
+    there, every other slot's bytes untouched) and give the result of reading every miss from host
+    memory."""
+    from freetoken.kernels.triton.moe_decode_offload import sparse_moe_decode_offload_nvfp4
+
+    experts, hidden, inter, shared_inter, num_slots = 9, 80, 32, 48, 12
+    x = torch.randn(tokens, hidden, generator=rng).to(dtype).to(DEVICE)
+    router = torch.stack([torch.randperm(experts, generator=rng) for _ in range(tokens)]) * 0.25 - 1.5
+    logits = torch.cat([router, torch.randn(tokens, 1, generator=rng)], dim=1).to(dtype).to(DEVICE)
+    # Token 0's first choice missed: at least one claim in every draw.
+    first = int(torch.topk(router[0], top_k).indices[0])
+    cached = sorted(set(torch.randperm(experts, generator=rng)[:3].tolist()) - {first})
+    slot_map = torch.full((experts,), -1, dtype=torch.int32)
+    slot_map[cached] = torch.randperm(num_slots, generator=rng)[: len(cached)].to(torch.int32)
+    free = sorted(set(range(num_slots)) - set(slot_map.tolist()))[:4]
+    host = in_span(_nvfp4(rng, experts, 2 * inter, hidden) + _nvfp4(rng, experts, hidden, inter),
+                   pin=DEVICE.type == "cuda")
+    slot_parts = _nvfp4(rng, num_slots, 2 * inter, hidden) + _nvfp4(rng, num_slots, hidden, inter)
+    shared = [p.to(DEVICE) for p in _nvfp4(rng, 2 * shared_inter, hidden) + _nvfp4(rng, hidden, shared_inter)]
+    layout = SpanLayout.of(slot_parts)
+    buffer = layout.empty(num_slots, DEVICE)  # the slots' one [S, span] byte buffer, as the cache's
+    buffer.fill_(0xFF)
+    for view, part in zip(layout.views(buffer), slot_parts):
+        view.copy_(part)
+    claimed = 1  # the ring's position 1 first, then wrapping to 0
+    results = {}
+    for name, fn in (("triton", sparse_moe_decode_offload_nvfp4),
+                     ("reference", ref.sparse_moe_decode_offload_nvfp4_reference)):
+        state_map, state_buffer = slot_map.clone().to(DEVICE), buffer.clone()
+        routed, fills = _routed(tokens, top_k), _routed(tokens, top_k)
+        lend = _lend(claimed, claimed + lent, free)
+        args = (x, logits) if name == "triton" else (x.float(), logits.float())
+        out = fn(*args, state_map, *layout.views(state_buffer), *host, *shared, top_k, True, routed, fills=fills,
+                 lend=lend)
+        results[name] = (out, routed, fills, lend, state_map, state_buffer)
+    got, want = results["triton"], results["reference"]
+    assert_close(got[0].float(), want[0], dtype=dtype)
+    for g, w in zip(got[1:], want[1:]):
+        assert torch.equal(g, w)
+    _, routed, fills, lend, new_map, _ = want
+    claims = {int(-1 - routed[pos]): int(fills[pos]) for pos in zip(*torch.nonzero(fills >= 0, as_tuple=True))}
+    missed = {-1 - c for c in routed.flatten().tolist() if c < 0}
+    assert claims and len(claims) == min(len(missed), lent) and int(lend[0]) == claimed + len(claims)
+    for expert, slot in claims.items():
+        assert int(new_map[expert]) == slot
+        for part, host_part in zip(layout.views(got[5]), host):
+            assert torch.equal(part[slot].cpu().view(torch.uint8), host_part[expert].cpu().view(torch.uint8))
+    untouched = [s for s in range(num_slots) if s not in claims.values()]
+    assert torch.equal(got[5][untouched], buffer[untouched])

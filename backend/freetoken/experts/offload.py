@@ -187,10 +187,8 @@ class ExpertOffload:
         self.table = SlotTable(num_slots, make_policy(self.policy), self.expert_bytes)
         self.slots = DeviceSlots(blocks, num_slots, device, layout)
         if decode_tokens > 0 and all(layer.zero_copy_ready() for layer in self.layers):
-            read_through = not self.nvfp4
-            self.log = RoutedLog(len(self.layers), decode_tokens, self.layers[0].top_k, device, read_through)
-            if read_through:
-                self.lender = SlotLender(max(1, num_slots // RESERVE_DIVISOR), device)
+            self.log = RoutedLog(len(self.layers), decode_tokens, self.layers[0].top_k, device, read_through=True)
+            self.lender = SlotLender(max(1, num_slots // RESERVE_DIVISOR), device)
         else:
             logger.info("moe_offload: no zero-copy decode (a layer's shared expert is stored unlike its "
                         "experts): every forward reads its routed ids on the host, without CUDA graphs")

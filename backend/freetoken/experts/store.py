@@ -137,14 +137,14 @@ class OffloadedExperts(nn.Module):
         assert slots is not None and self.shared is not None
         shared_gate_up, shared_down = self.shared()
         slot_map, routed = slots.slot_map[self.layer], self.offload.routed_out(self.layer, x.shape[0])
+        fills, lend = self.offload.fill_args(self.layer, x.shape[0])
         if self.offload.nvfp4:
             assert isinstance(shared_gate_up, NVFP4Weight) and isinstance(shared_down, NVFP4Weight)
             return kernels.sparse_moe_decode_offload_nvfp4(
                 x, gate_logits, slot_map, *slots.tensors, *self.host_parts(), *_parts(shared_gate_up),
-                *_parts(shared_down), top_k, renormalize, routed,
+                *_parts(shared_down), top_k, renormalize, routed, fills=fills, lend=lend,
             )
         assert isinstance(shared_gate_up, torch.Tensor) and isinstance(shared_down, torch.Tensor)
-        fills, lend = self.offload.fill_args(self.layer, x.shape[0])
         return kernels.sparse_moe_decode_offload(
             x, gate_logits, slot_map, slots.tensors[0], slots.tensors[1], self.w13, self.w2,
             shared_gate_up, shared_down, top_k, renormalize, routed, fills=fills, lend=lend,
