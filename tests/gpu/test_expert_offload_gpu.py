@@ -39,6 +39,27 @@ def _count_replays(llm: LLM) -> list[int]:
 
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
 @pytest.mark.parametrize("family", list(DEMO))
+
+def _captured_then_lent(forward, fills: torch.Tensor, slot_map: torch.Tensor, lend: torch.Tensor, lent: int):
+    """The read-through fill tests' graph: ``forward`` run once (compiles; nothing lent, so no
+    claims), captured, then ``lent`` slots lent for the replays. Returns the graph and its output."""
+    forward()
+    assert (fills == -1).all() and (slot_map == -1).all()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = forward()
+    lend[1] = lent
+    return graph, out
+
+
+def _random_nvfp4(gen: torch.Generator, *shape: int) -> list[torch.Tensor]:
+    """Random NVFP4 parts on the host: every code byte, e4m3 scales without NaN, small row scales."""
+    *lead, rows, cols = shape
+    packed = torch.randint(0, 256, (*lead, rows, cols // 2), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(0, 0x7F, (*lead, rows, cols // 16), generator=gen, dtype=torch.uint8)
+    row_scales = torch.rand(*lead, rows, generator=gen) * 2**-6 * cols**-0.5 + 1e-4
+    return [packed, scales.view(torch.float8_e4m3fn), row_scales]
+
 def test_offloaded_float32_greedy_equals_transformers_on_cuda(family, eager):
     case = DEMO[family]
     llm = LLM(model=str(checkpoint(case)), dtype="float32", device="cuda", max_prefill_length=16,
@@ -166,12 +187,7 @@ def test_read_through_fill_at_qwen36_sizes_in_a_graph():
             return sparse_moe_decode_offload(x, logits, slot_map, slot_w13, slot_w2, host_w13, host_w2,
                                              shared_gate_up, shared_down, top_k, True, routed, fills=fills, lend=lend)
 
-        forward()  # compiles (nothing lent: no claims)
-        assert (fills == -1).all() and (slot_map == -1).all()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = forward()
-        lend[1] = lent
+        graph, out = _captured_then_lent(forward, fills, slot_map, lend, lent)
         want_state = [t.cpu() for t in (slot_map, slot_w13, slot_w2, lend)]
         want_routed, want_fills = routed.cpu(), fills.cpu()
         want = sparse_moe_decode_offload_reference(
@@ -315,11 +331,7 @@ def test_zero_copy_nvfp4_decode_kernel_at_qwen36_sizes():
     experts, top_k, hidden, inter, shared = 256, 8, 2048, 512, 512
 
     def nvfp4(*shape):
-        *lead, rows, cols = shape
-        packed = torch.randint(0, 256, (*lead, rows, cols // 2), generator=gen, dtype=torch.uint8)
-        scales = torch.randint(0, 0x7F, (*lead, rows, cols // 16), generator=gen, dtype=torch.uint8)
-        row_scales = torch.rand(*lead, rows, generator=gen) * 2**-6 * cols**-0.5 + 1e-4
-        return [packed, scales.view(torch.float8_e4m3fn), row_scales]
+        return _random_nvfp4(gen, *shape)
 
     host = [p.pin_memory() for p in nvfp4(experts, 2 * inter, hidden) + nvfp4(experts, hidden, inter)]
     device = [p.cuda() for p in host]
@@ -408,11 +420,7 @@ def test_read_through_fill_nvfp4_at_qwen36_sizes_in_a_graph():
     experts, top_k, hidden, inter, shared, num_slots, lent = 256, 8, 2048, 512, 512, 32, 12
 
     def nvfp4(*shape):
-        *lead, rows, cols = shape
-        packed = torch.randint(0, 256, (*lead, rows, cols // 2), generator=gen, dtype=torch.uint8)
-        scales = torch.randint(0, 0x7F, (*lead, rows, cols // 16), generator=gen, dtype=torch.uint8)
-        row_scales = torch.rand(*lead, rows, generator=gen) * 2**-6 * cols**-0.5 + 1e-4
-        return [packed, scales.view(torch.float8_e4m3fn), row_scales]
+        return _random_nvfp4(gen, *shape)
 
     host_parts = nvfp4(experts, 2 * inter, hidden) + nvfp4(experts, hidden, inter)
     layout = SpanLayout.of(host_parts)
@@ -443,12 +451,7 @@ def test_read_through_fill_nvfp4_at_qwen36_sizes_in_a_graph():
             return sparse_moe_decode_offload_nvfp4(x, logits, slot_map, *layout.views(cache), *host, *shared_parts,
                                                    top_k, True, routed, fills=fills, lend=lend)
 
-        forward()  # compiles (nothing lent: no claims)
-        assert (fills == -1).all() and (slot_map == -1).all()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = forward()
-        lend[1] = lent
+        graph, out = _captured_then_lent(forward, fills, slot_map, lend, lent)
         torch.cuda.synchronize()
         want_routed = torch.topk(router, top_k).indices.to(torch.int32)
         want_fills, want_lend = torch.empty_like(want_routed), lend.cpu().clone()

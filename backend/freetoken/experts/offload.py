@@ -9,11 +9,10 @@ sized, ``allocate`` makes the device cache.
 Two paths run an offloaded layer. Decode forwards of at most ``decode_tokens`` tokens run the
 zero-copy decode kernel (dense or NVFP4 experts, the shared expert stored alike): a miss is read from pinned host memory, nothing syncs,
 so the step can be a CUDA graph; their routed ids reach the host after the step
-(``experts.decode_log``) and ``settle`` counts them. Dense experts are filled read-through: the
-kernel that reads a miss writes it into a slot the host lent it before the step
-(``experts.lend``) and maps it, so the miss crosses PCIe once and the next step hits; ``settle``
-only books those claims, and ``between_steps`` lends slots for the next ones. NVFP4 experts are
-copied in by ``settle`` for the next steps (``experts.slots`` has the ordering argument). Larger
+(``experts.decode_log``) and ``settle`` counts them. Misses are filled read-through, dense and
+NVFP4 experts alike: the kernel that reads a miss writes it into a slot the host lent it before
+the step (``experts.lend``) and maps it, so the miss crosses PCIe once and the next step hits;
+``settle`` only books those claims, and ``between_steps`` lends slots for the next ones. Larger
 forwards read the routed ids on the host in each layer and copy the misses in before the layer
 runs (``begin``), after taking back the slots lent and not claimed. Prompt chunks (``streams``)
 also stream the next layer's experts in while a layer computes: at each layer's routing the host
@@ -214,7 +213,7 @@ class ExpertOffload:
 
     def fill_args(self, layer: int, num_tokens: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The read-through fill's ``(fills, lend)`` for layer ``layer``'s decode kernel, or
-        ``(None, None)`` without it (NVFP4 experts: ``settle`` copies their misses in)."""
+        ``(None, None)`` without the zero-copy decode."""
         if self.lender is None:
             return None, None
         assert self.log is not None
@@ -242,24 +241,19 @@ class ExpertOffload:
         assert slots is not None
         counters = table.counters
         hits_before, misses_before = counters.hits, counters.misses
-        if self.lender is None:
-            fills, evicted = table.settle((layer, *record.layer(layer)) for layer in range(len(self.layers)))
-            slots.fill_deferred(fills, evicted)
-        else:
-            fills = []
-            for layer in range(len(self.layers)):
-                table.observe(layer, *record.layer(layer), place=False)
-            claims = record.claims()
-            self.lender.claimed(len(claims))
-            for layer, expert, slot in claims:
-                if table.claim((layer, expert), slot):
-                    slots.adopt((layer, expert), slot)
-                    counters.read_through_fills += 1
-            self._demand.append(counters.misses - misses_before)
+        assert self.lender is not None  # the zero-copy decode always fills read-through
+        for layer in range(len(self.layers)):
+            table.observe(layer, *record.layer(layer), place=False)
+        claims = record.claims()
+        self.lender.claimed(len(claims))
+        for layer, expert, slot in claims:
+            if table.claim((layer, expert), slot):
+                slots.adopt((layer, expert), slot)
+                counters.read_through_fills += 1
+        self._demand.append(counters.misses - misses_before)
         counters.decode_forwards += 1
         counters.decode_hits += counters.hits - hits_before
         counters.decode_misses += counters.misses - misses_before
-        counters.decode_fills += len(fills)
         counters.zero_copy_bytes += record.missed_pairs() * table.expert_bytes
         counters.settle_seconds += time.perf_counter() - start
 
