@@ -7,6 +7,7 @@ slot map's invariant at every kernel call, the counters, and the deferred update
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -157,5 +158,27 @@ def test_reserve_evicts_ahead_outside_the_protected_and_hands_out_the_oldest_fre
 
 
 def test_routed_record_decodes_hits_and_misses_of_the_real_tokens():
-    ids = torch.tensor([[[3, -1 - 5], [-1 - 5, 2], [7, 7]]], dtype=torch.int32)  # 1 layer, 3 rows, top-2
-    assert RoutedRecord(ids, 2, None).layer(0) == ([3, 5, 2], [True, False, True])
+    # 2 layers, 3 rows (the last one padding), top-2; the first read of an expert decides its hit.
+    ids = torch.tensor([[[3, -1 - 5], [5, 2], [7, 7]], [[-1 - 9, 0], [0, -1 - 4], [1, 1]]], dtype=torch.int32)
+    keys, hits = RoutedRecord(ids, 2, None).uses()
+    assert keys == [(0, 3), (0, 5), (0, 2), (1, 9), (1, 0), (1, 4)]
+    assert hits.tolist() == [True, False, True, False, True, False]
+    assert RoutedRecord(ids, 2, None).missed_pairs() == 3
+
+
+def test_routed_record_lists_the_claims_in_layer_row_choice_order():
+    ids = torch.tensor([[[3, -1 - 5]], [[-1 - 9, -1 - 4]]], dtype=torch.int32)
+    fills = torch.tensor([[[-1, 12]], [[7, 30]]], dtype=torch.int32)
+    assert RoutedRecord(ids, 1, None, fills).claims() == [(0, 5, 12), (1, 9, 7), (1, 4, 30)]
+
+
+def test_count_decode_counts_the_forward_and_its_prefetch_hits_as_one_access():
+    table = SlotTable(2, LRUPolicy(), expert_bytes=10)
+    lent, _ = table.lend(2)
+    for key, slot in zip([(1, 2), (0, 1)], lent):  # inserted layer 1's first
+        assert table.claim(key, slot)
+    table._prefetched.add((1, 2))
+    table.count_decode([(0, 1), (0, 3), (1, 2)], np.array([True, False, True]))
+    c = table.counters
+    assert (c.hits, c.misses, c.prefetch_hits) == (2, 1, 1) and not table._prefetched
+    assert table.reserve(1, set()) == [(0, 1)]  # the forward's uses in layer order: layer 0's is oldest

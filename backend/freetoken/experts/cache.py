@@ -14,6 +14,8 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
+
 from freetoken.experts.eviction import EvictionPolicy, ExpertKey
 
 RESERVE_DIVISOR = 16  # the zero-copy path keeps at most num_slots / this free ahead of its misses
@@ -190,6 +192,19 @@ class SlotTable:
                 continue
             placed.append((expert, self._place((layer, expert), protected, evicted)))
         return placed, evicted
+
+    def count_decode(self, keys: list[ExpertKey], hits: np.ndarray) -> None:
+        """One zero-copy decode forward's distinct routed experts (``RoutedRecord.uses``: layer by
+        layer) and whether the kernel read each from a slot: counted, and told to the policy in
+        one ``access`` (the read-through fill placed the misses: ``claim``)."""
+        self.policy.access(keys)
+        hit_count = int(np.count_nonzero(hits))
+        self.counters.hits += hit_count
+        self.counters.misses += len(keys) - hit_count
+        if self._prefetched:
+            found = self._prefetched.intersection(itertools.compress(keys, hits.tolist()))
+            self._prefetched -= found
+            self.counters.prefetch_hits += len(found)
 
     def settle(self, layers: Iterable[tuple[int, list[int], list[bool]]]) -> tuple[list[tuple[int, int, int]], list[ExpertKey]]:
         """One zero-copy decode forward's routed experts, ``(layer, experts, hits)`` per layer as

@@ -18,7 +18,10 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from freetoken.experts.eviction import ExpertKey
 
 
 @dataclass
@@ -27,30 +30,37 @@ class RoutedRecord:
     num_tokens: int  # the forward's real tokens (a graph's padding rows are not uses)
     event: torch.cuda.Event | None
     fills: torch.Tensor | None = None  # host [layers, max tokens, top_k] int32: slots claimed, -1 elsewhere
-    _rows: list[list[int]] | None = None
+
+    def uses(self) -> tuple[list[ExpertKey], np.ndarray]:
+        """The forward's distinct routed ``(layer, expert)``, layer by layer and in routing order
+        within a layer, and whether the kernel read each from a slot (a hit: its first read) or
+        from host memory. Vectorised over every layer at once: the host settles a record every
+        step, and a Python loop over 40 layers' ids cost most of a millisecond of it."""
+        codes = self.ids[:, : self.num_tokens].numpy().reshape(self.ids.shape[0], -1)
+        width = codes.shape[1]
+        if width == 0:
+            return [], np.zeros(0, dtype=bool)
+        experts = np.where(codes >= 0, codes, -1 - codes).ravel()
+        # A token's top-k are distinct, tokens share experts: the first read of each decides.
+        _, first = np.unique(np.arange(codes.size) // width * (int(experts.max()) + 1) + experts, return_index=True)
+        first.sort()
+        keys = list(zip((first // width).tolist(), experts[first].tolist()))
+        return keys, codes.ravel()[first] >= 0
 
     def claims(self) -> list[tuple[int, int, int]]:
         """``(layer, expert, slot)`` of each read-through fill of the forward, padding rows' too
-        (their kernels filled those slots alike)."""
+        (their kernels filled those slots alike), in (layer, row, choice) order."""
         if self.fills is None:
             return []
-        where = (self.fills >= 0).nonzero().tolist()
-        return [(layer, -1 - int(self.ids[layer, t, j]), int(self.fills[layer, t, j])) for layer, t, j in where]
-
-    def layer(self, layer: int) -> tuple[list[int], list[bool]]:
-        """Layer ``layer``'s routed experts, distinct in routing order, and whether each was read
-        from a slot (a hit) or from host memory."""
-        if self._rows is None:  # one conversion for all layers (a step reads every layer's)
-            self._rows = self.ids[:, : self.num_tokens].reshape(self.ids.shape[0], -1).tolist()
-        hits: dict[int, bool] = {}
-        for code in self._rows[layer]:
-            hits.setdefault(code if code >= 0 else -1 - code, code >= 0)
-        return list(hits), list(hits.values())
+        fills = self.fills.numpy()
+        where = np.nonzero(fills >= 0)
+        experts = -1 - self.ids.numpy()[where]
+        return list(zip(where[0].tolist(), experts.tolist(), fills[where].tolist()))
 
     def missed_pairs(self) -> int:
         """(layer, token, choice) entries read from host memory: each streamed its expert's rows
         over PCIe (the kernels read an expert once per (token, choice))."""
-        return int((self.ids[:, : self.num_tokens] < 0).sum())
+        return int(np.count_nonzero(self.ids[:, : self.num_tokens].numpy() < 0))
 
 
 class RoutedLog:

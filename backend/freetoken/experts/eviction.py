@@ -44,7 +44,8 @@ _ALL_PROTECTED = "every cached expert is needed by the layer being computed: the
 
 class EvictionPolicy(Protocol):
     def access(self, keys: Sequence[ExpertKey]) -> None:
-        """One layer's routed experts of one step (hits and misses), in routing order."""
+        """Routed experts of one step (hits and misses): one layer's, or several layers' of one
+        forward in layer order (a zero-copy decode forward's, settled at once), in routing order."""
 
     def insert(self, key: ExpertKey) -> None:
         """``key`` now holds a device slot."""
@@ -94,7 +95,7 @@ class LRFUPolicy:
     """Evict the resident expert with the smallest exponentially decayed access count.
 
     Time is counted in forward passes: a pass starts when ``access`` sees a layer index not above
-    the previous call's (the cache walks the layers in order each step). Scores are kept as
+    the last one of the previous call (the cache walks the layers in order each step). Scores are kept as
     ``sum_i 2**((t_i - base) / half_life)`` over the accesses ``t_i``: decaying every score by the
     same factor does not change their order, so a score changes only when its expert is accessed
     (one addition), and only grows; ``base`` moves up every few hundred half-lives, rescaling all
@@ -128,7 +129,7 @@ class LRFUPolicy:
             self._weight = 2.0 ** ((self._step - self._base) / self._half_life)
             if self._weight > _REBASE_WEIGHT:
                 self._rebase()
-        self._last_layer = layer
+        self._last_layer = keys[-1][0]
         weight, score = self._weight, self._score
         for key in keys:
             score[key] = score.get(key, 0.0) + weight

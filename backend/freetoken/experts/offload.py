@@ -242,8 +242,7 @@ class ExpertOffload:
         counters = table.counters
         hits_before, misses_before = counters.hits, counters.misses
         assert self.lender is not None  # the zero-copy decode always fills read-through
-        for layer in range(len(self.layers)):
-            table.observe(layer, *record.layer(layer), place=False)
+        table.count_decode(*record.uses())
         claims = record.claims()
         self.lender.claimed(len(claims))
         for layer, expert, slot in claims:
