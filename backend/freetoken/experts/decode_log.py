@@ -38,14 +38,14 @@ class RoutedRecord:
         step, and a Python loop over 40 layers' ids cost most of a millisecond of it."""
         codes = self.ids[:, : self.num_tokens].numpy().reshape(self.ids.shape[0], -1)
         width = codes.shape[1]
-        if width == 0:
-            return [], np.zeros(0, dtype=bool)
-        experts = np.where(codes >= 0, codes, -1 - codes).ravel()
-        # A token's top-k are distinct, tokens share experts: the first read of each decides.
-        _, first = np.unique(np.arange(codes.size) // width * (int(experts.max()) + 1) + experts, return_index=True)
-        first.sort()
-        keys = list(zip((first // width).tolist(), experts[first].tolist()))
-        return keys, codes.ravel()[first] >= 0
+        flat = codes.ravel()
+        experts = np.where(flat >= 0, flat, -1 - flat)
+        reads = np.arange(flat.size)
+        if self.num_tokens > 1:  # a token's top-k are distinct, tokens share experts: the first read decides
+            _, reads = np.unique(reads // width * (int(experts.max()) + 1) + experts, return_index=True)
+            reads.sort()
+        keys = list(zip((reads // width).tolist(), experts[reads].tolist()))
+        return keys, flat[reads] >= 0
 
     def claims(self) -> list[tuple[int, int, int]]:
         """``(layer, expert, slot)`` of each read-through fill of the forward, padding rows' too
