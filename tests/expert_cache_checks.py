@@ -9,8 +9,8 @@ from freetoken.experts.offload import ExpertOffload
 
 def check_slot_map_invariant(offload: ExpertOffload) -> None:
     """Every mapped entry's slot holds its expert's host weights, and the table agrees (or the entry
-    is a read-through fill not settled yet): each cached expert is mapped to its slot or its copy is
-    still pending. (On CUDA: call after a sync.)"""
+    is a read-through fill not settled yet): each cached expert is mapped to its slot. (On CUDA:
+    call after a sync.)"""
     slots, table = offload.slots, offload.table
     slot_map = slots.slot_map.cpu()
     for layer in range(len(offload.layers)):
@@ -24,5 +24,5 @@ def check_slot_map_invariant(offload: ExpertOffload) -> None:
                 assert unsettled or table.slot_of(key) == slot, \
                     f"{key} mapped to {slot}, the table says {table.slot_of(key)}"
                 assert all(torch.equal(dst[slot].cpu(), src[expert]) for dst, src in zip(slots.tensors, parts))
-            elif table.slot_of(key) is not None:
-                assert slots.is_pending(key), f"{key} cached in the table but neither mapped nor pending"
+            else:
+                assert table.slot_of(key) is None, f"{key} cached in the table in slot {table.slot_of(key)}, not mapped"

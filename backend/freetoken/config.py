@@ -51,8 +51,7 @@ class EngineConfig:
         "free after the weights and the KV pool; on the CPU one layer's experts)"
     )
     expert_cache_policy: str = option(
-        "lrfu", "with moe_offload: which cached expert gives up its slot, and whether a decode miss is copied "
-        "in (experts/eviction.py: lru, lrfu, lrfu-admit, arc)"
+        "lrfu", "with moe_offload: which cached expert gives up its slot (experts/eviction.py: lru, lrfu, arc)"
     )
     expert_prefill_stream: bool = option(
         True, "with moe_offload: prompt chunks (eager forwards of at least 256 tokens) copy in the experts the "

@@ -23,9 +23,8 @@ def _record(first: int, **counters: float) -> StepRecord:
 def test_phases_split_prefill_from_zero_copy_decode_and_give_pcie_times_per_step(capsys):
     prefill = _record(1, hits=30, misses=70, bytes_copied=70 * EXPERT)
     decode = [
-        _record(0, hits=6, misses=2, decode_hits=6, decode_misses=2, decode_forwards=1, decode_fills=2,
-                bytes_copied=2 * EXPERT, zero_copy_bytes=2 * EXPERT, fills_waited_on=1, copy_wait_seconds=0.001,
-                settle_seconds=0.0005)
+        _record(0, hits=6, misses=2, decode_hits=6, decode_misses=2, decode_forwards=1, read_through_fills=2,
+                zero_copy_bytes=2 * EXPERT, settle_seconds=0.0005)
         for _ in range(3)
     ] + [_record(0, hits=8, misses=0, decode_hits=8, decode_forwards=1, settle_seconds=0.0001)]
     phases = expert_cache_phases([prefill, *decode], decode, decode, EXPERT, BW, resident_ms=3.0)
@@ -38,11 +37,10 @@ def test_phases_split_prefill_from_zero_copy_decode_and_give_pcie_times_per_step
     d = phases["decode"]
     assert (d["forwards"], d["hits"], d["misses"]) == (4, 26, 6)
     assert d["hit_rate"] == pytest.approx(26 / 32)
-    assert d["misses_per_step"] == pytest.approx(1.5) and d["fills_per_step"] == pytest.approx(1.5)
+    assert d["misses_per_step"] == pytest.approx(1.5) and d["read_through_per_step"] == pytest.approx(1.5)
     assert d["miss_floor_ms_per_step"] == pytest.approx(6 * EXPERT / BW / 4 * 1e3)
     assert d["zero_copy_ms_per_step"] == pytest.approx(d["miss_floor_ms_per_step"])
-    assert d["pcie_ms_per_step"] == pytest.approx(2 * d["miss_floor_ms_per_step"])
-    assert d["fills_waited_on"] == 3 and d["copy_wait_ms_per_step"] == pytest.approx(0.75)
+    assert d["read_through_fills"] == 6
     assert d["settle_ms_per_step"] == pytest.approx((3 * 0.5 + 0.1) / 4)
 
     late = phases["decode_late"]  # the second half: one step with misses, one without
@@ -50,7 +48,8 @@ def test_phases_split_prefill_from_zero_copy_decode_and_give_pcie_times_per_step
 
     rows = phases["per_step"]
     assert [r["steady"] for r in rows] == [False, True, True, True, True]
-    assert rows[1]["zero_copy_experts"] == pytest.approx(2) and rows[1]["copy_wait_ms"] == pytest.approx(1.0)
+    assert rows[1]["zero_copy_experts"] == pytest.approx(2) and rows[1]["read_through_fills"] == 2
+    assert rows[1]["copied_experts"] == 0  # the read-through fill copies nothing
 
     v = phases["vs_resident"]
     assert v["offload_ms_per_step"] == pytest.approx(4.0) and v["tok_s_share"] == pytest.approx(0.75)

@@ -3,7 +3,7 @@
 kernel, without a host sync, and write each miss into a slot lent for it (the read-through fill,
 ``experts.lend``); the routed ids and claims reach the host after the step. Checked: float32 greedy tokens equal transformers'
 with a cache smaller than one layer's experts (also through a graph runner's padded batches), the
-slot map's invariant at every kernel call, the counters, and the deferred updates' ordering."""
+slot map's invariant at every kernel call, the counters, and the eviction ahead of the lend."""
 
 from __future__ import annotations
 
@@ -15,18 +15,17 @@ from freetoken import LLM, kernels
 from freetoken.experts.cache import SlotTable
 from freetoken.experts.decode_log import RoutedRecord
 from freetoken.experts.eviction import LRUPolicy
-from freetoken.experts.slots import DeviceSlots
 from freetoken.layers.moe import SparseMoE
 from expert_cache_checks import check_slot_map_invariant
 from graph_padding import with_padded_decode
 from oracle import DEMO, PAGE_SIZE, assert_greedy_batch, batch_prompts, checkpoint
 
 # Demo models: 4 layers of 8 (Qwen3.5) / of 4 (Qwen4-Exp) experts, top-2. Caches smaller than one
-# layer's experts (one slot: a layer's admission evicts the one an earlier layer of the same step
-# just took), and one of half the experts (16 of 32: it evicts ahead, ``SlotTable.reserve``).
-# ``lrfu-admit`` leaves some misses in host memory for good (``SlotTable.observe``).
+# layer's experts (one slot: a prompt's layer evicts the one an earlier layer just took; a cache
+# under 16 slots lends only free slots), and one of half the experts (16 of 32: it evicts ahead, ``SlotTable.reserve``), with
+# LRFU and with ARC choosing the victims.
 CASES = [("qwen3_5_moe", True, 3, "lrfu"), ("qwen3_5_moe", False, 16, "lrfu"), ("qwen4_exp", False, 1, "lrfu"),
-         ("qwen3_5_moe", False, 16, "lrfu-admit")]
+         ("qwen3_5_moe", False, 16, "arc")]
 
 
 @pytest.mark.parametrize("family,padded,slots,policy", CASES, ids=str)
@@ -45,19 +44,14 @@ def test_zero_copy_decode_greedy_equals_transformers(monkeypatch, family, padded
         return evicted
 
     monkeypatch.setattr(offload.table, "reserve", counted_reserve)
-    copies: list[int] = []  # experts copied into slots, by either path
-    fill, fill_deferred = offload.slots.fill, offload.slots.fill_deferred
+    copies: list[int] = []  # experts copied into slots (the eager path's: the read-through fill copies none)
+    fill = offload.slots.fill
 
     def counted_fill(layer, placed, evicted, ahead=False):
         copies.append(len(placed))
         fill(layer, placed, evicted, ahead)
 
-    def counted_fill_deferred(fills, evicted):
-        copies.append(len(fills))
-        fill_deferred(fills, evicted)
-
     monkeypatch.setattr(offload.slots, "fill", counted_fill)
-    monkeypatch.setattr(offload.slots, "fill_deferred", counted_fill_deferred)
     runner = with_padded_decode(llm, 8) if padded else None
     codes: list[torch.Tensor] = []
     decode = kernels.sparse_moe_decode_offload
@@ -103,57 +97,17 @@ def test_zero_copy_decode_greedy_equals_transformers(monkeypatch, family, padded
     if slots >= 16:
         assert sum(reserved) > 0, "no expert was evicted ahead"
         # The misses are filled by the kernels that read them (experts.lend), never copied again.
-        assert offload.counters.read_through_fills > 0 and offload.counters.decode_fills == 0
+        assert offload.counters.read_through_fills > 0
     check_slot_map_invariant(offload)
-
-
-def test_deferred_fills_map_only_once_copied_and_evictions_at_once():
-    parts = [torch.arange(6 * 4, dtype=torch.float32).view(6, 4), -torch.arange(6 * 2, dtype=torch.float32).view(6, 2)]
-    slots = DeviceSlots([parts], num_slots=2, device=torch.device("cpu"))
-    slots.fill_deferred([(0, 3, 0)], [])
-    assert slots.slot_map[0, 3] == -1 and slots.is_pending((0, 3))
-    assert torch.equal(slots.tensors[0][0], parts[0][3]) and torch.equal(slots.tensors[1][0], parts[1][3])
-    slots.commit()
-    assert slots.slot_map[0, 3] == 0 and not slots.is_pending((0, 3))
-    # evicting a mapped expert unmaps it at once; its successor is mapped only at the commit
-    slots.fill_deferred([(0, 4, 0)], [(0, 3)])
-    assert slots.slot_map[0, 3] == -1 and slots.slot_map[0, 4] == -1
-    slots.commit()
-    assert slots.slot_map[0, 4] == 0
-    # a pending expert evicted before its commit is never mapped (its slot went on to another)
-    slots.fill_deferred([(0, 1, 1)], [])
-    slots.fill_deferred([(0, 2, 1)], [(0, 1)])
-    slots.commit()
-    assert slots.slot_map[0].tolist() == [-1, -1, 1, -1, 0, -1]
-    assert torch.equal(slots.tensors[0][1], parts[0][2])
-    # the eager path's fill drops a pending expert it evicts, too
-    slots.fill_deferred([(0, 5, 1)], [(0, 2)])
-    slots.fill(0, [(3, 1)], [(0, 5)])
-    slots.commit()
-    assert slots.slot_map[0].tolist() == [-1, -1, -1, 1, 0, -1]
-
-
-def test_observe_counts_the_kernels_reads_and_admits_the_misses():
-    table = SlotTable(3, LRUPolicy(), expert_bytes=10)
-    assert table.observe(0, [4, 1], [False, False]) == ([(4, 0), (1, 1)], [])
-    # a hit is counted, not copied; a miss cached since (a step in flight missed it too) is not copied again
-    assert table.observe(0, [4, 1, 2], [True, False, False]) == ([(2, 2)], [])
-    counters = table.counters
-    assert (counters.hits, counters.misses, counters.bytes_copied) == (1, 4, 30)
-    # more routed experts than slots outside this layer's: as many as fit, the rest stay in host memory
-    placed, evicted = table.observe(1, [0, 5, 6, 7], [False] * 4)
-    assert [e for e, _ in placed] == [0, 5, 6] and len(evicted) == 3
-    # a hit whose expert was evicted since its step ran is not copied back
-    assert table.observe(0, [4], [True]) == ([], [])
 
 
 def test_reserve_evicts_ahead_outside_the_protected_and_hands_out_the_oldest_free_first():
     table = SlotTable(4, LRUPolicy(), expert_bytes=10)
-    table.observe(0, [0, 1, 2, 3], [False] * 4)
+    table.admit(0, [0, 1, 2, 3])
     assert table.reserve(2, {(0, 3)}) == [(0, 0), (0, 1)]  # least recently used first
     assert table.reserve(2, {(0, 3)}) == []  # two free already
     assert table.reserve(4, {(0, 2), (0, 3)}) == []  # nothing evictable outside the protected
-    placed, evicted = table.observe(1, [7, 8, 9], [False] * 3)
+    placed, evicted = table.admit(1, [7, 8, 9])
     assert placed == [(7, 0), (8, 1), (9, 2)] and evicted == [(0, 2)]  # the reserve's slots, then a victim's
 
 

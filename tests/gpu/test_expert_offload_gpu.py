@@ -369,7 +369,7 @@ def test_trace_routing_and_decode_counters_under_graphs(tmp_path):
     cached, the routers driven along the fitted trace (``bench --routing trace``): graph replays
     read the bias buffer updated between steps (the same greedy tokens as eager), and the decode
     counters the bench reads add up (one zero-copy read per missed use at batch 1, the misses filled
-    read-through and none copied again, copy waits timed only when a commit mapped a running copy)."""
+    read-through, the settles timed)."""
     from dataclasses import asdict
 
     from freetoken.bench.presets import write_preset_dir
@@ -400,10 +400,9 @@ def test_trace_routing_and_decode_counters_under_graphs(tmp_path):
     for c in counters.values():
         assert c["decode_forwards"] >= params.max_tokens - 2 and c["decode_hits"] > 0
         assert c["zero_copy_bytes"] == c["decode_misses"] * expert_bytes
-        # dense experts: the misses are filled read-through (experts.lend), none copied by a settle
-        assert 0 < c["read_through_fills"] <= c["decode_misses"] and c["decode_fills"] == 0
-        assert c["settle_seconds"] > 0 and c["copy_wait_seconds"] >= 0
-        assert c["fills_waited_on"] > 0 or c["copy_wait_seconds"] == 0
+        # the misses are filled read-through (experts.lend): no copy
+        assert 0 < c["read_through_fills"] <= c["decode_misses"]
+        assert c["settle_seconds"] > 0
 
 
 def test_read_through_fill_nvfp4_at_qwen36_sizes_in_a_graph():

@@ -11,7 +11,7 @@ from freetoken.experts.eviction import make_policy
 
 def test_staged_chunk_copies_its_misses_and_leaves_the_cache():
     replay = OffloadReplay(4, make_policy("lrfu"), num_experts=8)
-    replay.decode(np.array([[[0, 1], [2, 3]]] * 3))  # two layers, top-2: all four cached after
+    replay.prefill(np.array([[[0, 1], [2, 3]]]))  # two layers, top-2: all four cached after
     cached, misses = dict(replay.table._slot_of), replay.table.counters.misses
     chunk = np.array([[[0, 5], [2, 6]], [[1, 5], [3, 7]]])  # layer 0 routes 0, 5, 1; layer 1 2, 6, 3, 7
     assert replay.prefill(chunk, staged=True) == 3  # 5, 6 and 7 are not cached

@@ -1,36 +1,50 @@
 """Replay requests, a prompt chunk then decode steps, through the offloaded expert cache's own
-bookkeeping (``experts.cache.SlotTable`` and its eviction policy), on the CPU: the decode hit rate
-the engine's zero-copy path would see, the copies it would queue, and what a prefill does to the
-experts the decode keeps hot.
+bookkeeping (``experts.cache.SlotTable``, its eviction policy and ``experts.lend.SlotLender``), on
+the CPU: the decode hit rate the engine's zero-copy path would see, the misses its read-through
+fill writes into slots, and what a prefill does to the experts the decode keeps hot.
 
-The replay calls what the engine calls. A prompt chunk runs the eager path
-(``OffloadedExperts.prepare``): per layer ``SlotTable.passes`` then ``admit`` of each pass; its
-copies are mapped at once. A decode step runs the zero-copy path: its
-kernel reads an expert from a slot if the slot map had it at launch, else from host memory (a miss);
-its routed ids are settled (``SlotTable.settle``) one step late, while the next step runs, so the
-map a step sees is the table after the settle two steps before it. Evictions are unmapped at once;
-fills into slots free before the settle (the reserve) are mapped for the step after next, fills into
-slots evicted in the same settle one step later (their copies wait for the step in flight:
-``experts.slots``). No device, no copies: counts only.
+The replay calls what the engine calls, in the engine's order (``experts.offload``). Before every
+step is launched (``ExpertOffload.between_steps``) the records of the decode steps launched two or
+more before it are settled (the overlapped loop resolves step N after launching N + 1), then slots
+are lent for the next misses (``ExpertOffload._lend``: twice the most distinct misses of the last
+``DEMAND_WINDOW`` settled steps, at most the lender's capacity outstanding, evicting ahead by the
+policy in a cache of ``RESERVE_DIVISOR`` slots or more), the evicted experts unmapped at once. A
+decode step's kernel reads an expert from a slot if the slot map holds it at launch (a hit), else
+from host memory (a miss); each layer's distinct misses, in routing order, claim the next lent
+slots while any is left and are mapped there at once, the rest stay misses (no copy). Its record
+is settled as ``ExpertOffload._settle`` does it: the uses counted and told to the policy, the
+claims booked in the table. A prompt chunk first takes back the slots lent and not claimed (every
+record settled, ``ExpertOffload._revoke``), then runs the eager path (``OffloadedExperts.prepare``):
+per layer ``SlotTable.passes`` then ``admit`` of each pass; its copies are mapped at once. No
+device, no copies: counts only.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from freetoken.experts.cache import SlotTable
 from freetoken.experts.eviction import EvictionPolicy, ExpertKey
+from freetoken.experts.lend import SlotLender
+from freetoken.experts.offload import DEMAND_WINDOW, lender_capacity, slots_to_lend
+
+# A step's record is settled before the step this many launches after it (the overlapped loop
+# resolves step N, and settles its routed ids, after launching N + 1).
+SETTLE_LAG = 2
+
 
 @dataclass
 class DecodeSteps:
-    """Per decode step: distinct routed uses, misses (read from host memory), fills queued."""
+    """Per decode step: distinct routed uses, misses (read from host memory), and of those the
+    read-through fills (misses the step's kernel wrote into a lent slot)."""
 
     uses: list[int] = field(default_factory=list)
     misses: list[int] = field(default_factory=list)
-    fills: list[int] = field(default_factory=list)
+    read_through_fills: list[int] = field(default_factory=list)
 
     def hit_rate(self, start: int = 0, stop: int | None = None) -> float:
         uses, misses = sum(self.uses[start:stop]), sum(self.misses[start:stop])
@@ -41,6 +55,15 @@ class DecodeSteps:
         return sum(part) / max(len(part), 1)
 
 
+@dataclass
+class _Record:
+    """A decode step's routed experts as its kernel read them, on their way to the settle."""
+
+    step: int  # its launch's index
+    layers: list[tuple[list[int], list[bool]]]  # per layer: distinct experts in routing order, hits
+    claims: list[tuple[ExpertKey, int]]  # (key, slot) of each read-through fill, in claim order
+
+
 class OffloadReplay:
     """One cache of ``slots`` slots replaying requests in turn (batch 1)."""
 
@@ -49,7 +72,11 @@ class OffloadReplay:
         it evicts behind, ``SlotTable.passed``)."""
         self.table = SlotTable(slots, policy, expert_bytes=1)
         self.num_experts = num_experts
-        self.visible: set[ExpertKey] = set()  # what the slot map holds for the step being launched
+        self.lender = SlotLender(lender_capacity(slots), torch.device("cpu"))
+        self.visible: set[ExpertKey] = set()  # what the device's slot map holds (claims included)
+        self._demand: deque[int] = deque(maxlen=DEMAND_WINDOW)  # distinct misses of settled steps
+        self._records: deque[_Record] = deque()  # decode steps launched and not settled
+        self._launches = 0  # steps launched so far, prompt chunks included
 
     def prefill(self, prompt: np.ndarray, staged: bool = False) -> int:
         """A prompt chunk, ``[tokens, layers, top_k]`` routed ids, on the eager path (as
@@ -62,6 +89,8 @@ class OffloadReplay:
         """
         if self.num_experts is None:
             raise ValueError("OffloadReplay.prefill needs num_experts (of one layer)")
+        self._launch()
+        self._revoke()
         copied = 0
         for layer in range(prompt.shape[1]):
             ids, tokens = np.unique(prompt[:, layer].ravel(), return_counts=True)
@@ -75,42 +104,75 @@ class OffloadReplay:
                 self.table.admit(layer, group)
             self.table.passed(layer, counts, self.num_experts)
             copied += self.table.counters.misses - misses
-        self.visible = set(self.table._slot_of)  # the eager path maps its copies at once
+        self.visible = set(self.table._slot_of)  # every claim is booked; the eager path maps its copies at once
         return copied
 
     def decode(self, steps: np.ndarray) -> DecodeSteps:
-        """Decode steps, ``[steps, layers, top_k]`` routed ids, on the zero-copy path."""
+        """Decode steps, ``[steps, layers, top_k]`` routed ids, on the zero-copy path; the last
+        steps' records stay unsettled until the next launch that settles them (as in the engine)."""
         out = DecodeSteps()
-        layers = steps.shape[1]
-        pending: dict[int, list[tuple[bool, ExpertKey, int]]] = defaultdict(list)  # step -> map updates
-        for step in range(len(steps)):
-            for add, key, slot in pending.pop(step, []):
-                if not add:
-                    self.visible.discard(key)
-                elif self.table.slot_of(key) == slot:  # not evicted (nor moved) since
-                    self.visible.add(key)
-            per_layer = []
-            uses = misses = 0
-            for layer in range(layers):
-                experts = list(dict.fromkeys(steps[step, layer].tolist()))
-                hits = [(layer, e) in self.visible for e in experts]
-                per_layer.append((layer, experts, hits))
-                uses += len(experts)
-                misses += hits.count(False)
-            free_before = set(self.table._free)
-            # Settled while step + 1 runs: its unmaps land before step + 2, its fills by then or after.
-            fills, evicted = self.table.settle(per_layer)
-            for key in evicted:
-                pending[step + 2].append((False, key, -1))
-            for layer, expert, slot in fills:
-                pending[step + (2 if slot in free_before else 3)].append((True, (layer, expert), slot))
-            out.uses.append(uses)
-            out.misses.append(misses)
-            out.fills.append(len(fills))
-        for step in sorted(pending):  # the next request's prefill maps what is left (``commit(wait=True)``)
-            for add, key, slot in pending[step]:
-                if not add:
-                    self.visible.discard(key)
-                elif self.table.slot_of(key) == slot:
-                    self.visible.add(key)
+        for routed in steps:
+            step = self._launches
+            self._launch()
+            record = self._run(step, routed)
+            self._records.append(record)
+            out.uses.append(sum(len(experts) for experts, _ in record.layers))
+            out.misses.append(sum(hits.count(False) for _, hits in record.layers))
+            out.read_through_fills.append(len(record.claims))
         return out
+
+    def _launch(self) -> None:
+        """Before a step is launched (``ExpertOffload.between_steps``): settle the records due,
+        then lend slots for the next misses (``ExpertOffload._lend``)."""
+        while self._records and self._records[0].step <= self._launches - SETTLE_LAG:
+            self._settle(self._records.popleft())
+        self._launches += 1
+        want = slots_to_lend(self.lender.capacity, self._demand, self.lender.outstanding)
+        if want <= 0:
+            return
+        lent, evicted = self.table.lend(want)
+        self.visible.difference_update(evicted)  # unmapped before the lend: no forward claims a mapped slot
+        self.lender.give(lent)
+
+    def _run(self, step: int, routed: np.ndarray) -> _Record:
+        """One decode step's kernels (``[layers, top_k]`` routed ids), layer after layer: a hit is
+        an expert the map holds; each distinct miss claims the next lent slot while any is left
+        (``kernels.moe_decode_offload._claim``) and is mapped there at once."""
+        lend = self.lender.lend.tolist()  # [claimed, limit, ring...], as the kernels read it
+        claimed, limit, ring = lend[0], lend[1], lend[2:]
+        layers: list[tuple[list[int], list[bool]]] = []
+        claims: list[tuple[ExpertKey, int]] = []
+        for layer, ids in enumerate(routed.tolist()):
+            experts = list(dict.fromkeys(ids))
+            hits = [(layer, e) in self.visible for e in experts]
+            for expert, hit in zip(experts, hits):
+                if not hit and claimed < limit:
+                    claims.append(((layer, expert), ring[claimed % len(ring)]))
+                    claimed += 1
+            layers.append((experts, hits))
+        self.lender.lend[0] = claimed
+        self.visible.update(key for key, _ in claims)
+        return _Record(step, layers, claims)
+
+    def _settle(self, record: _Record) -> None:
+        """A decode step's record, as ``ExpertOffload._settle`` books it."""
+        table = self.table
+        counters = table.counters
+        hits_before, misses_before = counters.hits, counters.misses
+        keys = [(layer, e) for layer, (experts, _) in enumerate(record.layers) for e in experts]
+        table.count_decode(keys, np.array([hit for _, hits in record.layers for hit in hits], dtype=bool))
+        self.lender.claimed(len(record.claims))
+        for key, slot in record.claims:
+            if table.claim(key, slot):
+                counters.read_through_fills += 1
+        self._demand.append(counters.misses - misses_before)
+        counters.decode_forwards += 1
+        counters.decode_hits += counters.hits - hits_before
+        counters.decode_misses += counters.misses - misses_before
+
+    def _revoke(self) -> None:
+        """Before an eager forward (``ExpertOffload._revoke``): every record settled, and the slots
+        lent and not claimed back in the table."""
+        while self._records:
+            self._settle(self._records.popleft())
+        self.table.give_back(self.lender.revoke())

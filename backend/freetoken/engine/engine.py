@@ -197,8 +197,9 @@ class Engine:
     def launch(self, plan: StepPlan) -> StepOutput:
         """Queue the plan's forward and sampling; the result comes through the returned output.
         The host work before the forward is only what it reads (slot copies and resets, staging).
-        With ``moe_offload``, the expert cache's deferred updates are queued first (between steps)
-        and the step's routed ids are settled when it is resolved (``experts.offload``)."""
+        With ``moe_offload``, the expert cache's updates between steps (what arrived settled, slots
+        lent for the read-through fill) are queued first and the step's routed ids are settled when
+        it is resolved (``experts.offload``)."""
         on_resolve = None
         if self.offload is not None and self.offload.zero_copy:
             self.offload.between_steps()

@@ -11,14 +11,15 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
 from freetoken.experts.eviction import EvictionPolicy, ExpertKey
 
-RESERVE_DIVISOR = 16  # the zero-copy path keeps at most num_slots / this free ahead of its misses
+# The read-through fill keeps at most num_slots / this slots lent ahead of the decode's misses
+# (``ExpertOffload.allocate``); a cache under this many slots lends only slots already free (``lend``).
+RESERVE_DIVISOR = 16
 # An eager forward whose layers so far routed at least this share of their experts evicts behind
 # (``SlotTable.passed``): it will route most of what is cached for the layers ahead too.
 BEHIND_SHARE = 0.5
@@ -28,9 +29,9 @@ BEHIND_SHARE = 0.5
 class CacheCounters:
     """Since start. A use is one layer's routed expert in one forward (however many tokens chose it):
     ``hits + misses`` is the number of uses. On the eager path a miss is copied in before the layer
-    runs; in a zero-copy decode forward (``experts.slots``) a miss is read from host memory and
-    copied in for later steps, once however many steps in flight missed it: there
-    ``bytes_copied`` counts the copies, at most one per miss."""
+    runs (``bytes_copied`` counts those copies); in a zero-copy decode forward a miss is read from
+    host memory, and the kernel that read it writes it into a lent slot while one is left (the
+    read-through fill, ``experts.lend``): no copy."""
 
     hits: int = 0
     misses: int = 0
@@ -42,13 +43,9 @@ class CacheCounters:
     decode_forwards: int = 0  # zero-copy decode forwards settled
     decode_hits: int = 0
     decode_misses: int = 0
-    decode_fills: int = 0  # experts whose copies the settles queued (their bytes are in bytes_copied)
     read_through_fills: int = 0  # decode misses the kernel that read them wrote into a lent slot (no copy)
-    not_admitted: int = 0  # decode misses left in host memory: the policy kept its victim (``admits``)
     zero_copy_bytes: int = 0  # expert bytes the kernels read from host memory: missed (token, choice) pairs
-    fills_waited_on: int = 0  # fills mapped while still copying: the next step waits for them on the device
-    copy_wait_seconds: float = 0.0  # device time the compute stream spent waiting for those (CUDA)
-    settle_seconds: float = 0.0  # host time the settles took (policy, eviction, queuing the copies)
+    settle_seconds: float = 0.0  # host time the settles took (counting, telling the policy, booking claims)
     # The eager forwards' copies (prompt chunks, streamed ahead or not), CUDA only: device time the
     # copy stream spent copying (PCIe busy), and the compute stream spent waiting for them (exposed).
     eager_copy_seconds: float = 0.0
@@ -69,9 +66,6 @@ class SlotTable:
         # Oldest first: a slot evicted ahead (``reserve``) is handed out after those freed before it.
         self._free = deque(range(num_slots))
         self._prefetched: set[ExpertKey] = set()  # copied ahead of their layer, not used since
-        # Once the cache was full, even a free slot was some expert's (``reserve``): a policy that
-        # can refuse a miss (``admits``) is asked from then on.
-        self._evicted = False
         # The eager forward in progress (``passed``): its layers run so far, their routed share,
         # and their experts as victims, least routed first: (tokens routed, tie, key).
         self._forward_layer = -1
@@ -156,43 +150,6 @@ class SlotTable:
             placed.append((expert, self._place(key, protected, evicted, behind=True)))
         return placed, evicted
 
-    def observe(self, layer: int, experts: list[int], hits: list[bool],
-                place: bool = True) -> tuple[list[tuple[int, int]], list[ExpertKey]]:
-        """One zero-copy decode forward's routed experts of ``layer`` (distinct, in routing order),
-        as the kernel read them: ``hits[i]`` from a slot, else from host memory (``experts.slots``).
-        Counts them so, tells the policy, and makes the missed ones cached for the next steps:
-        those not cached since, as many as the slots outside this layer's routed experts allow (a
-        forward may route more experts than the cache holds: the rest keep being read from host
-        memory). A hit evicted since its step ran is not copied back until a step misses it, so
-        there is at most one copy per miss.
-        Returns what ``admit`` does; the caller fills the slots later (``DeviceSlots.fill_deferred``).
-        ``place=False`` (the read-through fill, whose kernels filled the slots they claimed:
-        ``claim``): only counts and tells the policy."""
-        self.policy.access([(layer, e) for e in experts])
-        for expert, hit in zip(experts, hits):
-            if hit:
-                self.counters.hits += 1
-                key = (layer, expert)
-                if key in self._prefetched:
-                    self._prefetched.discard(key)
-                    self.counters.prefetch_hits += 1
-            else:
-                self.counters.misses += 1
-        if not place:
-            return [], []
-        protected = {(layer, e) for e in experts}
-        room = self.num_slots - sum(1 for key in protected if key in self._slot_of)
-        missed = [e for e, hit in zip(experts, hits) if not hit and (layer, e) not in self._slot_of]
-        placed: list[tuple[int, int]] = []
-        evicted: list[ExpertKey] = []
-        admits = getattr(self.policy, "admits", None) if self._evicted else None
-        for expert in missed[: max(0, room)]:
-            if admits is not None and not admits((layer, expert), protected):
-                self.counters.not_admitted += 1  # still read from host memory; the victim stays
-                continue
-            placed.append((expert, self._place((layer, expert), protected, evicted)))
-        return placed, evicted
-
     def count_decode(self, keys: list[ExpertKey], hits: np.ndarray) -> None:
         """One zero-copy decode forward's distinct routed experts (``RoutedRecord.uses``: layer by
         layer) and whether the kernel read each from a slot: counted, and told to the policy in
@@ -206,38 +163,14 @@ class SlotTable:
             self._prefetched -= found
             self.counters.prefetch_hits += len(found)
 
-    def settle(self, layers: Iterable[tuple[int, list[int], list[bool]]]) -> tuple[list[tuple[int, int, int]], list[ExpertKey]]:
-        """One zero-copy decode forward's routed experts, ``(layer, experts, hits)`` per layer as
-        ``observe`` takes them: counted, and the misses given slots for the next steps. Returns the
-        fills ``(layer, expert, slot)`` to copy and the keys evicted (``DeviceSlots.fill_deferred``
-        takes both). Evicts ahead for the next forward's misses (``reserve``): as many slots as this
-        one filled, at most a ``RESERVE_DIVISOR``-th of the cache (a small cache could not spare more)."""
-        fills: dict[ExpertKey, tuple[int, int, int]] = {}
-        evicted: list[ExpertKey] = []
-        routed: set[ExpertKey] = set()
-        for layer, experts, hits in layers:
-            if not experts:
-                continue
-            routed.update((layer, e) for e in experts)
-            placed, gone = self.observe(layer, experts, hits)
-            for key in gone:  # a slot given earlier in this forward is handed on: that copy is not made
-                if fills.pop(key, None) is not None:
-                    self.counters.bytes_copied -= self.expert_bytes
-            evicted += gone
-            fills.update(((layer, e), (layer, e, slot)) for e, slot in placed)
-        evicted += self.reserve(min(len(fills), self.num_slots // RESERVE_DIVISOR), routed | fills.keys())
-        return list(fills.values()), evicted
-
     def reserve(self, count: int, protected: set[ExpertKey]) -> list[ExpertKey]:
         """Evict (outside ``protected``) until ``count`` slots are free, at most down to
-        ``protected``; returns the evicted keys. The zero-copy decode path evicts ahead so that the
-        next step's misses find slots no step in flight can still read (``experts.slots``)."""
+        ``protected``; returns the evicted keys (``lend`` evicts ahead so for the read-through fill)."""
         evicted: list[ExpertKey] = []
         held = sum(1 for key in protected if key in self._slot_of)  # never evicted: constant in the loop
         target = min(count, self.num_slots)
         while len(self._free) < target and len(self._slot_of) > held:
             victim = self.policy.evict(protected)
-            self._evicted = True
             self._free.append(self._slot_of.pop(victim))
             self._prefetched.discard(victim)
             evicted.append(victim)
@@ -296,7 +229,6 @@ class SlotTable:
             victim = self._behind_victim(key[0], protected) if behind else None
             if victim is None:
                 victim = self.policy.evict(protected)
-            self._evicted = True
             slot = self._slot_of.pop(victim)
             self._prefetched.discard(victim)
             evicted.append(victim)

@@ -14,16 +14,6 @@ docs/benchmarks.md, "Expert cache policies (issue 11)"):
   batch) approach the cache size and LRU evicts exactly what the next step needs, it keeps the
   experts routed step after step and gives up those routed once: 0% -> 52% hits at batch 16 with a
   quarter of Qwen3.6's experts resident, 23% fewer misses with half. The default (``DEFAULT_POLICY``).
-* ``lrfu-admit``: ``lrfu``'s eviction, and the zero-copy decode path copies a missed expert in only
-  if a longer-memory score (half-life 64 passes) ranks it above the victim it would displace
-  (frequency admission, TinyLFU). There a miss is read from host memory anyway, so a copy that is
-  evicted before its expert comes back only adds PCIe traffic. Replayed through the engine's own
-  bookkeeping, prefills included (``benchmarks/expert_offload_sim.py``, Qwen3.6 shape): where routing
-  has no token persistence (the bench's ``--routing fitted``) it gains hits and saves most copies
-  (half the experts resident: 79.3% hits instead of 75.2%, 25 copies a step instead of 77); on the
-  fitted trace it saves copies at half residency (8.5 a step instead of 10.9, 96.0% hits instead of
-  96.2%) but adapts slowly to a new request's experts in a small cache (a quarter resident: 82.3%
-  instead of 86.6%), so it is not the default.
 * ``arc``: adaptive replacement cache (Megiddo & Modha, FAST 2003), as Fate uses
   (https://arxiv.org/abs/2502.12224): recency and frequency lists balanced by ghost hits.
 """
@@ -245,44 +235,7 @@ class ARCPolicy:
                 ghost[key] = None
 
 
-class AdmittingLRFUPolicy(LRFUPolicy):
-    """LRFU eviction, and frequency admission for the zero-copy decode path (TinyLFU, Einziger et
-    al., ACM ToS 2017): there a missed expert is read from host memory whether or not it is copied
-    in, so a copy pays only if the expert comes back before it is evicted. ``admits`` copies a
-    missed expert in only when its long-run score (half-life ``admission_half_life`` forward passes)
-    beats that of the victim LRFU would evict for it; otherwise the cache keeps the victim and the
-    expert keeps being read from host memory. One access outweighs a 12-pass LRFU history, so the
-    eviction score alone admits nearly every miss: where routing has little token-to-token
-    persistence (a random router, biased or not) every copy then evicts an expert about as hot as the
-    one copied, doubling the PCIe traffic for no hits (``benchmarks/expert_offload_sim.py``). The
-    eager path (prefill) needs its experts in slots and admits them all."""
-
-    def __init__(self, half_life: float = 12.0, admission_half_life: float = 64.0) -> None:
-        super().__init__(half_life)
-        if not admission_half_life > 0:
-            raise ValueError(f"admission_half_life must be > 0 forward passes, got {admission_half_life}")
-        self._long_half_life = admission_half_life
-        self._long: dict[ExpertKey, float] = {}
-        self._long_base = 0
-
-    def access(self, keys: Sequence[ExpertKey]) -> None:
-        super().access(keys)
-        weight = 2.0 ** ((self._step - self._long_base) / self._long_half_life)
-        if weight > _REBASE_WEIGHT:
-            self._long = {key: value / weight for key, value in self._long.items()}
-            self._long_base, weight = self._step, 1.0
-        long = self._long
-        for key in keys:
-            long[key] = long.get(key, 0.0) + weight
-
-    def admits(self, key: ExpertKey, protected: Container[ExpertKey]) -> bool:
-        """Whether ``key``, missing, should take the slot of the expert ``evict`` would give up."""
-        victim = self.evict(protected)
-        self.insert(victim)  # back as it was: its score is kept
-        return self._long.get(key, 0.0) > self._long.get(victim, 0.0)
-
-
-POLICIES: dict[str, type] = {"lru": LRUPolicy, "lrfu": LRFUPolicy, "arc": ARCPolicy, "lrfu-admit": AdmittingLRFUPolicy}
+POLICIES: dict[str, type] = {"lru": LRUPolicy, "lrfu": LRFUPolicy, "arc": ARCPolicy}
 DEFAULT_POLICY = "lrfu"
 
 

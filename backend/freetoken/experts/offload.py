@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Protocol
@@ -102,7 +102,7 @@ class ExpertOffload:
         self.table: SlotTable | None = None
         self.slots: DeviceSlots | None = None
         self.log: RoutedLog | None = None  # the zero-copy decode forwards' routed ids
-        self.lender: SlotLender | None = None  # with the read-through fill (dense experts)
+        self.lender: SlotLender | None = None  # with the zero-copy decode (its read-through fill)
         # Distinct misses of the last settled decode forwards: how many slots to keep lent.
         self._demand: deque[int] = deque(maxlen=DEMAND_WINDOW)
         self.nvfp4 = False
@@ -187,7 +187,7 @@ class ExpertOffload:
         self.slots = DeviceSlots(blocks, num_slots, device, layout)
         if decode_tokens > 0 and all(layer.zero_copy_ready() for layer in self.layers):
             self.log = RoutedLog(len(self.layers), decode_tokens, self.layers[0].top_k, device, read_through=True)
-            self.lender = SlotLender(max(1, num_slots // RESERVE_DIVISOR), device)
+            self.lender = SlotLender(lender_capacity(num_slots), device)
         else:
             logger.info("moe_offload: no zero-copy decode (a layer's shared expert is stored unlike its "
                         "experts): every forward reads its routed ids on the host, without CUDA graphs")
@@ -226,10 +226,9 @@ class ExpertOffload:
         self.log.collect(num_tokens)
 
     def settle(self, wait: bool = False) -> None:
-        """Count the routed ids that reached the host and queue the copies of the experts they
-        missed (evictions unmapped now, new entries mapped by ``between_steps`` once copied). Runs
-        between steps: when a step is resolved, and before one is launched. ``wait``: also the
-        records still in flight."""
+        """Count the routed ids that reached the host and book the slots their kernels claimed
+        for their misses (the read-through fill). Runs between steps: when a step is resolved, and
+        before one is launched. ``wait``: also the records still in flight."""
         if self.log is None:
             return
         for record in self.log.ready(wait):
@@ -237,8 +236,7 @@ class ExpertOffload:
 
     def _settle(self, record: RoutedRecord) -> None:
         start = time.perf_counter()
-        table, slots = self._table(), self.slots
-        assert slots is not None
+        table = self._table()
         counters = table.counters
         hits_before, misses_before = counters.hits, counters.misses
         assert self.lender is not None  # the zero-copy decode always fills read-through
@@ -247,7 +245,6 @@ class ExpertOffload:
         self.lender.claimed(len(claims))
         for layer, expert, slot in claims:
             if table.claim((layer, expert), slot):
-                slots.adopt((layer, expert), slot)
                 counters.read_through_fills += 1
         self._demand.append(counters.misses - misses_before)
         counters.decode_forwards += 1
@@ -257,15 +254,11 @@ class ExpertOffload:
         counters.settle_seconds += time.perf_counter() - start
 
     def between_steps(self) -> None:
-        """Before a step is launched: settle what arrived, map the copies that are done."""
+        """Before a step is launched: settle what arrived, lend slots for the next misses."""
         if self.log is None:
             return
         self.settle()
-        assert self.slots is not None
         self._lend()
-        counters = self._table().counters
-        counters.fills_waited_on += self.slots.commit()
-        counters.copy_wait_seconds += self.slots.waited_seconds()
 
     def _lend(self) -> None:
         """Keep lent, for the next decode forwards' misses, twice the most distinct misses of the
@@ -273,7 +266,7 @@ class ExpertOffload:
         forwards miss nothing (a cache that holds what they route gives nothing up)."""
         if self.lender is None:
             return
-        want = min(self.lender.capacity, 2 * max(self._demand, default=0)) - self.lender.outstanding
+        want = slots_to_lend(self.lender.capacity, self._demand, self.lender.outstanding)
         if want <= 0:
             return
         lent, evicted = self._table().lend(want)
@@ -289,17 +282,10 @@ class ExpertOffload:
         self.settle(wait=True)
         self._table().give_back(self.lender.revoke())
 
-    def _read_map(self) -> None:
-        """Before the eager path reads or changes the map on the host: the deferred fills mapped
-        and the lent slots taken back."""
-        assert self.slots is not None
-        self._revoke()
-        self.slots.commit(wait=True)
-
     def begin(self, layer: int, experts: list[int]) -> list[list[int]]:
         """A layer's routed experts: their passes (``SlotTable.passes``), the first one's copies
         queued (the misses the stream did not bring in ahead)."""
-        self._read_map()
+        self._revoke()
         groups = self._table().passes(layer, experts)
         self.bring_in(layer, groups[0])
         return groups
@@ -320,7 +306,7 @@ class ExpertOffload:
         layers = self.ahead(-1)
         ids = [self.layers[layer].route(embeddings) for layer in layers]
         predicted = [list(p) for p in distinct_experts(ids, self.num_experts)]
-        self._read_map()
+        self._revoke()
         self.stream_ahead(0, predicted, [])
 
     def ahead(self, layer: int) -> range:
@@ -368,6 +354,18 @@ class ExpertOffload:
         if self.table is None:
             raise RuntimeError("the expert cache is used before ExpertOffload.allocate")
         return self.table
+
+
+def lender_capacity(num_slots: int) -> int:
+    """The most slots the read-through fill keeps lent in a cache of ``num_slots``."""
+    return max(1, num_slots // RESERVE_DIVISOR)
+
+
+def slots_to_lend(capacity: int, demand: Iterable[int], outstanding: int) -> int:
+    """How many more slots to lend before a decode forward (``ExpertOffload._lend``): twice the
+    most distinct misses of the last settled decode forwards (``demand``), at most ``capacity``
+    outstanding, less the ``outstanding`` ones (<= 0: none)."""
+    return min(capacity, 2 * max(demand, default=0)) - outstanding
 
 
 def distinct_experts(ids: list[torch.Tensor], num_experts: int) -> list[dict[int, int]]:
