@@ -37,9 +37,6 @@ def _count_replays(llm: LLM) -> list[int]:
     return replays
 
 
-@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
-@pytest.mark.parametrize("family", list(DEMO))
-
 def _captured_then_lent(forward, fills: torch.Tensor, slot_map: torch.Tensor, lend: torch.Tensor, lent: int):
     """The read-through fill tests' graph: ``forward`` run once (compiles; nothing lent, so no
     claims), captured, then ``lent`` slots lent for the replays. Returns the graph and its output."""
@@ -60,6 +57,9 @@ def _random_nvfp4(gen: torch.Generator, *shape: int) -> list[torch.Tensor]:
     row_scales = torch.rand(*lead, rows, generator=gen) * 2**-6 * cols**-0.5 + 1e-4
     return [packed, scales.view(torch.float8_e4m3fn), row_scales]
 
+
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+@pytest.mark.parametrize("family", list(DEMO))
 def test_offloaded_float32_greedy_equals_transformers_on_cuda(family, eager):
     case = DEMO[family]
     llm = LLM(model=str(checkpoint(case)), dtype="float32", device="cuda", max_prefill_length=16,
