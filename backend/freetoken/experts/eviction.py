@@ -5,7 +5,8 @@ The expert cache keeps one policy for all layers; it tells the policy every rout
 ``protected`` are the experts the layer being computed needs: they must stay until it ran.
 
 Policies (``POLICIES``; measured on a routing trace fitted to Qwen3 MoE statistics in
-docs/benchmarks.md, "Expert cache policies (issue 11)"):
+docs/benchmarks.md, "Expert cache policies (issue 11)": ``benchmarks/expert_cache.py``, a replay
+that fills every miss at once, layer by layer, not ``bench/offload_sim.py``'s read-through decode):
 
 * ``lru``: least recently used, the baseline.
 * ``lrfu``: least recently/frequently used (Lee et al., IEEE Trans. Computers 2001): each access
