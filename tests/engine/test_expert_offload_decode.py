@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from freetoken import LLM, kernels
-from freetoken.experts.cache import SlotTable
+from freetoken.experts.cache import RESERVE_DIVISOR, SlotTable
 from freetoken.experts.decode_log import RoutedRecord
 from freetoken.experts.eviction import LRUPolicy
 from freetoken.layers.moe import SparseMoE
@@ -36,14 +36,14 @@ def test_zero_copy_decode_greedy_equals_transformers(monkeypatch, family, padded
     offload = engine.offload
     assert offload.zero_copy
     reserved: list[int] = []
-    reserve = offload.table.reserve
+    lend = offload.table.lend
 
-    def counted_reserve(count, protected):
-        evicted = reserve(count, protected)
+    def counted_lend(count):
+        slots, evicted = lend(count)
         reserved.append(len(evicted))
-        return evicted
+        return slots, evicted
 
-    monkeypatch.setattr(offload.table, "reserve", counted_reserve)
+    monkeypatch.setattr(offload.table, "lend", counted_lend)
     copies: list[int] = []  # experts copied into slots (the eager path's: the read-through fill copies none)
     fill = offload.slots.fill
 
@@ -101,14 +101,16 @@ def test_zero_copy_decode_greedy_equals_transformers(monkeypatch, family, padded
     check_slot_map_invariant(offload)
 
 
-def test_reserve_evicts_ahead_outside_the_protected_and_hands_out_the_oldest_free_first():
-    table = SlotTable(4, LRUPolicy(), expert_bytes=10)
-    table.admit(0, [0, 1, 2, 3])
-    assert table.reserve(2, {(0, 3)}) == [(0, 0), (0, 1)]  # least recently used first
-    assert table.reserve(2, {(0, 3)}) == []  # two free already
-    assert table.reserve(4, {(0, 2), (0, 3)}) == []  # nothing evictable outside the protected
+def test_lend_evicts_ahead_least_recently_used_and_hands_out_the_oldest_free_first():
+    table = SlotTable(RESERVE_DIVISOR, LRUPolicy(), expert_bytes=10)
+    table.admit(0, list(range(RESERVE_DIVISOR)))  # full
+    slots, evicted = table.lend(2)
+    assert slots == [0, 1] and evicted == [(0, 0), (0, 1)]  # least recently used first
+    table.give_back(slots)
+    assert table.lend(2) == ([0, 1], [])  # two free already
+    table.give_back([0, 1])
     placed, evicted = table.admit(1, [7, 8, 9])
-    assert placed == [(7, 0), (8, 1), (9, 2)] and evicted == [(0, 2)]  # the reserve's slots, then a victim's
+    assert placed == [(7, 0), (8, 1), (9, 2)] and evicted == [(0, 2)]  # the lent-back slots, then a victim's
 
 
 def test_routed_record_decodes_hits_and_misses_of_the_real_tokens():
@@ -135,4 +137,5 @@ def test_count_decode_counts_the_forward_and_its_prefetch_hits_as_one_access():
     table.count_decode([(0, 1), (0, 3), (1, 2)], np.array([True, False, True]))
     c = table.counters
     assert (c.hits, c.misses, c.prefetch_hits) == (2, 1, 1) and not table._prefetched
-    assert table.reserve(1, set()) == [(0, 1)]  # the forward's uses in layer order: layer 0's is oldest
+    assert table.lend(1) == ([], [])  # under RESERVE_DIVISOR slots only free slots are lent
+    assert table.policy.evict(()) == (0, 1)  # the forward's uses in layer order: layer 0's is oldest

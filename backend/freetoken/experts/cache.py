@@ -63,7 +63,7 @@ class SlotTable:
         self.policy = policy
         self.counters = CacheCounters()
         self._slot_of: dict[ExpertKey, int] = {}
-        # Oldest first: a slot evicted ahead (``reserve``) is handed out after those freed before it.
+        # Oldest first: a slot evicted ahead (``lend``) is handed out after those freed before it.
         self._free = deque(range(num_slots))
         self._prefetched: set[ExpertKey] = set()  # copied ahead of their layer, not used since
         # The eager forward in progress (``passed``): its layers run so far, their routed share,
@@ -163,14 +163,13 @@ class SlotTable:
             self._prefetched -= found
             self.counters.prefetch_hits += len(found)
 
-    def reserve(self, count: int, protected: set[ExpertKey]) -> list[ExpertKey]:
-        """Evict (outside ``protected``) until ``count`` slots are free, at most down to
-        ``protected``; returns the evicted keys (``lend`` evicts ahead so for the read-through fill)."""
+    def _evict_ahead(self, count: int) -> list[ExpertKey]:
+        """Evict by the policy until ``count`` slots are free (at most every slot); returns the
+        evicted keys."""
         evicted: list[ExpertKey] = []
-        held = sum(1 for key in protected if key in self._slot_of)  # never evicted: constant in the loop
         target = min(count, self.num_slots)
-        while len(self._free) < target and len(self._slot_of) > held:
-            victim = self.policy.evict(protected)
+        while len(self._free) < target and self._slot_of:
+            victim = self.policy.evict(())
             self._free.append(self._slot_of.pop(victim))
             self._prefetched.discard(victim)
             evicted.append(victim)
@@ -182,7 +181,7 @@ class SlotTable:
         one: there only free slots are lent): they leave the free list until ``claim`` or
         ``give_back``. Returns the slots and the keys evicted (the caller unmaps them before any
         forward claims a slot)."""
-        evicted = self.reserve(count, set()) if self.num_slots >= RESERVE_DIVISOR else []
+        evicted = self._evict_ahead(count) if self.num_slots >= RESERVE_DIVISOR else []
         slots = [self._free.popleft() for _ in range(min(count, len(self._free)))]
         return slots, evicted
 
