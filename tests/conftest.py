@@ -24,3 +24,21 @@ def _unfreeze_garbage_collector():
     reference cycles are never collected. Unfrozen after each test, they can be."""
     yield
     gc.unfreeze()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test argument that names no fixture and no ``parametrize`` argument (say, the decorators
+    left on a helper put between them and the test) fails only at the test's setup, which a GPU
+    test reaches only on the GPU: refuse the run at collection instead, on every machine."""
+    unresolved = []
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        if info is None:
+            continue
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        missing = [name for name in info.argnames if name not in info.name2fixturedefs and name not in params]
+        if missing:
+            unresolved.append(f"{item.nodeid}: {', '.join(missing)}")
+    if unresolved:
+        raise pytest.UsageError("test arguments with no fixture or parametrize: " + "; ".join(unresolved))
