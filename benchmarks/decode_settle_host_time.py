@@ -18,9 +18,6 @@ host ms/step"; this measures it, and the lending beside it, without a GPU.
 from __future__ import annotations
 
 import argparse
-import functools
-import time
-from collections import defaultdict
 
 import numpy as np
 import torch
@@ -28,6 +25,7 @@ import torch
 from freetoken.bench.routing_trace import generate_trace
 from freetoken.experts.offload import ExpertOffload
 from freetoken.experts.store import OffloadedExperts
+from offload_prefill_host_time import Timer
 
 LAYERS, EXPERTS, TOP_K = 40, 256, 8
 INTERMEDIATE, HIDDEN = 2, 4  # shrunk: no copy is made on this path, the weights are never read
@@ -69,28 +67,18 @@ def forward(offload: ExpertOffload, routed: np.ndarray) -> None:
 def run(slots: int, steps: int, warmup: int) -> dict[str, float]:
     offload = build(slots)
     trace = generate_trace(LAYERS, EXPERTS, TOP_K, warmup + steps)[:, 0]
-    seconds: dict[str, float] = defaultdict(float)
+    timer = Timer()  # offload_prefill_host_time's: each call of a wrapped method timed under a part
     for name in PARTS:
-        inner = getattr(offload, name)
-
-        @functools.wraps(inner)
-        def timed(*args, inner=inner, name=name, **kwargs):
-            start = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                seconds[name] += time.perf_counter() - start
-
-        setattr(offload, name, timed)
+        timer.wrap(offload, name, name)
     for step, routed in enumerate(trace):
         if step == warmup:
-            seconds.clear()
+            timer.seconds.clear()
         offload.between_steps()
         forward(offload, routed)
         offload.collect(1)
         offload.settle()
     counters = offload.counters
-    result = {f"{name}_ms": seconds[name] * 1e3 / steps for name in PARTS}
+    result = {f"{name}_ms": timer.seconds[name] * 1e3 / steps for name in PARTS}
     result["total_ms"] = sum(result.values())
     result["hit_rate"] = counters.decode_hits / max(counters.decode_hits + counters.decode_misses, 1)
     result["fills_per_step"] = counters.read_through_fills / (warmup + steps)
