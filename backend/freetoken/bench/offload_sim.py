@@ -156,19 +156,10 @@ class OffloadReplay:
 
     def _settle(self, record: _Record) -> None:
         """A decode step's record, as ``ExpertOffload._settle`` books it."""
-        table = self.table
-        counters = table.counters
-        hits_before, misses_before = counters.hits, counters.misses
         keys = [(layer, e) for layer, (experts, _) in enumerate(record.layers) for e in experts]
-        table.count_decode(keys, np.array([hit for _, hits in record.layers for hit in hits], dtype=bool))
+        hits = np.array([hit for _, hits in record.layers for hit in hits], dtype=bool)
         self.lender.claimed(len(record.claims))
-        for key, slot in record.claims:
-            if table.claim(key, slot):
-                counters.read_through_fills += 1
-        self._demand.append(counters.misses - misses_before)
-        counters.decode_forwards += 1
-        counters.decode_hits += counters.hits - hits_before
-        counters.decode_misses += counters.misses - misses_before
+        self._demand.append(self.table.settle_decode(keys, hits, record.claims))
 
     def _revoke(self) -> None:
         """Before an eager forward (``ExpertOffload._revoke``): every record settled, and the slots

@@ -11,6 +11,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -162,6 +163,22 @@ class SlotTable:
             found = self._prefetched.intersection(itertools.compress(keys, hits.tolist()))
             self._prefetched -= found
             self.counters.prefetch_hits += len(found)
+
+    def settle_decode(self, keys: list[ExpertKey], hits: np.ndarray,
+                      claims: Iterable[tuple[ExpertKey, int]]) -> int:
+        """One zero-copy decode forward settled: its uses counted and told to the policy
+        (``count_decode``), the slots its misses claimed booked (``claim``), and the ``decode_*``
+        counters. Returns its misses (distinct routed experts read from host memory)."""
+        counters = self.counters
+        hits_before, misses_before = counters.hits, counters.misses
+        self.count_decode(keys, hits)
+        for key, slot in claims:
+            if self.claim(key, slot):
+                counters.read_through_fills += 1
+        counters.decode_forwards += 1
+        counters.decode_hits += counters.hits - hits_before
+        counters.decode_misses += counters.misses - misses_before
+        return counters.misses - misses_before
 
     def _evict_ahead(self, count: int) -> list[ExpertKey]:
         """Evict by the policy until ``count`` slots are free (at most every slot); returns the

@@ -237,21 +237,13 @@ class ExpertOffload:
     def _settle(self, record: RoutedRecord) -> None:
         start = time.perf_counter()
         table = self._table()
-        counters = table.counters
-        hits_before, misses_before = counters.hits, counters.misses
         assert self.lender is not None  # the zero-copy decode always fills read-through
-        table.count_decode(*record.uses())
         claims = record.claims()
         self.lender.claimed(len(claims))
-        for layer, expert, slot in claims:
-            if table.claim((layer, expert), slot):
-                counters.read_through_fills += 1
-        self._demand.append(counters.misses - misses_before)
-        counters.decode_forwards += 1
-        counters.decode_hits += counters.hits - hits_before
-        counters.decode_misses += counters.misses - misses_before
-        counters.zero_copy_bytes += record.missed_pairs() * table.expert_bytes
-        counters.settle_seconds += time.perf_counter() - start
+        misses = table.settle_decode(*record.uses(), (((layer, expert), slot) for layer, expert, slot in claims))
+        self._demand.append(misses)
+        table.counters.zero_copy_bytes += record.missed_pairs() * table.expert_bytes
+        table.counters.settle_seconds += time.perf_counter() - start
 
     def between_steps(self) -> None:
         """Before a step is launched: settle what arrived, lend slots for the next misses."""
