@@ -4,7 +4,6 @@ is ``--max-prefill-length``); the help text lives beside the field."""
 from __future__ import annotations
 
 import dataclasses
-import typing
 from dataclasses import dataclass
 from typing import Literal
 
@@ -14,7 +13,6 @@ DType = Literal["auto", "bfloat16", "float16", "float32"]
 Device = Literal["auto", "cuda", "cpu"]
 KernelBackendName = Literal["auto", "torch", "triton"]
 LoadFormat = Literal["auto", "dummy"]
-StreamOrder = Literal["auto", "before", "after"]
 
 
 @dataclass
@@ -64,12 +62,6 @@ class EngineConfig:
         1, "with moe_offload and expert_prefill_stream: how many layers ahead a prompt chunk's experts are "
         "streamed in; at each layer's routing the routers of the next N layers pick from its input (N > 1 keeps "
         "that many layers' copies queued; the cache needs room for them)"
-    )
-    prefill_stream_order: StreamOrder = option(
-        "auto", "with moe_offload and expert_prefill_stream: when a layer's routing sync queues the next layer's "
-        "streamed copies: before the layer's experts launch (keeps the copy stream fed where the copies bound the "
-        "chunk) or after it (the experts start sooner where the compute does); auto: after for NVFP4 experts, "
-        "before for dense ones"
     )
     expert_prefetch: bool = option(
         False, "with moe_offload: every eager forward (decode batches over 8 too) streams the next layer's "
@@ -133,9 +125,6 @@ class EngineConfig:
             raise ValueError(f"expert_cache_slots must be >= 1, got {self.expert_cache_slots}")
         if self.prefill_stream_depth < 1:
             raise ValueError(f"prefill_stream_depth must be >= 1, got {self.prefill_stream_depth}")
-        if self.prefill_stream_order not in typing.get_args(StreamOrder):
-            raise ValueError(f"prefill_stream_order must be one of {', '.join(typing.get_args(StreamOrder))}, "
-                             f"got {self.prefill_stream_order!r}")
         from freetoken.experts.eviction import POLICIES
 
         if self.expert_cache_policy not in POLICIES:

@@ -47,9 +47,9 @@ def test_zero_copy_decode_greedy_equals_transformers(monkeypatch, family, padded
     copies: list[int] = []  # experts copied into slots (the eager path's: the read-through fill copies none)
     fill = offload.slots.fill
 
-    def counted_fill(layer, placed, evicted, ahead=False, after=None):
+    def counted_fill(layer, placed, evicted, ahead=False):
         copies.append(len(placed))
-        fill(layer, placed, evicted, ahead, after)
+        fill(layer, placed, evicted, ahead)
 
     monkeypatch.setattr(offload.slots, "fill", counted_fill)
     runner = with_padded_decode(llm, 8) if padded else None

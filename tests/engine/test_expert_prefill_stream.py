@@ -4,11 +4,10 @@ token embeddings at the chunk's start (``experts.offload``). The demo prompts ar
 chunk threshold is lowered to stream their 16-token chunks (decode forwards never stream). On the
 CPU there is no copy stream: the copies are plain copies in the same order, and nothing is timed.
 Checked: float32 greedy tokens equal transformers' with the stream on, one, two and three layers
-deep, queued before or after the layer's experts launch, with a cache far smaller than one layer's
-experts and with room for it, batched, chunked and preempted, for both families and for NVFP4
-experts; the stream's counters and order (at every depth, the copies queued before the launch, or
-after it); which order each format takes; a deeper stream never taking a nearer pending layer's
-slots; the slot map's invariant after it."""
+deep, with a cache far smaller than one layer's experts and with room for it, batched, chunked and
+preempted, for both families; the stream's counters and order (at every depth, all copies queued
+before the launch); a deeper stream never taking a nearer pending layer's slots; the slot map's
+invariant after it."""
 
 from __future__ import annotations
 
@@ -44,25 +43,20 @@ def _record_streams(offload: ExpertOffload, monkeypatch) -> list[tuple[list[int]
     calls: list[tuple[list[int], list[int]]] = []
     original = offload.stream_ahead
 
-    def stream_ahead(first: int, predicted: list[list[int]], running: list[int], after=None) -> None:
+    def stream_ahead(first: int, predicted: list[list[int]], running: list[int]) -> None:
         calls.append((list(range(first, first + len(predicted))), list(running)))
-        original(first, predicted, running, after)
+        original(first, predicted, running)
 
     monkeypatch.setattr(offload, "stream_ahead", stream_ahead)
     return calls
 
 
-ORDERS = ["before", "after"]
-
-
-@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("depth", [1, 2, 3], ids=lambda d: f"depth{d}")
 @pytest.mark.parametrize("cache", list(CACHES), ids=str)
 @pytest.mark.parametrize("family", list(DEMO), ids=str)
-def test_streamed_prefill_greedy_equals_transformers(short_chunks_stream, monkeypatch, family, cache, depth, order):
-    llm = _llm(family, CACHES[cache][family], prefill_stream_depth=depth, prefill_stream_order=order)
+def test_streamed_prefill_greedy_equals_transformers(short_chunks_stream, monkeypatch, family, cache, depth):
+    llm = _llm(family, CACHES[cache][family], prefill_stream_depth=depth)
     offload = llm.runtime.engine.offload
-    assert offload.stream_after_launch == (order == "after")
     calls = _record_streams(offload, monkeypatch)
     prompts = batch_prompts(DEMO[family])[:4]
     assert max(map(len, prompts)) > CHUNK  # chunked
@@ -109,40 +103,6 @@ def test_stream_off_copies_on_demand_only(short_chunks_stream):
     assert_greedy_batch(llm, DEMO["qwen3_5_moe"], batch_prompts(DEMO["qwen3_5_moe"])[:2])
     stats = llm.runtime.stats().expert_cache
     assert stats.prefetched == stats.prefetch_hits == 0 and stats.misses > 0
-
-
-def test_nvfp4_experts_stream_after_the_launch_and_equal_transformers(short_chunks_stream, monkeypatch):
-    """NVFP4 experts (compressed-tensors, packed in host memory and in the slots) stream their
-    next layer's experts after the layer's launch by default (``prefill_stream_order`` auto): tokens
-    equal transformers' on the dequantized weights, every layer streamed into, the map invariant held."""
-    from nvfp4_checkpoints import case
-
-    quantized, dequantized = case("qwen3_5_moe", "compressed-tensors")
-    llm = LLM(model=str(quantized), dtype="float32", device="cpu", max_prefill_length=CHUNK, page_size=PAGE_SIZE,
-              moe_offload=True, expert_cache_slots=CACHES["room"]["qwen3_5_moe"])
-    offload = llm.runtime.engine.offload
-    assert offload.nvfp4 and offload.stream_after_launch
-    calls = _record_streams(offload, monkeypatch)
-    prompts = batch_prompts(DEMO["qwen3_5_moe"])[:3]
-    assert max(map(len, prompts)) > CHUNK
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=8))
-    for prompt, output in zip(prompts, outputs):
-        assert output.token_ids == reference_greedy(dequantized, prompt, 8)
-    assert {layer for streamed, _ in calls for layer in streamed} == set(range(len(offload.layers)))
-    stats = llm.runtime.stats().expert_cache
-    assert 0 < stats.prefetch_hits <= stats.prefetched
-    check_slot_map_invariant(offload)
-
-
-def test_stream_order_follows_the_experts_format_unless_set():
-    dense = _llm("qwen3_5_moe", CACHES["room"]["qwen3_5_moe"]).runtime.engine.offload
-    assert not dense.nvfp4 and not dense.stream_after_launch  # auto: dense copies bound the chunk
-    forced = _llm("qwen3_5_moe", CACHES["room"]["qwen3_5_moe"], prefill_stream_order="after").runtime.engine.offload
-    assert forced.stream_after_launch
-    with pytest.raises(ValueError, match="prefill_stream_order must be one of auto, before, after, got 'late'"):
-        _llm("qwen3_5_moe", CACHES["room"]["qwen3_5_moe"], prefill_stream_order="late")
-    with pytest.raises(ValueError, match="prefill_stream_order must be one of auto, before, after, got 'x'"):
-        ExpertOffload("lru", pin=False, stream_order="x")
 
 
 def test_stream_depth_is_checked():
@@ -214,26 +174,21 @@ def test_distinct_experts_counts_on_the_device_most_routed_first():
     assert [list(d) for d in distinct] == [[3, 1, 0], [0, 2]]  # most routed first, ties by id
 
 
-@pytest.mark.parametrize("order", ORDERS)
-def test_stream_ahead_is_queued_before_or_after_the_layers_experts_launch_and_passed_after(
-    short_chunks_stream, monkeypatch, order
-):
-    """At a layer's routing the host queues the layer's misses (``begin``), then (order ``before``)
-    the next layer's stream, before launching anything; ``passed`` follows the experts kernel's
-    launch, once. In order ``after`` the stream follows the launch, before ``passed`` (whose
-    victims then never include the running layer's experts the stream protects), its copies
-    waiting for the routing sync's event (on the CPU: none), not for the experts kernel."""
+def test_stream_ahead_is_queued_before_the_layers_experts_launch_and_passed_after(short_chunks_stream, monkeypatch):
+    """At a layer's routing the host queues every copy it knows of before launching anything: the
+    layer's misses (``begin``), then the next layer's stream; only ``passed`` follows the experts
+    kernel's launch, once (a copy queued after the launch would wait for that kernel)."""
     from freetoken import kernels
 
-    llm = _llm("qwen3_5_moe", CACHES["room"]["qwen3_5_moe"], prefill_stream_order=order)
+    llm = _llm("qwen3_5_moe", CACHES["room"]["qwen3_5_moe"])
     offload = llm.runtime.engine.offload
     events: list[tuple[str, int]] = []
     for name in ("begin", "stream_ahead", "passed"):
         original = getattr(offload, name)
 
-        def recorded(layer, *args, _name=name, _original=original, **kwargs):
+        def recorded(layer, *args, _name=name, _original=original):
             events.append((_name, layer))
-            return _original(layer, *args, **kwargs)
+            return _original(layer, *args)
 
         monkeypatch.setattr(offload, name, recorded)
     fused = kernels.fused_experts
@@ -248,10 +203,9 @@ def test_stream_ahead_is_queued_before_or_after_the_layers_experts_launch_and_pa
     layers = len(offload.layers)
     expected = [("stream_ahead", 0)]
     for layer in range(layers):
-        stream = [("stream_ahead", layer + 1)] if layer + 1 < layers else []
-        launch = [("launch", -1)]
-        expected += [("begin", layer)] + (stream + launch if order == "before" else launch + stream)
-        expected += [("passed", layer)]
+        expected += [("begin", layer)]
+        expected += [("stream_ahead", layer + 1)] if layer + 1 < layers else []
+        expected += [("launch", -1), ("passed", layer)]
     assert events[start : start + len(expected)] == expected
 
 
@@ -262,7 +216,7 @@ def test_a_deeper_stream_queues_every_layer_ahead_before_the_launch(short_chunks
     the experts kernel's launch; the chunk's start queues its first D layers."""
     from freetoken import kernels
 
-    llm = _llm("qwen3_5_moe", CACHES["room"]["qwen3_5_moe"], prefill_stream_depth=depth, prefill_stream_order="before")
+    llm = _llm("qwen3_5_moe", CACHES["room"]["qwen3_5_moe"], prefill_stream_depth=depth)
     offload = llm.runtime.engine.offload
     events: list[tuple[str, int]] = []
     begin, fill = offload.begin, offload.slots.fill
@@ -271,10 +225,10 @@ def test_a_deeper_stream_queues_every_layer_ahead_before_the_launch(short_chunks
         events.append(("begin", layer))
         return begin(layer, experts)
 
-    def recorded_fill(layer, placed, evicted, ahead=False, after=None):
+    def recorded_fill(layer, placed, evicted, ahead=False):
         if ahead:
             events.append(("ahead", layer))
-        return fill(layer, placed, evicted, ahead, after)
+        return fill(layer, placed, evicted, ahead)
 
     monkeypatch.setattr(offload, "begin", recorded_begin)
     monkeypatch.setattr(offload.slots, "fill", recorded_fill)

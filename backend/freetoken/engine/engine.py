@@ -65,7 +65,6 @@ class Engine:
             self.offload = ExpertOffload(
                 config.expert_cache_policy, pin=self.device.type == "cuda", prefetch=config.expert_prefetch,
                 prefill_stream=config.expert_prefill_stream, stream_depth=config.prefill_stream_depth,
-                stream_order=config.prefill_stream_order,
             )
         if config.load_format == "dummy":
             self.loaded: LoadedModel = load_random_model(model_dir, config.dtype, self.device, config.seed, self.offload)

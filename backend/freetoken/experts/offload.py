@@ -19,9 +19,7 @@ also stream the next layer's experts in while a layer computes: at each layer's 
 applies the next layer's router to this layer's MoE input and queues the copies of what it picks
 (``stream_ahead``), behind this layer's own remaining misses, so the copy stream always holds the
 next layer's work; the first layer's are queued at the forward's start from the token embeddings
-(``start_forward``). Where the copies bound the chunk (dense experts) that stream is queued before
-the layer's experts launch; where the compute does (NVFP4 experts, 3.5x fewer bytes) after it, so
-the launch waits only for the layer's own misses (``stream_after_launch``). With ``stream_depth`` D > 1 each routing also applies the routers of the D - 1
+(``start_forward``). With ``stream_depth`` D > 1 each routing also applies the routers of the D - 1
 layers after the next one to the same input and queues their picks behind (refining, for the
 nearer ones, what an earlier routing streamed), so the copy stream holds D layers' work while the
 host launches a layer. They go into cache slots, so the chunk's experts stay cached for its decode;
@@ -86,27 +84,20 @@ class HostExperts(Protocol):
 
 class ExpertOffload:
     def __init__(self, policy: str, pin: bool, prefetch: bool = False, prefill_stream: bool = True,
-                 stream_depth: int = 1, stream_order: str = "auto") -> None:
+                 stream_depth: int = 1) -> None:
         """``pin``: keep the host weights in page-locked memory (CUDA: asynchronous copies at full
         PCIe speed, 55 GB/s pinned against 20 GB/s pageable on the H200). ``prefill_stream``: eager
         forwards of at least ``STREAM_MIN_TOKENS`` tokens copy in the experts the next layer's
         router picks for this layer's input while this layer computes, the first layer's from the
         token embeddings at the forward's start (``streams``); ``prefetch``: every eager forward.
-        ``stream_depth``: how many layers ahead a streaming forward copies (``ahead``).
-        ``stream_order``: ``before`` or ``after`` the layer's experts launch the stream is queued, or
-        ``auto`` (``allocate`` picks by the experts' format: ``stream_after_launch``)."""
+        ``stream_depth``: how many layers ahead a streaming forward copies (``ahead``)."""
         if stream_depth < 1:
             raise ValueError(f"prefill_stream_depth must be >= 1, got {stream_depth}")
-        if stream_order not in ("auto", "before", "after"):
-            raise ValueError(f"prefill_stream_order must be one of auto, before, after, got {stream_order!r}")
         self.policy = policy
         self.pin = pin
         self.prefetch = prefetch
         self.prefill_stream = prefill_stream
         self.stream_depth = stream_depth
-        self.stream_order = stream_order
-        # Set by ``allocate``: a routing queues the next layers' stream after the experts launch.
-        self.stream_after_launch = stream_order == "after"
         self.layers: list[HostExperts] = []
         self.table: SlotTable | None = None
         self.slots: DeviceSlots | None = None
@@ -136,16 +127,6 @@ class ExpertOffload:
         """The host read ``layer``'s routed ids (the timeline's routing point)."""
         if self.timeline is not None:
             self.timeline.routed(layer, torch.cuda.current_stream(self.slots.device))
-
-    def routing_synced(self) -> torch.cuda.Event | None:
-        """At a layer's routing sync: an event on the compute stream after the work the host just
-        waited for (a stream queued after the launch waits for it, not for the experts kernel), or
-        None on the CPU."""
-        if self.slots is None or self.slots.copy_stream is None:
-            return None
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.slots.device))
-        return event
 
     def mark_computed(self, layer: int) -> None:
         """``layer``'s experts are queued (the timeline's end of the layer's experts)."""
@@ -182,11 +163,6 @@ class ExpertOffload:
         if len(kinds) != 1:
             raise ValueError("moe_offload: every layer's experts must be stored alike (all NVFP4 or all dense)")
         self.nvfp4 = kinds.pop()
-        # On the H200's 8k chunk the dense experts' copies bound it (the copy stream 97% busy):
-        # queued after the launch, the next layer's started 1.5-2 ms later and it lost. NVFP4 copies
-        # keep the copy stream 27% busy, and the host's stream bookkeeping before the launch is GPU
-        # idle time (docs/architecture.md, "What the host queues at a layer's routing sync").
-        self.stream_after_launch = self.stream_order == "after" or (self.stream_order == "auto" and self.nvfp4)
         if self.nvfp4:
             unspanned = [index for index, layer in enumerate(self.layers) if layer.host_span() is None]
             if unspanned:
@@ -330,24 +306,20 @@ class ExpertOffload:
         the next ``stream_depth`` ones that exist."""
         return range(layer + 1, min(layer + 1 + self.stream_depth, len(self.layers)))
 
-    def stream_ahead(self, first: int, predicted: list[list[int]], running: list[int],
-                     after: torch.cuda.Event | None = None) -> None:
+    def stream_ahead(self, first: int, predicted: list[list[int]], running: list[int]) -> None:
         """Queue the copies of the experts predicted for layers ``first``, ``first + 1``, ...
         (``predicted[i]`` for ``first + i``, most wanted first) that are not cached, nearest layer
         first (the copy stream runs them in order). Each layer's go into the slots left by the
         layer being computed (``running``, of ``first - 1``), its own predicted experts and every
         expert of the layers between (pending: queued or streamed ahead, not yet run), so a copy
         for a farther layer never overwrites a slot a nearer one still needs. Each layer's experts
-        kernel waits for its own copies (``DeviceSlots.wait``), not for the others queued.
-        ``after``: the copies wait for this compute-stream event (``routing_synced``) instead of
-        the compute stream as it is now: queued after the running layer's launch, they need not
-        wait for that kernel, which reads none of their slots."""
+        kernel waits for its own copies (``DeviceSlots.wait``), not for the others queued."""
         table = self._table()
         assert self.slots is not None
         keep = {(first - 1, e) for e in running}
         for layer, experts in enumerate(predicted, start=first):
             placed, evicted = table.prefetch(layer, experts, keep)
-            self.slots.fill(layer, placed, evicted, ahead=True, after=after)
+            self.slots.fill(layer, placed, evicted, ahead=True)
             keep |= {(layer, e) for e in range(self.num_experts)}
 
     def passed(self, layer: int, counts: dict[int, int]) -> None:

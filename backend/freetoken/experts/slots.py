@@ -42,12 +42,8 @@ The eager path keeps the invariant for every kernel that can observe the map: it
 s`` lands before the copy is done, but the only kernels queued between that write and ``wait``
 are the layer's shared expert and prefetch bookkeeping, which do not read slots, and, for the next
 layer's streamed experts (queued at this layer's routing, before its launch), this layer's experts,
-which read only this layer's map entries and slots (never a victim of the stream: ``running``).
-Where the stream is queued after this layer's launch (``ExpertOffload.stream_after_launch``), its
-copies wait for the routing sync's event, not for that kernel, so they may overwrite a victim's
-slot while the kernel runs and before the victim's -1 lands (queued after the kernel): the kernel
-reads neither that entry nor that slot (a victim is never a running expert), and no other kernel
-runs in between. A layer streamed further ahead (``ExpertOffload.stream_depth`` > 1: at layer ``L``'s routing, layers
+which read only this layer's map entries and slots (never a victim of the stream: ``running``). A
+layer streamed further ahead (``ExpertOffload.stream_depth`` > 1: at layer ``L``'s routing, layers
 up to ``L + D``) has, queued between its map write and its wait, the layers in between too: each
 reads only its own entries and slots, and none of those is a victim of the farther layer's copies
 (``stream_ahead`` protects every expert of the pending layers nearer than the one it streams). The
@@ -106,21 +102,15 @@ class DeviceSlots:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self._blocks)
 
-    def fill(self, layer: int, placed: list[tuple[int, int]], evicted: list[ExpertKey], ahead: bool = False,
-             after: torch.cuda.Event | None = None) -> None:
+    def fill(self, layer: int, placed: list[tuple[int, int]], evicted: list[ExpertKey], ahead: bool = False) -> None:
         """Copy ``layer``'s experts into their slots (``placed``: (expert, slot)) and update the map.
-        ``ahead``: a prefetch for a later layer, which only that layer's ``wait`` waits for.
-        ``after``: the copies wait for this compute-stream event, not for all the compute stream
-        has queued (the caller knows the kernels queued since read none of the victims' slots)."""
+        ``ahead``: a prefetch for a later layer, which only that layer's ``wait`` waits for."""
         if not placed:
             return
         if self._stream is None:
             self._copy([(layer, expert, slot) for expert, slot in placed])
         else:
-            if after is None:
-                self._stream.wait_stream(torch.cuda.current_stream(self.device))
-            else:
-                self._stream.wait_event(after)
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream):
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(self._stream)  # once the copies queued before are done: this batch alone

@@ -18,7 +18,7 @@ those copies), ``compute(x, topk_weights, routing)``. A decode forward of an off
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -49,10 +49,6 @@ class _Passes:
     topk_ids: torch.Tensor
     groups: list[list[int]]  # the routed experts, per pass; the first one is being copied in
     routed: dict[int, int]  # expert -> tokens routed to it (``distinct_experts``)
-    # The next layers' predicted experts, streamed once the layer's experts launch
-    # (``ExpertOffload.stream_after_launch``), and the routing sync's event their copies wait for.
-    stream: list[list[int]] = field(default_factory=list)
-    synced: torch.cuda.Event | None = None
 
 
 def _host_param(*shape: int, pin: bool) -> nn.Parameter:
@@ -164,10 +160,7 @@ class OffloadedExperts(nn.Module):
         # would wait for that kernel, which reads none of its slots: the copy stream sat idle
         # while the layer's experts ran). The layer's launch itself waits for its own copies
         # anyway, so queuing the stream first costs it nothing while the copies are the longer
-        # part. Where the compute is the longer part (``ExpertOffload.stream_after_launch``: NVFP4
-        # experts) the stream is queued after the launch instead (``after_launch``), its copies
-        # waiting for an event at this sync rather than for the experts kernel. The rest of the
-        # bookkeeping (``after_launch``) runs once the launch is queued.
+        # part. The rest of the bookkeeping (``after_launch``) runs once the launch is queued.
         # With a stream depth D > 1, the D - 1 layers after the next one are predicted from ``x``
         # too and queued behind it, nearest first (``ExpertOffload.stream_ahead``).
         ahead = self.offload.ahead(self.layer) if self.offload.streams(x.shape[0]) else range(0)
@@ -175,24 +168,17 @@ class OffloadedExperts(nn.Module):
         routed, *predicted = distinct_experts(ids, self.num_experts)
         self.offload.mark_routed(self.layer)
         groups = self.offload.begin(self.layer, list(routed))
-        passes = _Passes(topk_ids, groups, routed)
         if predicted and len(groups) == 1:  # a layer in passes leaves no slot to spare
-            stream = [list(p) for p in predicted]
-            if self.offload.stream_after_launch:
-                passes.stream, passes.synced = stream, self.offload.routing_synced()
-            else:
-                self.offload.stream_ahead(self.layer + 1, stream, groups[0])
+            self.offload.stream_ahead(self.layer + 1, [list(p) for p in predicted], groups[0])
+        passes = _Passes(topk_ids, groups, routed)
         if len(groups) > 1:  # later passes admit experts: they see this layer passed, as they always did
             self.after_launch(passes)
         return passes
 
     def after_launch(self, routing: _Passes) -> None:
-        """The bookkeeping of ``prepare`` the layer's launch does not need: the next layers' stream
-        where it goes after the launch, then this layer passed (after the stream's evictions,
-        which so never skip this layer's running experts). Once a layer: ``compute`` runs it after
-        the one launch, ``prepare`` before the passes."""
-        if routing.stream:
-            self.offload.stream_ahead(self.layer + 1, routing.stream, routing.groups[0], after=routing.synced)
+        """The bookkeeping of ``prepare`` the layer's launch does not need: this layer passed (after
+        the stream's evictions, which so never skip this layer's running experts). Once a layer:
+        ``compute`` runs it after the one launch, ``prepare`` before the passes."""
         self.offload.passed(self.layer, routing.routed)
 
     def compute(self, x: torch.Tensor, topk_weights: torch.Tensor, routing: _Passes) -> torch.Tensor:
