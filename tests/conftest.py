@@ -4,18 +4,14 @@ unfrozen after each test."""
 from __future__ import annotations
 
 import gc
-import sys
 from pathlib import Path
 
-# ``python -m pytest`` puts the working directory (the repository root) first on sys.path, where
-# the top-level ``kernels/`` (installed as ``freetoken.kernels``) shadows the Hugging Face
-# ``kernels`` package that transformers >= 5.25 imports when it is installed.
-_ROOT = Path(__file__).resolve().parent.parent
-sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != _ROOT]
+# First: importing freetoken drops the checkout's root, which ``python -m pytest`` puts on sys.path,
+# before anything imports transformers (its ``kernels`` import would find the top-level kernels/).
+import freetoken  # noqa: F401  isort: skip
+import pytest
 
-import pytest  # noqa: E402
-
-from oracle import DEMO, checkpoint  # noqa: E402
+from oracle import DEMO, checkpoint
 
 
 @pytest.fixture(scope="session")
