@@ -61,6 +61,8 @@ def test_summary_finds_the_copy_streams_gaps_and_the_layers_waits(monkeypatch, c
     assert (second["wait_ms"], second["experts_start"], second["experts_end"]) == (1.0, 12.0, 14.0)
     assert s["compute_wait_ms"] == pytest.approx(1.5)
     assert s["experts_ms"] == pytest.approx(4.5)
+    assert s["routing_to_experts_ms"] == pytest.approx(6.0 + 2.0)  # routed 0.5 -> 6.5, 10 -> 12
+    assert s["experts_to_next_routing_ms"] == pytest.approx(1.0)  # layer 0's experts end 9, layer 1 routes 10
 
     print_timeline(1, s, 1)
     lines = capsys.readouterr().out.splitlines()
@@ -68,6 +70,8 @@ def test_summary_finds_the_copy_streams_gaps_and_the_layers_waits(monkeypatch, c
     assert "copy stream busy 9.0 ms (64%), idle 5.0 ms = 1.0 before the first copy + 2.0 in 1 gaps + 2.0" in lines[0]
     assert "2.00 at 6.0 before L1's streamed copies, L0's experts running" in lines[0]
     assert "compute waited 1.5 ms for copies in 2 layers (largest, ms: L1 1.00, L0 0.50)" in lines[1]
+    assert "from each layer's routing to its experts 8.0 ms (the host's work after the sync)" in lines[1]
+    assert lines[1].endswith("from its experts to the next routing 1.0 ms")
     assert lines[2].endswith("0:5.0/0.5/2.5 1:4.0/1.0/2.0")
 
 

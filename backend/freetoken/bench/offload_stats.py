@@ -232,7 +232,9 @@ def print_timeline(batch_size: int, t: dict[str, Any], forwards: int) -> None:
     named = ", ".join(f"L{row['layer']} {row['wait_ms']:.2f}" for row in waits[:4]) or "-"
     print(
         f"batch {batch_size}: prefill timeline: compute waited {t['compute_wait_ms']:.1f} ms for copies in "
-        f"{len(waits)} layers (largest, ms: {named}); experts ran {t['experts_ms']:.1f} ms"
+        f"{len(waits)} layers (largest, ms: {named}); experts ran {t['experts_ms']:.1f} ms; from each layer's routing "
+        f"to its experts {t['routing_to_experts_ms']:.1f} ms (the host's work after the sync), from its experts to "
+        f"the next routing {t['experts_to_next_routing_ms']:.1f} ms"
     )
     cells = []
     for row in t["layers"]:

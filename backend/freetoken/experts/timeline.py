@@ -128,8 +128,23 @@ def _summarize(forward: _Forward) -> dict[str, Any]:
         "idle_after_last_copy_ms": tail,
         "compute_wait_ms": sum(row["wait_ms"] for row in layers),
         "experts_ms": sum(row["experts_end"] - row["experts_start"] for row in layers if row["experts_end"] is not None),
+        **layer_phases(layers),
         "layers": layers,
     }
+
+
+def layer_phases(layers: list[dict[str, Any]]) -> dict[str, float]:
+    """Of a summary's ``layers`` (ms, summed over them): from each layer's routing to its experts'
+    start (``routing_to_experts_ms``: the host's bookkeeping after the routing sync, the copies'
+    wait, and what the compute stream was given before the sync), and from its experts' end to the
+    next layer's routing (``experts_to_next_routing_ms``: that layer's attention or GDN and router)."""
+    to_experts = to_routing = 0.0
+    for row, following in zip(layers, layers[1:] + [None]):
+        if row["routed_at"] is not None and row["experts_start"] is not None:
+            to_experts += row["experts_start"] - row["routed_at"]
+        if following is not None and row["experts_end"] is not None and following["routed_at"] is not None:
+            to_routing += following["routed_at"] - row["experts_end"]
+    return {"routing_to_experts_ms": to_experts, "experts_to_next_routing_ms": to_routing}
 
 
 def _gap(start: float, stop: float, copy: _Copy, runs: dict[int, tuple[float, float]]) -> dict[str, Any]:
