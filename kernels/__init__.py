@@ -24,7 +24,6 @@ from freetoken.kernels.moe import (
     silu_and_mul,
 )
 from freetoken.kernels.gemv import gemv
-from freetoken.kernels.normed_gemv import add_rms_norm_gemv
 from freetoken.kernels.normed_nvfp4_gemv import add_rms_norm_nvfp4_gemv
 from freetoken.kernels.normed_gemv import add_rms_norm_gemv, add_rms_norm_gemv_conv, add_rms_norm_gemv_route
 from freetoken.kernels.gated_norm_gemv import gated_rms_norm_gemv

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import math
 import random
@@ -48,10 +47,6 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # accepted as vLLM does; no output carries them (see docs/serving.md)
     skip_special_tokens: bool = True
     n: int = 1  # samples per prompt; the serving layer runs them as sibling requests (Runtime.make_requests)
-
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls)]
 
     @property
     def stop_strings(self) -> list[str]:

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels.triton._common import INTERPRETED, cast, device_function, new_empty, pow2, round_as
+from freetoken.kernels.triton._common import INTERPRETED, cast, new_empty, pow2, round_as
 from freetoken.kernels.triton.moe_decode import DecodeTiles, _pdl_available, route
 from freetoken.kernels.triton.nvfp4 import GROUP
 from freetoken.kernels.triton.nvfp4_decode_stream import _down_stream_kernel, _gate_up_stream_kernel

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import random
 
-import pytest
 import torch
 
 from freetoken import LLM, SamplingParams

@@ -190,7 +190,7 @@ def test_read_through_fill_at_qwen36_sizes_in_a_graph():
         graph, out = _captured_then_lent(forward, fills, slot_map, lend, lent)
         want_state = [t.cpu() for t in (slot_map, slot_w13, slot_w2, lend)]
         want_routed, want_fills = routed.cpu(), fills.cpu()
-        want = sparse_moe_decode_offload_reference(
+        sparse_moe_decode_offload_reference(  # writes the expected routed ids, fills, map and lend
             x.cpu(), logits.cpu(), want_state[0], want_state[1], want_state[2], host_w13, host_w2, shared_gate_up.cpu(),
             shared_down.cpu(), top_k, True, want_routed, fills=want_fills, lend=want_state[3])
         graph.replay()

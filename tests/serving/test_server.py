@@ -6,7 +6,6 @@ from __future__ import annotations
 import http.client
 import json
 import queue
-import threading
 import time
 import urllib.error
 import urllib.request

@@ -113,7 +113,3 @@ class RoutedLog:
                     return
             self._records.popleft()
             yield record
-
-    @property
-    def in_flight(self) -> int:
-        return len(self._records)

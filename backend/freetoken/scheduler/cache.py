@@ -26,10 +26,6 @@ class PagePool:
     def num_free(self) -> int:
         return len(self._free)
 
-    @property
-    def num_used(self) -> int:
-        return self.capacity - self.num_free
-
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
