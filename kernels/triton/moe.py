@@ -307,6 +307,75 @@ def _tile_in(pid, starts, ends, tiles_end, BLOCK_M: tl.constexpr, BLOCK_E: tl.co
     return expert, first, end
 
 
+@triton.jit
+def _tile_map_kernel(offsets_ptr, tiles_ptr, num_experts, num_row_tiles, BLOCK_M: tl.constexpr,
+                     BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
+    """``tiles [3 · num_row_tiles + 1]``: each row tile's expert (``num_experts`` past the last
+    tile), first sorted pair and its expert's end, for ``BLOCK_T`` tiles a program (``_tile_of``
+    for many tiles at once), then the count of real row tiles. Every grouped-GEMM tile then loads
+    its three numbers instead of scanning all experts' offsets itself: a down tile runs only four
+    to eight K steps, and that scan, with its reductions across the warps, was a large part of it."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    e = tl.arange(0, BLOCK_E)
+    e_ok = e < num_experts
+    starts = tl.load(offsets_ptr + e, mask=e_ok, other=0)
+    ends = tl.load(offsets_ptr + e + 1, mask=e_ok, other=0)
+    tiles_end = tl.cumsum((ends - starts + BLOCK_M - 1) // BLOCK_M, 0)  # tiles of experts <= e
+    real_tiles = tl.max(tiles_end, 0)
+    tiles_end = tl.where(e_ok, tiles_end, 1 << 30)
+    expert = tl.sum((tiles_end[None, :] <= t[:, None]).to(tl.int32), 1)
+    mine = e[None, :] == expert[:, None]
+    tiles_before = tl.sum(tl.where(e[None, :] == expert[:, None] - 1, tiles_end[None, :], 0), 1)
+    first = tl.sum(tl.where(mine, starts[None, :], 0), 1) + (t - tiles_before) * BLOCK_M
+    end = tl.sum(tl.where(mine, ends[None, :], 0), 1)
+    ok = t < num_row_tiles
+    tl.store(tiles_ptr + t, expert, mask=ok)
+    tl.store(tiles_ptr + num_row_tiles + t, first, mask=ok)
+    tl.store(tiles_ptr + 2 * num_row_tiles + t, end, mask=ok)
+    if tl.program_id(0) == 0:
+        tl.store(tiles_ptr + 3 * num_row_tiles, real_tiles)
+
+
+def tile_map(offsets: torch.Tensor, num_pairs: int, block_m: int) -> tuple[torch.Tensor, int]:
+    """(``_tile_map_kernel``'s ``[3 · tiles + 1]``, tiles) for row tiles of ``block_m`` sorted
+    pairs, ``tiles`` the host's upper bound (``_row_tiles``)."""
+    num_experts = offsets.shape[0] - 1
+    tiles = _row_tiles(num_pairs, num_experts, block_m)
+    out = new_empty((3 * tiles + 1,), torch.int32, offsets.device)
+    block_e = pow2(num_experts)
+    block_t = max(1, min(pow2(tiles), 8192 // block_e))
+    _tile_map_kernel[(triton.cdiv(tiles, block_t),)](offsets, out, num_experts, tiles, BLOCK_M=block_m,
+                                                     BLOCK_E=block_e, BLOCK_T=block_t)
+    return out, tiles
+
+
+@device_function
+def _persistent_tiles(offsets_ptr, map_ptr, map_tiles, num_experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+                      TILE_MAP: tl.constexpr):
+    """A persistent program's view of the row tiles: ``_expert_tiles``' vectors and real tile count,
+    or with ``TILE_MAP`` the count ``tile_map`` wrote (the vectors unused: zeros)."""
+    if TILE_MAP:
+        routed = tl.load(map_ptr + 3 * map_tiles)
+        zeros = tl.zeros([BLOCK_E], tl.int32)
+        starts, ends, tiles_end = zeros, zeros, zeros
+    else:
+        starts, ends, tiles_end, routed = _expert_tiles(offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
+    return starts, ends, tiles_end, routed
+
+
+@device_function
+def _persistent_tile(tile, starts, ends, tiles_end, map_ptr, map_tiles, BLOCK_M: tl.constexpr,
+                     BLOCK_E: tl.constexpr, TILE_MAP: tl.constexpr):
+    """(expert, first pair, end) of real row tile ``tile``: three loads from the map, or ``_tile_in``."""
+    if TILE_MAP:
+        expert = tl.load(map_ptr + tile)
+        first = tl.load(map_ptr + map_tiles + tile)
+        end = tl.load(map_ptr + 2 * map_tiles + tile)
+    else:
+        expert, first, end = _tile_in(tile, starts, ends, tiles_end, BLOCK_M, BLOCK_E)
+    return expert, first, end
+
+
 @device_function
 def _grouped_tile(num_row_tiles, num_col_blocks, GROUP_M: tl.constexpr):
     """(row tile, column block) of this program in a 1-D grid: ``GROUP_M`` row tiles (mostly of one
@@ -558,15 +627,18 @@ def _down_kernel(
 def _gate_up_persistent_kernel(
     x_ptr, x_st, w_ptr, w_se, w_sn, order_ptr, offsets_ptr, slots_ptr, h_ptr,
     hidden, inter, num_experts,
-    ws_ptr, ws_sn, num_tokens, num_pairs, shared_tiles, w_desc, ws_desc,
+    ws_ptr, ws_sn, num_tokens, num_pairs, shared_tiles, w_desc, ws_desc, map_ptr, map_tiles,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    SHARED: tl.constexpr, TMA: tl.constexpr, HALF_TAIL: tl.constexpr, HAS_SLOTS: tl.constexpr,
+    SHARED: tl.constexpr, TMA: tl.constexpr, HALF_TAIL: tl.constexpr, QUARTER_TAIL: tl.constexpr,
+    TILE_MAP: tl.constexpr, HAS_SLOTS: tl.constexpr,
 ):
     """``_gate_up_kernel``'s tiles, a program looping over every ``num_programs``-th (GemmConfig.persistent);
-    ``TMA``: the weight rows through the descriptors; ``HALF_TAIL``: a routed tile of at most
-    ``BLOCK_M // 2`` pairs (an expert's last) as a ``BLOCK_M // 2``-row tile."""
-    starts, ends, tiles_end, routed = _expert_tiles(offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
+    ``TMA``: the weight rows through the descriptors; ``HALF_TAIL`` / ``QUARTER_TAIL``: a routed tile
+    of at most ``BLOCK_M // 2`` / ``BLOCK_M // 4`` pairs (an expert's last) as a tile of that many
+    rows; ``TILE_MAP``: the row tiles from ``tile_map``'s ``map_ptr``."""
+    starts, ends, tiles_end, routed = _persistent_tiles(offsets_ptr, map_ptr, map_tiles, num_experts, BLOCK_M,
+                                                        BLOCK_E, TILE_MAP)
     row_tiles = routed + shared_tiles
     col_blocks = tl.cdiv(inter, BLOCK_N)
     for work in tl.range(tl.program_id(0), row_tiles * col_blocks, tl.num_programs(0)):
@@ -581,9 +653,13 @@ def _gate_up_persistent_kernel(
                 _gate_up_block(x_ptr, x_st, tokens, tokens < num_tokens, ws_ptr, ws_sn, h_ptr, num_pairs + tokens,
                                col_block, hidden, inter, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
         else:
-            expert, first, end = _tile_in(tile - shared_tiles, starts, ends, tiles_end, BLOCK_M, BLOCK_E)
+            expert, first, end = _persistent_tile(tile - shared_tiles, starts, ends, tiles_end, map_ptr, map_tiles,
+                                                  BLOCK_M, BLOCK_E, TILE_MAP)
             expert = _slot_of(expert, slots_ptr, HAS_SLOTS)
-            if HALF_TAIL and end - first <= BLOCK_M // 2:
+            if QUARTER_TAIL and end - first <= BLOCK_M // 4:
+                _gate_up_rows(expert, first, end, col_block, x_ptr, x_st, w_ptr, w_se, w_sn, w_desc, order_ptr, h_ptr,
+                              hidden, inter, TOP_K, BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA)
+            elif HALF_TAIL and end - first <= BLOCK_M // 2:
                 _gate_up_rows(expert, first, end, col_block, x_ptr, x_st, w_ptr, w_se, w_sn, w_desc, order_ptr, h_ptr,
                               hidden, inter, TOP_K, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA)
             else:
@@ -596,15 +672,20 @@ def _down_persistent_kernel(
     h_ptr, w_ptr, w_se, w_sn, order_ptr, offsets_ptr, slots_ptr, topk_w_ptr, y_ptr,
     hidden, inter, num_experts,
     ws_ptr, ws_sn, gate_ptr, g_st, num_tokens, num_pairs, shared_tiles, h_desc, w_desc, ws_desc, h_half_desc,
+    h_quarter_desc, map_ptr, map_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    SHARED: tl.constexpr, TMA: tl.constexpr, HALF_TAIL: tl.constexpr, HAS_SLOTS: tl.constexpr,
+    SHARED: tl.constexpr, TMA: tl.constexpr, HALF_TAIL: tl.constexpr, QUARTER_TAIL: tl.constexpr,
+    TILE_MAP: tl.constexpr, HAS_SLOTS: tl.constexpr,
 ):
     """``_down_kernel``'s tiles, a program looping over every ``num_programs``-th (GemmConfig.persistent);
-    ``TMA``: the operands through the descriptors (``_down_block_tma``; ``h_half_desc``: ``h``'s of
-    ``BLOCK_M // 2`` rows), else through pointers; ``HALF_TAIL``: a routed tile of at most
-    ``BLOCK_M // 2`` pairs (an expert's last) as a ``BLOCK_M // 2``-row tile."""
-    starts, ends, tiles_end, routed = _expert_tiles(offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
+    ``TMA``: the operands through the descriptors (``_down_block_tma``; ``h_half_desc`` /
+    ``h_quarter_desc``: ``h``'s of ``BLOCK_M // 2`` / ``BLOCK_M // 4`` rows), else through pointers;
+    ``HALF_TAIL`` / ``QUARTER_TAIL``: a routed tile of at most ``BLOCK_M // 2`` / ``BLOCK_M // 4``
+    pairs (an expert's last) as a tile of that many rows; ``TILE_MAP``: the row tiles from
+    ``tile_map``'s ``map_ptr``."""
+    starts, ends, tiles_end, routed = _persistent_tiles(offsets_ptr, map_ptr, map_tiles, num_experts, BLOCK_M,
+                                                        BLOCK_E, TILE_MAP)
     row_tiles = routed + shared_tiles
     col_blocks = tl.cdiv(hidden, BLOCK_N)
     for work in tl.range(tl.program_id(0), row_tiles * col_blocks, tl.num_programs(0)):
@@ -621,9 +702,14 @@ def _down_persistent_kernel(
                 _down_block(h_ptr, num_pairs + tokens, t_ok, ws_ptr, ws_sn, weight, y_ptr, num_pairs + tokens,
                             col_block, hidden, inter, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
         else:
-            expert, first, end = _tile_in(tile - shared_tiles, starts, ends, tiles_end, BLOCK_M, BLOCK_E)
+            expert, first, end = _persistent_tile(tile - shared_tiles, starts, ends, tiles_end, map_ptr, map_tiles,
+                                                  BLOCK_M, BLOCK_E, TILE_MAP)
             expert = _slot_of(expert, slots_ptr, HAS_SLOTS)
-            if HALF_TAIL and end - first <= BLOCK_M // 2:
+            if QUARTER_TAIL and end - first <= BLOCK_M // 4:
+                _down_routed_tile(expert, first, end, col_block, h_ptr, h_quarter_desc, w_ptr, w_se, w_sn, w_desc,
+                                  order_ptr, topk_w_ptr, y_ptr, hidden, inter, BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K,
+                                  PRECISION, TMA)
+            elif HALF_TAIL and end - first <= BLOCK_M // 2:
                 _down_routed_tile(expert, first, end, col_block, h_ptr, h_half_desc, w_ptr, w_se, w_sn, w_desc,
                                   order_ptr, topk_w_ptr, y_ptr, hidden, inter, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K,
                                   PRECISION, TMA)
@@ -697,6 +783,12 @@ def _row_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(num_pairs, block_m) + num_experts
 
 
+def _map_args(config: GemmConfig, offsets: torch.Tensor, num_pairs: int) -> tuple[torch.Tensor, int]:
+    """A persistent launch's ``(map_ptr, map_tiles)``: ``tile_map``'s with ``config.tile_map``, else
+    an unread stand-in."""
+    return tile_map(offsets, num_pairs, config.block_m) if config.tile_map else (offsets, 0)
+
+
 @dataclass(frozen=True)
 class SharedTiles:
     """The shared expert run as the first row tiles of the grouped GEMMs (``fused_experts_shared_pairs``):
@@ -736,11 +828,11 @@ def gate_up(
         _gate_up_persistent_kernel[(_persistent_programs(config, work, x.device),)](
             x, x.stride(0), w13, w13.stride(0), w13.stride(1), order, offsets, slots, h,
             hidden, inter, num_experts,
-            ws, ws.stride(-2), x.shape[0], num_pairs, shared_tiles, *descs,
+            ws, ws.stride(-2), x.shape[0], num_pairs, shared_tiles, *descs, *_map_args(config, offsets, num_pairs),
             TOP_K=top_k, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             GROUP_M=config.group_m, BLOCK_E=pow2(num_experts), EVEN_K=hidden % config.block_k == 0,
             PRECISION=dot_precision(x.dtype), SHARED=shared is not None, TMA=tma, HALF_TAIL=config.half_tail,
-            HAS_SLOTS=expert_slots is not None,
+            QUARTER_TAIL=config.quarter_tail, TILE_MAP=config.tile_map, HAS_SLOTS=expert_slots is not None,
             num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.max_registers or None,
         )
         return
@@ -779,15 +871,17 @@ def down(
             TensorDescriptor.from_tensor(w2.view(-1, inter), [config.block_n, config.block_k]),
             TensorDescriptor.from_tensor(ws.reshape(-1, inter), [config.block_n, config.block_k]),
             TensorDescriptor.from_tensor(h, [config.block_m // 2, config.block_k]) if config.half_tail else None,
-        ) if tma else (None, None, None, None)
+            TensorDescriptor.from_tensor(h, [config.block_m // 4, config.block_k]) if config.quarter_tail else None,
+        ) if tma else (None,) * 5
         _down_persistent_kernel[(_persistent_programs(config, work, h.device),)](
             h, w2, w2.stride(0), w2.stride(1), order, offsets, slots, topk_weights, y,
             hidden, inter, num_experts,
             ws, ws.stride(-2), gate, gate.stride(0), num_tokens, num_pairs, shared_tiles, *descs,
+            *_map_args(config, offsets, num_pairs),
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             GROUP_M=config.group_m, BLOCK_E=pow2(num_experts), EVEN_K=inter % config.block_k == 0,
             PRECISION=dot_precision(h.dtype), SHARED=shared is not None, TMA=tma, HALF_TAIL=config.half_tail,
-            HAS_SLOTS=expert_slots is not None,
+            QUARTER_TAIL=config.quarter_tail, TILE_MAP=config.tile_map, HAS_SLOTS=expert_slots is not None,
             num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.max_registers or None,
         )
         return

@@ -33,7 +33,14 @@ import triton.language as tl
 
 from freetoken.kernels.triton import moe, nvfp4_configs
 from freetoken.kernels.triton._common import _INTERPRETED, INTERPRETED, cast, device_function, dot, dot_precision, new_empty, pow2, round_as
-from freetoken.kernels.triton.moe import _grouped_tile, _slot_of, checked_slots, moe_sort_tokens, sum_choices
+from freetoken.kernels.triton.moe import (
+    _grouped_tile,
+    _slot_of,
+    checked_slots,
+    moe_sort_tokens,
+    sum_choices,
+    tile_map,
+)
 from freetoken.kernels.triton.moe_configs import moe_gemm_config
 from freetoken.kernels.triton.nvfp4_configs import Nvfp4GemmConfig, nvfp4_moe_config
 from freetoken.kernels.triton.nvfp4_rows import GEMV_MAX_ROWS, _e4m3_codes, nvfp4_gemv
@@ -485,49 +492,6 @@ def dequantize_nvfp4(packed: torch.Tensor, scales: torch.Tensor, row_scales: tor
     dequantize_nvfp4_into(packed.contiguous().view(-1, rows, half), scales.contiguous().view(torch.uint8).view(-1, rows, half // 8),
                           row_scales.contiguous().view(-1, rows), out.view(-1, rows, 2 * half))
     return out
-
-
-@triton.jit
-def _tile_map_kernel(offsets_ptr, tiles_ptr, num_experts, num_row_tiles, BLOCK_M: tl.constexpr,
-                     BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
-    """``tiles [3, num_row_tiles]``: each row tile's expert (``num_experts`` past the last tile),
-    first sorted pair and its expert's end, for ``BLOCK_T`` tiles a program (``moe._tile_of`` for
-    many tiles at once). Every grouped-GEMM program then loads its three numbers instead of
-    scanning all experts' offsets itself: down's programs run four K steps, and that scan, with
-    its reductions across the warps, was a large part of each."""
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    e = tl.arange(0, BLOCK_E)
-    e_ok = e < num_experts
-    starts = tl.load(offsets_ptr + e, mask=e_ok, other=0)
-    ends = tl.load(offsets_ptr + e + 1, mask=e_ok, other=0)
-    tiles_end = tl.cumsum((ends - starts + BLOCK_M - 1) // BLOCK_M, 0)  # tiles of experts <= e
-    tiles_end = tl.where(e_ok, tiles_end, 1 << 30)
-    expert = tl.sum((tiles_end[None, :] <= t[:, None]).to(tl.int32), 1)
-    mine = e[None, :] == expert[:, None]
-    tiles_before = tl.sum(tl.where(e[None, :] == expert[:, None] - 1, tiles_end[None, :], 0), 1)
-    first = tl.sum(tl.where(mine, starts[None, :], 0), 1) + (t - tiles_before) * BLOCK_M
-    end = tl.sum(tl.where(mine, ends[None, :], 0), 1)
-    ok = t < num_row_tiles
-    tl.store(tiles_ptr + t, expert, mask=ok)
-    tl.store(tiles_ptr + num_row_tiles + t, first, mask=ok)
-    tl.store(tiles_ptr + 2 * num_row_tiles + t, end, mask=ok)
-
-
-def tile_map(offsets: torch.Tensor, num_pairs: int, block_m: int) -> tuple[torch.Tensor, int]:
-    """(``_tile_map_kernel``'s ``[3, tiles]``, tiles) for row tiles of ``block_m`` sorted pairs."""
-    num_experts = offsets.shape[0] - 1
-    tiles = _row_tiles(num_pairs, num_experts, block_m)
-    out = new_empty((3, tiles), torch.int32, offsets.device)
-    block_e = pow2(num_experts)
-    block_t = max(1, min(pow2(tiles), 8192 // block_e))
-    _tile_map_kernel[(triton.cdiv(tiles, block_t),)](offsets, out, num_experts, tiles, BLOCK_M=block_m,
-                                                     BLOCK_E=block_e, BLOCK_T=block_t)
-    return out, tiles
-
-
-def _row_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """Upper bound of the grouped GEMM's row tiles: every expert may end in a partial tile."""
-    return triton.cdiv(num_pairs, block_m) + num_experts
 
 
 Packed = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # packed codes, scale bytes (uint8), row scales

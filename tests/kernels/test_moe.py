@@ -153,14 +153,16 @@ def test_fused_experts_expert_slots(rng, monkeypatch, persistent, tma, rows):
 
 
 @pytest.mark.parametrize("tma", [False, True])
-def test_fused_experts_half_tail(rng, monkeypatch, tma):
+@pytest.mark.parametrize("tile_map", [False, True])
+def test_fused_experts_half_tail(rng, monkeypatch, tma, tile_map):
     """``GemmConfig.half_tail`` at 32-row tiles: experts of 0, 16 (a half tile), 17 (a full one),
-    33 and 34 pairs (a full tile, then a half tile of 1 and 2 pairs), 50 tokens in shuffled order."""
+    33 and 34 pairs (a full tile, then a half tile of 1 and 2 pairs), 50 tokens in shuffled order;
+    the row tiles scanned by each tile or read from ``tile_map``."""
     from freetoken.kernels.triton.moe_configs import GemmConfig
 
     moe = _triton()
     config = GemmConfig(block_m=32, block_n=32, block_k=32, group_m=3, num_warps=4, num_stages=1,
-                        persistent=3, tma=tma, half_tail=True)
+                        persistent=3, tma=tma, half_tail=True, tile_map=tile_map)
     monkeypatch.setattr(moe, "moe_gemm_config", lambda *args: config)
     e, k, tokens, hidden, inter = 5, 2, 50, 72, 48
     flat = torch.tensor([1] * 16 + [2] * 17 + [3] * 33 + [4] * 34, dtype=torch.int32)
@@ -177,6 +179,64 @@ def test_gemm_config_half_tail_needs_32_rows():
 
     with pytest.raises(ValueError, match="block_m >= 32"):
         GemmConfig(16, 64, 64, 8, 4, 3, persistent=2, half_tail=True)
+
+
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("tile_map", [False, True])
+def test_fused_experts_quarter_tail(rng, monkeypatch, tma, tile_map):
+    """``GemmConfig.quarter_tail`` at 64-row tiles (quarter tiles of 16 rows): experts of 0, 16 (a
+    quarter tile), 17 and 32 (half tiles), 33 (a full one), 80 (a full tile and a quarter), 100 (a
+    full tile and a half) pairs, 139 tokens in shuffled order, the shared expert's tiles first."""
+    from freetoken.kernels.triton.moe_configs import GemmConfig
+
+    moe = _triton()
+    config = GemmConfig(block_m=64, block_n=32, block_k=32, group_m=3, num_warps=4, num_stages=1,
+                        persistent=3, tma=tma, half_tail=True, quarter_tail=True, tile_map=tile_map)
+    monkeypatch.setattr(moe, "moe_gemm_config", lambda *args: config)
+    e, k, hidden, inter = 7, 2, 72, 48
+    flat = torch.tensor([1] * 16 + [2] * 17 + [3] * 32 + [4] * 33 + [5] * 80 + [6] * 100, dtype=torch.int32)
+    tokens = flat.shape[0] // k
+    ids = torch.stack([flat[:tokens], flat[tokens:]], 1)[torch.randperm(tokens, generator=rng)].to(DEVICE)
+    x = torch.randn(tokens, hidden, generator=rng).to(DEVICE)
+    w13, w2 = _experts(rng, torch.float32, e, hidden, inter)
+    weights = torch.softmax(torch.randn(tokens, k, generator=rng), -1).to(DEVICE)
+    got = moe.fused_experts_pairs(x, w13, w2, weights, ids)
+    assert_close(got, ref.fused_experts_pairs_reference(x, w13, w2, weights, ids))
+    shared_w13 = (torch.randn(2 * inter, hidden, generator=rng) * hidden**-0.5).to(DEVICE)
+    shared_w2 = (torch.randn(hidden, inter, generator=rng) * inter**-0.5).to(DEVICE)
+    gate = torch.randn(tokens, 1, generator=rng).to(DEVICE)
+    args = (x, w13, w2, weights, ids, shared_w13, shared_w2, gate)
+    got_pairs, got_gated = moe.fused_experts_shared_pairs(*args)
+    want_pairs, want_gated = ref.fused_experts_shared_pairs_reference(*args)
+    assert_close(got_pairs, want_pairs)
+    assert_close(got_gated, want_gated)
+
+
+def test_gemm_config_quarter_tail_needs_half_tail_and_64_rows():
+    from freetoken.kernels.triton.moe_configs import GemmConfig
+
+    with pytest.raises(ValueError, match="quarter_tail needs half_tail"):
+        GemmConfig(64, 64, 64, 8, 4, 3, persistent=2, quarter_tail=True)
+    with pytest.raises(ValueError, match="block_m >= 64"):
+        GemmConfig(32, 64, 64, 8, 4, 3, persistent=2, half_tail=True, quarter_tail=True)
+    with pytest.raises(ValueError, match="tile_map need persistent"):
+        GemmConfig(64, 64, 64, 8, 4, 3, tile_map=True)
+
+
+def test_tile_map_lists_every_row_tile_and_their_count(rng):
+    """``tile_map``: each real row tile's (expert, first pair, end) as ``_tile_of`` finds them, the
+    tiles past them on ``num_experts``, and their count last."""
+    moe = _triton()
+    counts = torch.tensor([0, 5, 16, 17, 0, 40])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).int().to(DEVICE)
+    got, tiles = moe.tile_map(offsets, int(counts.sum()), 16)
+    want = [(1, 0, 5), (2, 5, 21), (3, 21, 38), (3, 37, 38), (5, 38, 78), (5, 54, 78), (5, 70, 78)]
+    assert tiles == -(-78 // 16) + 6
+    got = got.cpu()
+    expert, first, end = got[:tiles], got[tiles : 2 * tiles], got[2 * tiles : 3 * tiles]
+    assert list(zip(expert[: len(want)].tolist(), first[: len(want)].tolist(), end[: len(want)].tolist())) == want
+    assert (expert[len(want):] == 6).all()
+    assert int(got[3 * tiles]) == len(want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
