@@ -630,13 +630,13 @@ def _gate_up_persistent_kernel(
     ws_ptr, ws_sn, num_tokens, num_pairs, shared_tiles, w_desc, ws_desc, map_ptr, map_tiles,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    SHARED: tl.constexpr, TMA: tl.constexpr, HALF_TAIL: tl.constexpr, QUARTER_TAIL: tl.constexpr,
-    TILE_MAP: tl.constexpr, HAS_SLOTS: tl.constexpr,
+    SHARED: tl.constexpr, TMA: tl.constexpr, HALF_TAIL: tl.constexpr, TILE_MAP: tl.constexpr,
+    HAS_SLOTS: tl.constexpr,
 ):
     """``_gate_up_kernel``'s tiles, a program looping over every ``num_programs``-th (GemmConfig.persistent);
-    ``TMA``: the weight rows through the descriptors; ``HALF_TAIL`` / ``QUARTER_TAIL``: a routed tile
-    of at most ``BLOCK_M // 2`` / ``BLOCK_M // 4`` pairs (an expert's last) as a tile of that many
-    rows; ``TILE_MAP``: the row tiles from ``tile_map``'s ``map_ptr``."""
+    ``TMA``: the weight rows through the descriptors; ``HALF_TAIL``: a routed tile of at most
+    ``BLOCK_M // 2`` pairs (an expert's last) as a ``BLOCK_M // 2``-row tile; ``TILE_MAP``: the row
+    tiles from ``tile_map``'s ``map_ptr``."""
     starts, ends, tiles_end, routed = _persistent_tiles(offsets_ptr, map_ptr, map_tiles, num_experts, BLOCK_M,
                                                         BLOCK_E, TILE_MAP)
     row_tiles = routed + shared_tiles
@@ -656,10 +656,7 @@ def _gate_up_persistent_kernel(
             expert, first, end = _persistent_tile(tile - shared_tiles, starts, ends, tiles_end, map_ptr, map_tiles,
                                                   BLOCK_M, BLOCK_E, TILE_MAP)
             expert = _slot_of(expert, slots_ptr, HAS_SLOTS)
-            if QUARTER_TAIL and end - first <= BLOCK_M // 4:
-                _gate_up_rows(expert, first, end, col_block, x_ptr, x_st, w_ptr, w_se, w_sn, w_desc, order_ptr, h_ptr,
-                              hidden, inter, TOP_K, BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA)
-            elif HALF_TAIL and end - first <= BLOCK_M // 2:
+            if HALF_TAIL and end - first <= BLOCK_M // 2:
                 _gate_up_rows(expert, first, end, col_block, x_ptr, x_st, w_ptr, w_se, w_sn, w_desc, order_ptr, h_ptr,
                               hidden, inter, TOP_K, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA)
             else:
@@ -672,23 +669,24 @@ def _down_persistent_kernel(
     h_ptr, w_ptr, w_se, w_sn, order_ptr, offsets_ptr, slots_ptr, topk_w_ptr, y_ptr,
     hidden, inter, num_experts,
     ws_ptr, ws_sn, gate_ptr, g_st, num_tokens, num_pairs, shared_tiles, h_desc, w_desc, ws_desc, h_half_desc,
-    h_quarter_desc, map_ptr, map_tiles,
+    map_ptr, map_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    SHARED: tl.constexpr, TMA: tl.constexpr, HALF_TAIL: tl.constexpr, QUARTER_TAIL: tl.constexpr,
-    TILE_MAP: tl.constexpr, HAS_SLOTS: tl.constexpr,
+    SHARED: tl.constexpr, TMA: tl.constexpr, HALF_TAIL: tl.constexpr, TILE_MAP: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     """``_down_kernel``'s tiles, a program looping over every ``num_programs``-th (GemmConfig.persistent);
-    ``TMA``: the operands through the descriptors (``_down_block_tma``; ``h_half_desc`` /
-    ``h_quarter_desc``: ``h``'s of ``BLOCK_M // 2`` / ``BLOCK_M // 4`` rows), else through pointers;
-    ``HALF_TAIL`` / ``QUARTER_TAIL``: a routed tile of at most ``BLOCK_M // 2`` / ``BLOCK_M // 4``
-    pairs (an expert's last) as a tile of that many rows; ``TILE_MAP``: the row tiles from
-    ``tile_map``'s ``map_ptr``."""
+    ``TMA``: the operands through the descriptors (``_down_block_tma``; ``h_half_desc``: ``h``'s of
+    ``BLOCK_M // 2`` rows), else through pointers; ``HALF_TAIL``: a routed tile of at most
+    ``BLOCK_M // 2`` pairs (an expert's last) as a ``BLOCK_M // 2``-row tile; ``TILE_MAP``: the row
+    tiles from ``tile_map``'s ``map_ptr``; ``WARP_SPECIALIZE``: the tile loop split by Triton into a TMA
+    producer and MMA consumer warp groups (``GemmConfig.warp_specialize``)."""
     starts, ends, tiles_end, routed = _persistent_tiles(offsets_ptr, map_ptr, map_tiles, num_experts, BLOCK_M,
                                                         BLOCK_E, TILE_MAP)
     row_tiles = routed + shared_tiles
     col_blocks = tl.cdiv(hidden, BLOCK_N)
-    for work in tl.range(tl.program_id(0), row_tiles * col_blocks, tl.num_programs(0)):
+    for work in tl.range(tl.program_id(0), row_tiles * col_blocks, tl.num_programs(0),
+                         warp_specialize=WARP_SPECIALIZE):
         tile, col_block = _group_index(work, row_tiles, col_blocks, GROUP_M)
         if SHARED and tile < shared_tiles:
             tokens = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -705,11 +703,7 @@ def _down_persistent_kernel(
             expert, first, end = _persistent_tile(tile - shared_tiles, starts, ends, tiles_end, map_ptr, map_tiles,
                                                   BLOCK_M, BLOCK_E, TILE_MAP)
             expert = _slot_of(expert, slots_ptr, HAS_SLOTS)
-            if QUARTER_TAIL and end - first <= BLOCK_M // 4:
-                _down_routed_tile(expert, first, end, col_block, h_ptr, h_quarter_desc, w_ptr, w_se, w_sn, w_desc,
-                                  order_ptr, topk_w_ptr, y_ptr, hidden, inter, BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K,
-                                  PRECISION, TMA)
-            elif HALF_TAIL and end - first <= BLOCK_M // 2:
+            if HALF_TAIL and end - first <= BLOCK_M // 2:
                 _down_routed_tile(expert, first, end, col_block, h_ptr, h_half_desc, w_ptr, w_se, w_sn, w_desc,
                                   order_ptr, topk_w_ptr, y_ptr, hidden, inter, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K,
                                   PRECISION, TMA)
@@ -832,7 +826,7 @@ def gate_up(
             TOP_K=top_k, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             GROUP_M=config.group_m, BLOCK_E=pow2(num_experts), EVEN_K=hidden % config.block_k == 0,
             PRECISION=dot_precision(x.dtype), SHARED=shared is not None, TMA=tma, HALF_TAIL=config.half_tail,
-            QUARTER_TAIL=config.quarter_tail, TILE_MAP=config.tile_map, HAS_SLOTS=expert_slots is not None,
+            TILE_MAP=config.tile_map, HAS_SLOTS=expert_slots is not None,
             num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.max_registers or None,
         )
         return
@@ -871,8 +865,7 @@ def down(
             TensorDescriptor.from_tensor(w2.view(-1, inter), [config.block_n, config.block_k]),
             TensorDescriptor.from_tensor(ws.reshape(-1, inter), [config.block_n, config.block_k]),
             TensorDescriptor.from_tensor(h, [config.block_m // 2, config.block_k]) if config.half_tail else None,
-            TensorDescriptor.from_tensor(h, [config.block_m // 4, config.block_k]) if config.quarter_tail else None,
-        ) if tma else (None,) * 5
+        ) if tma else (None,) * 4
         _down_persistent_kernel[(_persistent_programs(config, work, h.device),)](
             h, w2, w2.stride(0), w2.stride(1), order, offsets, slots, topk_weights, y,
             hidden, inter, num_experts,
@@ -881,7 +874,8 @@ def down(
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             GROUP_M=config.group_m, BLOCK_E=pow2(num_experts), EVEN_K=inter % config.block_k == 0,
             PRECISION=dot_precision(h.dtype), SHARED=shared is not None, TMA=tma, HALF_TAIL=config.half_tail,
-            QUARTER_TAIL=config.quarter_tail, TILE_MAP=config.tile_map, HAS_SLOTS=expert_slots is not None,
+            TILE_MAP=config.tile_map, HAS_SLOTS=expert_slots is not None,
+            WARP_SPECIALIZE=config.warp_specialize and tma,
             num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.max_registers or None,
         )
         return

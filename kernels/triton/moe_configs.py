@@ -47,14 +47,16 @@ class GemmConfig:
     # pairs an expert (T=8192, uniform routing) 128-row tiles number ~642 against 512 full ones, and
     # half of the partial ones hold at most 64 pairs.
     half_tail: bool = False
-    # With ``half_tail``: a last row tile of at most ``block_m // 4`` pairs runs as a
-    # ``block_m // 4``-row tile. Uniform routing at T=8192 computes 1.12x the pairs' rows with half
-    # tiles, 1.06x with quarter tiles too (1.23x with neither).
-    quarter_tail: bool = False
     # Persistent launches: each row tile's (expert, first pair, end) read from a map one small
     # launch writes (``moe.tile_map``) instead of reduced from all experts' offsets by every tile
     # (three reductions across the warps a tile, each with a barrier).
     tile_map: bool = False
+    # The down GEMM's persistent tile loop split by Triton (``tl.range(warp_specialize=True)``) into a
+    # producer warp group issuing the TMA loads and consumer warp groups running the MMAs and the
+    # epilogue, so a tile's loads run under the previous tile's epilogue. Triton 3.6's Hopper
+    # partitioner takes only a plain matmul loop: TMA operands, the row tiles from the map, no tail
+    # tiles (it fails on the offsets' reductions and on a second, smaller tile). 4 warps a group.
+    warp_specialize: bool = False
 
     def __post_init__(self) -> None:
         if (self.tma or self.max_registers or self.half_tail or self.tile_map) and not self.persistent:
@@ -63,8 +65,8 @@ class GemmConfig:
             )
         if self.half_tail and self.block_m < 32:
             raise ValueError(f"GemmConfig.half_tail needs block_m >= 32 (a dot takes 16 rows or more), got {self}")
-        if self.quarter_tail and (not self.half_tail or self.block_m < 64):
-            raise ValueError(f"GemmConfig.quarter_tail needs half_tail and block_m >= 64 (a dot takes 16 rows or more), got {self}")
+        if self.warp_specialize and not (self.tma and self.tile_map and not self.half_tail and self.num_warps == 4):
+            raise ValueError(f"GemmConfig.warp_specialize needs tma, tile_map, no half_tail and 4 warps, got {self}")
 
 
 C = GemmConfig
@@ -143,6 +145,7 @@ def fit_to_dtype(config: GemmConfig, dtype: torch.dtype) -> GemmConfig:
     """``config`` as it runs for ``dtype`` (and under the interpreter): the tables hold bf16 tiles."""
     if INTERPRETED:  # few, large programs: the interpreter's cost is per program and operation
         return replace(config, block_m=min(config.block_m, 64), block_n=128, block_k=256, num_stages=1)
-    if dtype == torch.float32:  # float32 tiles are narrower to fit shared memory
-        return replace(config, block_m=min(config.block_m, 64), block_n=64, block_k=32, num_warps=4, num_stages=2)
+    if dtype == torch.float32:  # float32 tiles are narrower to fit shared memory; the bf16 warp specialization
+        return replace(config, block_m=min(config.block_m, 64), block_n=64, block_k=32, num_warps=4, num_stages=2,
+                       warp_specialize=False)
     return config

@@ -1,7 +1,7 @@
 """Issue 10's prefill kernel options (chosen by benchmarks/prefill_sweep.py) against the torch
 references at the model's sizes: the persistent grouped GEMMs, their TMA operands, half-size tail
-tiles and 256-wide tiles (``GemmConfig.persistent``, ``tma``, ``half_tail``, ``quarter_tail``,
-``tile_map``), the attention prefill
+tiles and 256-wide tiles (``GemmConfig.persistent``, ``tma``, ``half_tail``, ``tile_map``,
+``warp_specialize``), the attention prefill
 at head_dim 256 and 128 with the register cap (``PREFILL_MAX_REGISTERS``) and other tiles."""
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ HQ, HKV, PAGE = 16, 2, 16
 
 # The T=8192 configurations' options (benchmarks/prefill_sweep.py's moe_candidates): TMA operands,
 # the half-size tail tile, two or three 4-warp programs an SM, the 256-wide output tile at one
-# program an SM (bf16 only: float32 tiles are narrowed), the quarter-size tail tiles with the tile map
+# program an SM (bf16 only: float32 tiles are narrowed), the row tiles from a map, the warp-specialized
+# down GEMM
 OPTIONS = {
     "pointers": dict(tma=False),
     "tma": dict(tma=True),
@@ -34,10 +35,10 @@ OPTIONS = {
     "three_tma_half_tail": dict(tma=True, half_tail=True, num_warps=4, persistent=3, num_stages=2,
                                 max_registers=168),
     "wide_tma_half_tail": dict(tma=True, half_tail=True, persistent=1, max_registers=0, wide=True),
-    "tma_tails_map": dict(tma=True, half_tail=True, quarter_tail=True, tile_map=True),
-    "pingpong_tma_tails_map": dict(tma=True, half_tail=True, quarter_tail=True, tile_map=True, num_warps=4,
-                                   max_registers=0),
-    "tails_map": dict(tma=False, half_tail=True, quarter_tail=True, tile_map=True),
+    "tma_half_tail_map": dict(tma=True, half_tail=True, tile_map=True),
+    "map": dict(tma=False, tile_map=True),
+    "warp_specialized": dict(tma=True, tile_map=True, warp_specialize=True, num_warps=4, persistent=1,
+                             max_registers=0),
 }
 
 
@@ -49,7 +50,8 @@ def _option_config(gemm: str, dtype: torch.dtype, option: dict):
     config = fit_to_dtype(OPTION_BASE[gemm], dtype)
     if option.pop("wide", False):
         option["block_n"] = 2 * config.block_n if gemm == "gate_up" else 256
-    return replace(config, **{"persistent": 2, "max_registers": 128, **option})
+    config = replace(config, **{"persistent": 2, "max_registers": 128, **option})
+    return replace(config, warp_specialize=False) if dtype == torch.float32 else config  # as fit_to_dtype
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -57,13 +59,13 @@ def _option_config(gemm: str, dtype: torch.dtype, option: dict):
 def test_persistent_grouped_gemms(rng, check, monkeypatch, dtype, option):
     """The routed experts and the shared expert as the first row tiles, 2048 tokens, in the T=8192
     bucket's tiles (128-row tiles of ~64 pairs an expert: every expert's tile partial, about half of
-    them half tiles under ``half_tail``; 1024 tokens under ``quarter_tail``), two programs an SM at
-    128 registers (the table's form at T >= 8k), with each option."""
+    them half tiles under ``half_tail``), two programs an SM at 128 registers (the table's form at
+    T >= 8k), with each option."""
     if option.startswith("wide") and dtype == torch.float32:
         pytest.skip("float32 tiles are narrowed: the wide tile is a bf16 option")
     moe = triton_module("moe")
     monkeypatch.setattr(moe, "moe_gemm_config", lambda gemm, dtype, *a: _option_config(gemm, dtype, OPTIONS[option]))
-    tokens = 1024 if "tails" in option else 2048  # ~32 pairs an expert: about half of them quarter tiles
+    tokens = 2048
     x = randn(rng, tokens, HIDDEN, dtype=dtype)
     w13 = randn(rng, EXPERTS, 2 * INTER, HIDDEN, dtype=dtype, scale=HIDDEN**-0.5)
     w2 = randn(rng, EXPERTS, HIDDEN, INTER, dtype=dtype, scale=INTER**-0.5)

@@ -181,46 +181,39 @@ def test_gemm_config_half_tail_needs_32_rows():
         GemmConfig(16, 64, 64, 8, 4, 3, persistent=2, half_tail=True)
 
 
-@pytest.mark.parametrize("tma", [False, True])
-@pytest.mark.parametrize("tile_map", [False, True])
-def test_fused_experts_quarter_tail(rng, monkeypatch, tma, tile_map):
-    """``GemmConfig.quarter_tail`` at 64-row tiles (quarter tiles of 16 rows): experts of 0, 16 (a
-    quarter tile), 17 and 32 (half tiles), 33 (a full one), 80 (a full tile and a quarter), 100 (a
-    full tile and a half) pairs, 139 tokens in shuffled order, the shared expert's tiles first."""
+def test_fused_experts_warp_specialized_down(rng, monkeypatch):
+    """``GemmConfig.warp_specialize`` (the down GEMM's tile loop in Triton's producer / consumer warp
+    groups on sm_90; the same arithmetic elsewhere): TMA operands, the row tiles from the map, with
+    expert slots, experts of 0 to 40 pairs in 16-row tiles."""
     from freetoken.kernels.triton.moe_configs import GemmConfig
 
     moe = _triton()
-    config = GemmConfig(block_m=64, block_n=32, block_k=32, group_m=3, num_warps=4, num_stages=1,
-                        persistent=3, tma=tma, half_tail=True, quarter_tail=True, tile_map=tile_map)
+    config = GemmConfig(block_m=16, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=2,
+                        persistent=2, tma=True, tile_map=True, warp_specialize=True)
     monkeypatch.setattr(moe, "moe_gemm_config", lambda *args: config)
-    e, k, hidden, inter = 7, 2, 72, 48
-    flat = torch.tensor([1] * 16 + [2] * 17 + [3] * 32 + [4] * 33 + [5] * 80 + [6] * 100, dtype=torch.int32)
+    e, k, hidden, inter = 6, 2, 64, 48
+    flat = torch.tensor([1] * 5 + [2] * 16 + [3] * 17 + [5] * 40, dtype=torch.int32)
     tokens = flat.shape[0] // k
     ids = torch.stack([flat[:tokens], flat[tokens:]], 1)[torch.randperm(tokens, generator=rng)].to(DEVICE)
     x = torch.randn(tokens, hidden, generator=rng).to(DEVICE)
     w13, w2 = _experts(rng, torch.float32, e, hidden, inter)
     weights = torch.softmax(torch.randn(tokens, k, generator=rng), -1).to(DEVICE)
-    got = moe.fused_experts_pairs(x, w13, w2, weights, ids)
-    assert_close(got, ref.fused_experts_pairs_reference(x, w13, w2, weights, ids))
-    shared_w13 = (torch.randn(2 * inter, hidden, generator=rng) * hidden**-0.5).to(DEVICE)
-    shared_w2 = (torch.randn(hidden, inter, generator=rng) * inter**-0.5).to(DEVICE)
-    gate = torch.randn(tokens, 1, generator=rng).to(DEVICE)
-    args = (x, w13, w2, weights, ids, shared_w13, shared_w2, gate)
-    got_pairs, got_gated = moe.fused_experts_shared_pairs(*args)
-    want_pairs, want_gated = ref.fused_experts_shared_pairs_reference(*args)
-    assert_close(got_pairs, want_pairs)
-    assert_close(got_gated, want_gated)
+    assert_close(moe.fused_experts_pairs(x, w13, w2, weights, ids),
+                 ref.fused_experts_pairs_reference(x, w13, w2, weights, ids))
+    slots = torch.randperm(e, generator=rng).int().to(DEVICE)
+    assert_close(moe.fused_experts(x, w13, w2, weights, ids, slots),
+                 ref.fused_experts_reference(x, w13, w2, weights, ids, slots))
 
 
-def test_gemm_config_quarter_tail_needs_half_tail_and_64_rows():
+def test_gemm_config_warp_specialize_and_tile_map_need_their_options():
     from freetoken.kernels.triton.moe_configs import GemmConfig
 
-    with pytest.raises(ValueError, match="quarter_tail needs half_tail"):
-        GemmConfig(64, 64, 64, 8, 4, 3, persistent=2, quarter_tail=True)
-    with pytest.raises(ValueError, match="block_m >= 64"):
-        GemmConfig(32, 64, 64, 8, 4, 3, persistent=2, half_tail=True, quarter_tail=True)
     with pytest.raises(ValueError, match="tile_map need persistent"):
         GemmConfig(64, 64, 64, 8, 4, 3, tile_map=True)
+    with pytest.raises(ValueError, match="warp_specialize needs tma, tile_map"):
+        GemmConfig(128, 128, 64, 8, 4, 3, persistent=1, tma=True, warp_specialize=True)
+    with pytest.raises(ValueError, match="warp_specialize needs tma, tile_map"):
+        GemmConfig(128, 128, 64, 8, 8, 3, persistent=1, tma=True, tile_map=True, warp_specialize=True)
 
 
 def test_tile_map_lists_every_row_tile_and_their_count(rng):
