@@ -6,9 +6,9 @@ entries to apply (one call, ~1 min with cold Triton caches):
 - MoE grouped GEMMs at T=8192 (256 experts of 2048 x 512, top-8; target 450 TFLOP/s each): the
   table's tiles against persistent launches (``GemmConfig.persistent``: two programs an SM at 128
   registers), TMA operands (``tma``), the half-size tail tile (``half_tail``) and 256-wide output
-  tiles at one program an SM, the table's tile with the half-size tail tiles and the row tiles
-  read from a map (``tile_map``), and for down the warp-specialized tile loop (``warp_specialize``)
-  (``moe_candidates``); prints the ``TUNED`` bucket to paste into ``moe_configs.py``. Then the next norm's pass over the down GEMM's output
+  tiles at one program an SM, and the table's tile with the half-size tail tiles and the row
+  tiles read from a map (``tile_map``) (``moe_candidates``); prints the ``TUNED`` bucket to paste
+  into ``moe_configs.py``. Then the next norm's pass over the down GEMM's output
   (``moe_combine_add_rms_norm``), the rest of the layer's MoE time at prefill.
 - Attention prefill at 8k tokens, head_dim 128 (target 350 TFLOP/s) and 256: the default tiles,
   capped at 128 registers (two programs an SM, ``PREFILL_MAX_REGISTERS``), and at 128-key tiles.
@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_prefill import HKV, HQ, attention_flops, attention_inputs, rel_diff  # noqa: E402
 
 from freetoken.kernels.triton import attention, moe  # noqa: E402
-from freetoken.kernels.triton.moe_configs import OPTION_BASE, C, GemmConfig, config_source, moe_gemm_config  # noqa: E402
+from freetoken.kernels.triton.moe_configs import OPTION_BASE, GemmConfig, config_source, moe_gemm_config  # noqa: E402
 
 CUDA = torch.device("cuda")
 BF16 = torch.bfloat16
@@ -104,9 +104,6 @@ def moe_candidates(gemm: str, table: GemmConfig) -> list[GemmConfig]:
     if table.persistent:  # the table's tile with the half-size tail tiles and the tile map
         configs += [replace(table, **options) for options in (
             dict(half_tail=True), dict(tile_map=True), dict(half_tail=True, tile_map=True))]
-    if gemm == "down":  # warp-specialized, one 12-warp program an SM (a TMA producer, two MMA groups)
-        configs += [C(128, block_n, 64, 8, 4, stages, persistent=1, tma=True, tile_map=True, warp_specialize=True)
-                    for block_n in (128, 256) for stages in (2, 3, 4)]
     return list(dict.fromkeys(configs))  # the table's may be one of them
 
 

@@ -673,20 +673,18 @@ def _down_persistent_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     SHARED: tl.constexpr, TMA: tl.constexpr, HALF_TAIL: tl.constexpr, TILE_MAP: tl.constexpr,
-    HAS_SLOTS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    HAS_SLOTS: tl.constexpr,
 ):
     """``_down_kernel``'s tiles, a program looping over every ``num_programs``-th (GemmConfig.persistent);
     ``TMA``: the operands through the descriptors (``_down_block_tma``; ``h_half_desc``: ``h``'s of
     ``BLOCK_M // 2`` rows), else through pointers; ``HALF_TAIL``: a routed tile of at most
     ``BLOCK_M // 2`` pairs (an expert's last) as a ``BLOCK_M // 2``-row tile; ``TILE_MAP``: the row
-    tiles from ``tile_map``'s ``map_ptr``; ``WARP_SPECIALIZE``: the tile loop split by Triton into a TMA
-    producer and MMA consumer warp groups (``GemmConfig.warp_specialize``)."""
+    tiles from ``tile_map``'s ``map_ptr``."""
     starts, ends, tiles_end, routed = _persistent_tiles(offsets_ptr, map_ptr, map_tiles, num_experts, BLOCK_M,
                                                         BLOCK_E, TILE_MAP)
     row_tiles = routed + shared_tiles
     col_blocks = tl.cdiv(hidden, BLOCK_N)
-    for work in tl.range(tl.program_id(0), row_tiles * col_blocks, tl.num_programs(0),
-                         warp_specialize=WARP_SPECIALIZE):
+    for work in tl.range(tl.program_id(0), row_tiles * col_blocks, tl.num_programs(0)):
         tile, col_block = _group_index(work, row_tiles, col_blocks, GROUP_M)
         if SHARED and tile < shared_tiles:
             tokens = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -875,7 +873,6 @@ def down(
             GROUP_M=config.group_m, BLOCK_E=pow2(num_experts), EVEN_K=inter % config.block_k == 0,
             PRECISION=dot_precision(h.dtype), SHARED=shared is not None, TMA=tma, HALF_TAIL=config.half_tail,
             TILE_MAP=config.tile_map, HAS_SLOTS=expert_slots is not None,
-            WARP_SPECIALIZE=config.warp_specialize and tma,
             num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.max_registers or None,
         )
         return

@@ -51,12 +51,6 @@ class GemmConfig:
     # launch writes (``moe.tile_map``) instead of reduced from all experts' offsets by every tile
     # (three reductions across the warps a tile, each with a barrier).
     tile_map: bool = False
-    # The down GEMM's persistent tile loop split by Triton (``tl.range(warp_specialize=True)``) into a
-    # producer warp group issuing the TMA loads and consumer warp groups running the MMAs and the
-    # epilogue, so a tile's loads run under the previous tile's epilogue. Triton 3.6's Hopper
-    # partitioner takes only a plain matmul loop: TMA operands, the row tiles from the map, no tail
-    # tiles (it fails on the offsets' reductions and on a second, smaller tile). 4 warps a group.
-    warp_specialize: bool = False
 
     def __post_init__(self) -> None:
         if (self.tma or self.max_registers or self.half_tail or self.tile_map) and not self.persistent:
@@ -65,8 +59,6 @@ class GemmConfig:
             )
         if self.half_tail and self.block_m < 32:
             raise ValueError(f"GemmConfig.half_tail needs block_m >= 32 (a dot takes 16 rows or more), got {self}")
-        if self.warp_specialize and not (self.tma and self.tile_map and not self.half_tail and self.num_warps == 4):
-            raise ValueError(f"GemmConfig.warp_specialize needs tma, tile_map, no half_tail and 4 warps, got {self}")
 
 
 C = GemmConfig
@@ -121,8 +113,9 @@ TUNED: dict[tuple[str, int, int, int], Buckets] = {
         (96, C(64, 128, 64, 4, 4, 3)),
         (181, C(128, 128, 64, 8, 8, 3)),  # T=4096: 255 us, 270 TFLOP/s
         # T=8192: 341.1 us, 402.9 TFLOP/s, 4 warps and the half-size tail tiles (the earlier 8-warp
-        # entry without them 372.2 us in the same run; benchmarks/prefill_sweep.py)
-        (float("inf"), C(128, 128, 64, 8, 4, 3, persistent=2, tma=True, half_tail=True)),
+        # entry without them 372.2 us in the same run; benchmarks/prefill_sweep.py); the row tiles
+        # from the map: 335.8 against 339.0 us in one H200 run, 381.5 against 384.3 on an H100
+        (float("inf"), C(128, 128, 64, 8, 4, 3, persistent=2, tma=True, half_tail=True, tile_map=True)),
     ),
 }
 
@@ -145,7 +138,6 @@ def fit_to_dtype(config: GemmConfig, dtype: torch.dtype) -> GemmConfig:
     """``config`` as it runs for ``dtype`` (and under the interpreter): the tables hold bf16 tiles."""
     if INTERPRETED:  # few, large programs: the interpreter's cost is per program and operation
         return replace(config, block_m=min(config.block_m, 64), block_n=128, block_k=256, num_stages=1)
-    if dtype == torch.float32:  # float32 tiles are narrower to fit shared memory; the bf16 warp specialization
-        return replace(config, block_m=min(config.block_m, 64), block_n=64, block_k=32, num_warps=4, num_stages=2,
-                       warp_specialize=False)
+    if dtype == torch.float32:  # float32 tiles are narrower to fit shared memory
+        return replace(config, block_m=min(config.block_m, 64), block_n=64, block_k=32, num_warps=4, num_stages=2)
     return config

@@ -1,8 +1,8 @@
 """Issue 10's prefill kernel options (chosen by benchmarks/prefill_sweep.py) against the torch
 references at the model's sizes: the persistent grouped GEMMs, their TMA operands, half-size tail
-tiles and 256-wide tiles (``GemmConfig.persistent``, ``tma``, ``half_tail``, ``tile_map``,
-``warp_specialize``), the attention prefill
-at head_dim 256 and 128 with the register cap (``PREFILL_MAX_REGISTERS``) and other tiles."""
+tiles, 256-wide tiles and the row tiles from a map (``GemmConfig.persistent``, ``tma``,
+``half_tail``, ``tile_map``), the attention prefill at head_dim 256 and 128 with the register cap
+(``PREFILL_MAX_REGISTERS``) and other tiles."""
 
 from __future__ import annotations
 
@@ -24,8 +24,7 @@ HQ, HKV, PAGE = 16, 2, 16
 
 # The T=8192 configurations' options (benchmarks/prefill_sweep.py's moe_candidates): TMA operands,
 # the half-size tail tile, two or three 4-warp programs an SM, the 256-wide output tile at one
-# program an SM (bf16 only: float32 tiles are narrowed), the row tiles from a map, the warp-specialized
-# down GEMM
+# program an SM (bf16 only: float32 tiles are narrowed), the row tiles from a map
 OPTIONS = {
     "pointers": dict(tma=False),
     "tma": dict(tma=True),
@@ -37,8 +36,6 @@ OPTIONS = {
     "wide_tma_half_tail": dict(tma=True, half_tail=True, persistent=1, max_registers=0, wide=True),
     "tma_half_tail_map": dict(tma=True, half_tail=True, tile_map=True),
     "map": dict(tma=False, tile_map=True),
-    "warp_specialized": dict(tma=True, tile_map=True, warp_specialize=True, num_warps=4, persistent=1,
-                             max_registers=0),
 }
 
 
@@ -50,8 +47,7 @@ def _option_config(gemm: str, dtype: torch.dtype, option: dict):
     config = fit_to_dtype(OPTION_BASE[gemm], dtype)
     if option.pop("wide", False):
         option["block_n"] = 2 * config.block_n if gemm == "gate_up" else 256
-    config = replace(config, **{"persistent": 2, "max_registers": 128, **option})
-    return replace(config, warp_specialize=False) if dtype == torch.float32 else config  # as fit_to_dtype
+    return replace(config, **{"persistent": 2, "max_registers": 128, **option})
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -123,17 +123,19 @@ def test_fused_experts_grouped_tiles(rng, monkeypatch, hidden, block_k, persiste
     assert_close(moe.fused_experts(x, w13, w2, weights, ids), ref.fused_experts_reference(x, w13, w2, weights, ids))
 
 
-# one program per tile; a persistent launch through pointers; through TMA descriptors
-@pytest.mark.parametrize("persistent,tma", [(0, False), (3, False), (3, True)])
+# one program per tile; a persistent launch through pointers; through TMA descriptors, the row
+# tiles scanned or from the map
+@pytest.mark.parametrize("persistent,tma,tile_map", [(0, False, False), (3, False, False), (3, True, False),
+                                                     (3, True, True)])
 @pytest.mark.parametrize("rows", [11, 4])  # an expert cache larger and smaller than the layer's experts
-def test_fused_experts_expert_slots(rng, monkeypatch, persistent, tma, rows):
+def test_fused_experts_expert_slots(rng, monkeypatch, persistent, tma, tile_map, rows):
     """``expert_slots``: each expert's weights at its slot of tensors of ``rows`` experts (the
     expert cache's), other slots holding other weights; experts no token routes have slot -1."""
     from freetoken.kernels.triton.moe_configs import GemmConfig
 
     moe = _triton()
     config = GemmConfig(block_m=16, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1,
-                        persistent=persistent, tma=tma)
+                        persistent=persistent, tma=tma, tile_map=tile_map)
     monkeypatch.setattr(moe, "moe_gemm_config", lambda *args: config)
     e, k, tokens, hidden, inter = 7, 2, 29, 64, 48
     routed = min(rows, 4)  # the experts the tokens route to
@@ -181,39 +183,11 @@ def test_gemm_config_half_tail_needs_32_rows():
         GemmConfig(16, 64, 64, 8, 4, 3, persistent=2, half_tail=True)
 
 
-def test_fused_experts_warp_specialized_down(rng, monkeypatch):
-    """``GemmConfig.warp_specialize`` (the down GEMM's tile loop in Triton's producer / consumer warp
-    groups on sm_90; the same arithmetic elsewhere): TMA operands, the row tiles from the map, with
-    expert slots, experts of 0 to 40 pairs in 16-row tiles."""
-    from freetoken.kernels.triton.moe_configs import GemmConfig
-
-    moe = _triton()
-    config = GemmConfig(block_m=16, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=2,
-                        persistent=2, tma=True, tile_map=True, warp_specialize=True)
-    monkeypatch.setattr(moe, "moe_gemm_config", lambda *args: config)
-    e, k, hidden, inter = 6, 2, 64, 48
-    flat = torch.tensor([1] * 5 + [2] * 16 + [3] * 17 + [5] * 40, dtype=torch.int32)
-    tokens = flat.shape[0] // k
-    ids = torch.stack([flat[:tokens], flat[tokens:]], 1)[torch.randperm(tokens, generator=rng)].to(DEVICE)
-    x = torch.randn(tokens, hidden, generator=rng).to(DEVICE)
-    w13, w2 = _experts(rng, torch.float32, e, hidden, inter)
-    weights = torch.softmax(torch.randn(tokens, k, generator=rng), -1).to(DEVICE)
-    assert_close(moe.fused_experts_pairs(x, w13, w2, weights, ids),
-                 ref.fused_experts_pairs_reference(x, w13, w2, weights, ids))
-    slots = torch.randperm(e, generator=rng).int().to(DEVICE)
-    assert_close(moe.fused_experts(x, w13, w2, weights, ids, slots),
-                 ref.fused_experts_reference(x, w13, w2, weights, ids, slots))
-
-
-def test_gemm_config_warp_specialize_and_tile_map_need_their_options():
+def test_gemm_config_tile_map_needs_persistent():
     from freetoken.kernels.triton.moe_configs import GemmConfig
 
     with pytest.raises(ValueError, match="tile_map need persistent"):
         GemmConfig(64, 64, 64, 8, 4, 3, tile_map=True)
-    with pytest.raises(ValueError, match="warp_specialize needs tma, tile_map"):
-        GemmConfig(128, 128, 64, 8, 4, 3, persistent=1, tma=True, warp_specialize=True)
-    with pytest.raises(ValueError, match="warp_specialize needs tma, tile_map"):
-        GemmConfig(128, 128, 64, 8, 8, 3, persistent=1, tma=True, tile_map=True, warp_specialize=True)
 
 
 def test_tile_map_lists_every_row_tile_and_their_count(rng):
