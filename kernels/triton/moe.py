@@ -317,12 +317,8 @@ def _tile_map_kernel(offsets_ptr, tiles_ptr, num_experts, num_row_tiles, BLOCK_M
     to eight K steps, and that scan, with its reductions across the warps, was a large part of it."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     e = tl.arange(0, BLOCK_E)
-    e_ok = e < num_experts
-    starts = tl.load(offsets_ptr + e, mask=e_ok, other=0)
-    ends = tl.load(offsets_ptr + e + 1, mask=e_ok, other=0)
-    tiles_end = tl.cumsum((ends - starts + BLOCK_M - 1) // BLOCK_M, 0)  # tiles of experts <= e
-    real_tiles = tl.max(tiles_end, 0)
-    tiles_end = tl.where(e_ok, tiles_end, 1 << 30)
+    starts, ends, tiles_end, real_tiles = _expert_tiles(offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
+    tiles_end = tl.where(e < num_experts, tiles_end, 1 << 30)
     expert = tl.sum((tiles_end[None, :] <= t[:, None]).to(tl.int32), 1)
     mine = e[None, :] == expert[:, None]
     tiles_before = tl.sum(tl.where(e[None, :] == expert[:, None] - 1, tiles_end[None, :], 0), 1)
@@ -863,7 +859,7 @@ def down(
             TensorDescriptor.from_tensor(w2.view(-1, inter), [config.block_n, config.block_k]),
             TensorDescriptor.from_tensor(ws.reshape(-1, inter), [config.block_n, config.block_k]),
             TensorDescriptor.from_tensor(h, [config.block_m // 2, config.block_k]) if config.half_tail else None,
-        ) if tma else (None,) * 4
+        ) if tma else (None, None, None, None)
         _down_persistent_kernel[(_persistent_programs(config, work, h.device),)](
             h, w2, w2.stride(0), w2.stride(1), order, offsets, slots, topk_weights, y,
             hidden, inter, num_experts,

@@ -190,7 +190,7 @@ def test_gemm_config_tile_map_needs_persistent():
         GemmConfig(64, 64, 64, 8, 4, 3, tile_map=True)
 
 
-def test_tile_map_lists_every_row_tile_and_their_count(rng):
+def test_tile_map_lists_every_row_tile_and_their_count():
     """``tile_map``: each real row tile's (expert, first pair, end) as ``_tile_of`` finds them, the
     tiles past them on ``num_experts``, and their count last."""
     moe = _triton()
