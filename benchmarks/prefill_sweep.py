@@ -10,6 +10,9 @@ entries to apply (one call, ~1 min with cold Triton caches):
   tiles read from a map (``tile_map``) (``moe_candidates``); prints the ``TUNED`` bucket to paste
   into ``moe_configs.py``. Then the next norm's pass over the down GEMM's output
   (``moe_combine_add_rms_norm``), the rest of the layer's MoE time at prefill.
+- The peer in the same run: each MoE GEMM through ``torch._grouped_mm`` (CUTLASS's warp-specialized
+  TMA grouped GEMM on sm_90, what PyTorch ships for MoE layers), fed and compared as ours
+  (``grouped_mm_peer``).
 - Attention prefill at 8k tokens, head_dim 128 (target 350 TFLOP/s) and 256: the default tiles,
   capped at 128 registers (two programs an SM, ``PREFILL_MAX_REGISTERS``), and at 128-key tiles.
 
@@ -140,6 +143,8 @@ def moe_sweep(tokens: int = 8192, gemms: tuple[str, ...] = ("gate_up", "down")) 
 
         variants = {("table " if c == table else "") + config_source(c): variant(c) for c in configs}
         best = compare(f"MoE {gemm} T={tokens}", flops, variants, lambda: launch(state["config"]), result.float)
+        launch(table)
+        grouped_mm_peer(gemm, tokens, flops, x, w13, w2, h, order, offsets, weights, result)
         if best:
             entries.append(f'moe_configs.TUNED[("{gemm}", {hidden}, {inter}, {experts})] last bucket: '
                            f'(float("inf"), {best[0].removeprefix("table ")}),  # T={tokens}: {best[1]:.0f} us, '
@@ -148,6 +153,37 @@ def moe_sweep(tokens: int = 8192, gemms: tuple[str, ...] = ("gate_up", "down")) 
     if "down" in gemms:
         combine_row(tokens, top_k, hidden, y.view(tokens, top_k, hidden))
     return entries
+
+
+def grouped_mm_peer(gemm: str, tokens: int, flops: int, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                    h: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor,
+                    reference: torch.Tensor) -> None:
+    """``gemm`` through ``torch._grouped_mm`` on the same sorted pairs, compared with ``reference``
+    (the table's output). Gate/up: the pairs' token rows gathered first (our kernel reads them in
+    place), the GEMM, then SiLU-and-mul (our epilogue): the GEMM alone and all three are timed.
+    Down: the GEMM alone, its rows (sorted pairs) weighted and put in pair order untimed, which a
+    combine reading the pairs through the sort could do on the way."""
+    if not hasattr(torch, "_grouped_mm"):
+        print(f"| MoE {gemm} T={tokens} | torch._grouped_mm | not in this torch | | |", flush=True)
+        return
+    ends, pairs = offsets[1:], order.long()
+    top_k = pairs.numel() // tokens
+    if gemm == "gate_up":
+        w, rows = w13.transpose(1, 2), x[pairs // top_k]
+        runs = {"torch._grouped_mm (CUTLASS), the GEMM alone": lambda: torch._grouped_mm(rows, w, offs=ends),
+                "torch._grouped_mm (CUTLASS), gather + GEMM + SiLU-and-mul":
+                    lambda: moe.silu_and_mul(torch._grouped_mm(x[pairs // top_k], w, offs=ends))}
+        out = runs["torch._grouped_mm (CUTLASS), gather + GEMM + SiLU-and-mul"]()
+    else:
+        w = w2.transpose(1, 2)
+        runs = {"torch._grouped_mm (CUTLASS)": lambda: torch._grouped_mm(h, w, offs=ends)}
+        sorted_out = runs["torch._grouped_mm (CUTLASS)"]()
+        out = torch.empty_like(reference)
+        out[pairs] = (sorted_out.float() * weights.reshape(-1)[pairs, None].float()).to(out.dtype)
+    diff = rel_diff(out, reference)
+    for name, run in runs.items():
+        us = median_us(run)
+        print(f"| MoE {gemm} T={tokens} | {name} | {us:.1f} | {flops / us / 1e6:.1f} | {diff:.1e} |", flush=True)
 
 
 def combine_row(tokens: int, top_k: int, hidden: int, pairs: torch.Tensor) -> None:
