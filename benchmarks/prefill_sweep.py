@@ -169,11 +169,12 @@ def grouped_mm_peer(gemm: str, tokens: int, flops: int, x: torch.Tensor, w13: to
     ends, pairs = offsets[1:], order.long()
     top_k = pairs.numel() // tokens
     if gemm == "gate_up":
-        w, rows = w13.transpose(1, 2), x[pairs // top_k]
+        w, token_of_pair = w13.transpose(1, 2), pairs // top_k
+        rows = x[token_of_pair]
+        whole = "torch._grouped_mm (CUTLASS), gather + GEMM + SiLU-and-mul"
         runs = {"torch._grouped_mm (CUTLASS), the GEMM alone": lambda: torch._grouped_mm(rows, w, offs=ends),
-                "torch._grouped_mm (CUTLASS), gather + GEMM + SiLU-and-mul":
-                    lambda: moe.silu_and_mul(torch._grouped_mm(x[pairs // top_k], w, offs=ends))}
-        out = runs["torch._grouped_mm (CUTLASS), gather + GEMM + SiLU-and-mul"]()
+                whole: lambda: moe.silu_and_mul(torch._grouped_mm(x[token_of_pair], w, offs=ends))}
+        out = runs[whole]()
     else:
         w = w2.transpose(1, 2)
         runs = {"torch._grouped_mm (CUTLASS)": lambda: torch._grouped_mm(h, w, offs=ends)}
