@@ -6,7 +6,7 @@
 
 ``--off`` / ``--on`` name the switches to set False / True (none: the defaults); everything after
 ``--`` goes to ``freetoken bench`` unchanged. The folds (``route``, ``conv``, ``gated``,
-``decode_norm``, ``greedy``).
+``decode_norm``, ``greedy``) and the shared expert's gate/up in the MoE routing launch (``shared_route``).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from dataclasses import replace
 
 # name -> (module, its switch)
 SWITCHES = {
@@ -22,7 +23,15 @@ SWITCHES = {
     "gated": ("freetoken.layers.gated_deltanet", "FUSED_OUTPUT_NORM"),
     "decode_norm": ("freetoken.layers.gated_deltanet", "FUSED_DECODE_NORM"),
     "greedy": ("freetoken.engine.sample", "FUSED_GREEDY"),
+    "shared_route": ("freetoken.kernels.triton.moe_decode", "TILES.shared_in_route"),
 }
+
+
+def set_switch(module_name: str, switch: str, value: bool) -> None:
+    """Set a module's switch, or with ``NAME.field`` a field of its frozen dataclass ``NAME``."""
+    module = importlib.import_module(module_name)
+    name, _, field = switch.partition(".")
+    setattr(module, name, replace(getattr(module, name), **{field: value}) if field else value)
 
 
 def main() -> int:
@@ -34,8 +43,7 @@ def main() -> int:
     args = parser.parse_args(argv[:split])
     for names, value in ((args.off, False), (args.on, True)):
         for name in names:
-            module, switch = SWITCHES[name]
-            setattr(importlib.import_module(module), switch, value)
+            set_switch(*SWITCHES[name], value)
     print(f"off: {', '.join(args.off) or 'none'}; on: {', '.join(args.on) or 'none'}", flush=True)
     from freetoken.cli import main as cli
 

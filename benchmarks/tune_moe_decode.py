@@ -51,6 +51,8 @@ CANDIDATES = [
     replace(moe_decode.TILES, down_block_n=8, down_block_k=512),
     replace(moe_decode.TILES, down_block_n=16, down_block_k=128, down_warps=4),
     replace(moe_decode.TILES, gate_up_warps=4, down_block_n=16, down_block_k=128, down_warps=4),
+    replace(moe_decode.TILES, shared_in_route=False),
+    replace(moe_decode.TILES, shared_block_n=2),
 ]
 
 Block = Callable[[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]], torch.Tensor]
@@ -67,7 +69,8 @@ def layer_weights(gen: torch.Generator) -> tuple[torch.Tensor, ...]:
 def label(tiles: DecodeTiles) -> str:
     t = tiles
     return (f"gate/up {t.gate_up_block_n}x{t.gate_up_block_k} p{t.gate_up_pairs} w{t.gate_up_warps}, "
-            f"down {t.down_block_n}x{t.down_block_k} w{t.down_warps}{', pdl' if t.pdl else ''}")
+            f"down {t.down_block_n}x{t.down_block_k} w{t.down_warps}{', pdl' if t.pdl else ''}"
+            f"{f', shared in route x{t.shared_block_n}' if t.shared_in_route else ''}")
 
 
 def variants() -> list[tuple[str, dict | None, Block]]:

@@ -9,9 +9,12 @@ Qwen3.6-35B-A3B shape, 13 us at the H200's bandwidth):
 1. ``_route_kernel``, one program per token: softmax and top-k over its router logits (lowest
    index among ties, as the general kernel), optionally renormalized; writes the float32 routing
    weights and int32 expert ids. Done once here, the eight dependent reductions no longer delay
-   every gate/up program's first weight load (docs/benchmarks.md, issue 9).
-2. ``_gate_up_kernel``, one program per (``gate_up_pairs`` consecutive (token, choice or shared
-   expert) pairs, block of intermediate columns): loads its pairs' expert ids and streams their gate
+   every gate/up program's first weight load (docs/benchmarks.md, issue 9). Beside it
+   (``DecodeTiles.shared_in_route``), one-warp programs compute the shared expert's ``silu(gate) ·
+   up``, which needs no routing: they load its weight rows before waiting for the router's launch,
+   whose small GEMV leaves HBM mostly idle, so the shared expert's 4 MB leave the gate/up pass.
+2. ``_gate_up_kernel``, one program per (``gate_up_pairs`` consecutive (token, choice, or shared
+   expert where launch 1 did not run it) pairs, block of intermediate columns): loads its pairs' expert ids and streams their gate
    and up rows as one gathered ``[pairs, block_n, block_k]`` load each, writing ``silu(gate) · up``.
    No sort: each pair reads its expert's rows, so an expert two tokens share is read twice (from L2
    when they run together); that is why the layers take this path only for a few tokens
@@ -27,8 +30,8 @@ output: the gate/up programs are resident when the routing is done, and the down
 their weights while the gate/up pass ends. ``DecodeTiles`` sets the launch shapes;
 ``benchmarks/tune_moe_decode.py`` times the candidates on the GPU.
 
-``sparse_moe_decode_routed`` is the block from a routing already made (launches 2 and 3): the
-layer takes it where the router's fused norm + GEMV launch routes in its last program
+``sparse_moe_decode_routed`` is the block from a routing already made (launches 2 and 3, the shared
+expert in launch 2): the layer takes it where the router's fused norm + GEMV launch routes in its last program
 (``kernels/triton/normed_gemv.py``, ``layers.moe.FUSED_ROUTE``), so launch 1 is gone. Every routing
 here, and the grouped path's one-warp top-k, is ``_top_k_rows``.
 
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 import torch
 import triton
@@ -49,6 +53,9 @@ from freetoken.kernels.triton._common import INTERPRETED, cast, device_function,
 
 # One warp routes a token: 256 logits are 8 per lane, and every reduction stays within the warp.
 ROUTE_WARPS = 1
+# The shared expert's programs in the routing launch (one warp each) load at most this many columns
+# of a weight row at a time (2048: Qwen3.6's whole hidden size in one load, 64 values a thread a row).
+SHARED_MAX_K = 2048
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,13 @@ class DecodeTiles:
     down_block_k: int = 256
     down_warps: int = 8
     pdl: bool = True
+    # The shared expert's gate/up rows computed in the routing launch (``shared_in_route``), by one-warp
+    # programs of ``shared_block_n`` gate rows (and their up rows) each beside the routing program,
+    # instead of as one more pair of the gate/up launch. They load their weights before the PDL
+    # wait, i.e. while the router's latency-bound GEMV runs, and the gate/up launch then streams
+    # only the routed experts (at one token 33.6 of 37.7 MB).
+    shared_in_route: bool = True
+    shared_block_n: int = 1
 
     def __post_init__(self) -> None:
         for field in fields(self):
@@ -123,24 +137,67 @@ def _top_k(row_ptr, num_experts, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
 @triton.jit
 def _route_kernel(
     logits_ptr, l_st, topw_ptr, topi_ptr, num_experts,
+    x_ptr, x_st, sw_ptr, sw_sn, h_ptr, h_width, hidden, shared_inter,
     TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr,
+    SHARED: tl.constexpr, SHARED_N: tl.constexpr, SHARED_K: tl.constexpr,
 ):
-    if PDL:  # the router logits are the previous launch's output; the gate/up programs may start
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    """Grid ``(tokens, 1 + shared row blocks)``: program ``(t, 0)`` routes token ``t``; with
+    ``SHARED``, programs ``(t, b > 0)`` compute its shared expert's ``silu(gate) · up`` rows of block
+    ``b - 1`` into its ``h`` row (``_shared_gate_up``)."""
     t = tl.program_id(0)
-    weights, experts = _top_k(logits_ptr + t * l_st, num_experts, TOP_K, RENORMALIZE, BLOCK_E)
-    c = tl.arange(0, BLOCK_E)
-    tl.store(topw_ptr + t * TOP_K + c, weights, mask=c < TOP_K)
-    tl.store(topi_ptr + t * TOP_K + c, experts, mask=c < TOP_K)
+    if tl.program_id(1) == 0:
+        if PDL:  # the router logits are the previous launch's output; the gate/up programs may start
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        weights, experts = _top_k(logits_ptr + t * l_st, num_experts, TOP_K, RENORMALIZE, BLOCK_E)
+        c = tl.arange(0, BLOCK_E)
+        tl.store(topw_ptr + t * TOP_K + c, weights, mask=c < TOP_K)
+        tl.store(topi_ptr + t * TOP_K + c, experts, mask=c < TOP_K)
+    else:
+        if SHARED:
+            _shared_gate_up(x_ptr + t * x_st, sw_ptr, sw_sn, h_ptr + (t.to(tl.int64) * (TOP_K + 1) + TOP_K) * h_width,
+                            tl.program_id(1) - 1, hidden, shared_inter, SHARED_N, SHARED_K, PDL)
 
 
 @device_function
-def _gate_up_pairs(x_ptr, x_st, base, routed, w13_sn, sw_sn, q, q_ok, t, h_ptr, h_width, hidden, inter, shared_inter,
-                   fill_base, fill_ok, PAIRS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   FILL: tl.constexpr):
-    """``silu(gate) · up`` of pairs ``q`` (token ``t``'s routed choice or shared expert, whose
-    ``[2·I, hidden]`` weight starts at ``base``), column block ``program_id(1)``, stored in ``h``.
+def _shared_gate_up(x_row, sw_ptr, sw_sn, h_row, block, hidden, shared_inter,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """``silu(gate) · up`` of the shared expert's rows ``[block · BLOCK_N, ...)`` for one token (its
+    normed input ``x_row``), stored at ``h_row``, rounded as ``_gate_up_pairs`` rounds. The first
+    ``BLOCK_K`` columns of the weight rows are loaded before the PDL wait: no launch writes weights."""
+    n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < shared_inter
+    gate_rows = sw_ptr + n.to(tl.int64)[:, None] * sw_sn
+    up_rows = gate_rows + shared_inter * sw_sn
+    k = tl.arange(0, BLOCK_K)
+    mask = n_ok[:, None] & (k < hidden)[None, :]
+    w_gate = tl.load(gate_rows + k[None, :], mask=mask, other=0.0)
+    w_up = tl.load(up_rows + k[None, :], mask=mask, other=0.0)
+    if PDL:  # x is the router launch's output
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    xv = tl.load(x_row + k, mask=k < hidden, other=0.0).to(tl.float32)[None, :]
+    acc_gate = tl.sum(w_gate.to(tl.float32) * xv, 1)
+    acc_up = tl.sum(w_up.to(tl.float32) * xv, 1)
+    for k0 in range(BLOCK_K, hidden, BLOCK_K):
+        kk = k0 + k
+        mask = n_ok[:, None] & (kk < hidden)[None, :]
+        xv = tl.load(x_row + kk, mask=kk < hidden, other=0.0).to(tl.float32)[None, :]
+        acc_gate += tl.sum(tl.load(gate_rows + kk[None, :], mask=mask, other=0.0).to(tl.float32) * xv, 1)
+        acc_up += tl.sum(tl.load(up_rows + kk[None, :], mask=mask, other=0.0).to(tl.float32) * xv, 1)
+    dtype = h_row.dtype.element_ty
+    gate = round_as(acc_gate, dtype)
+    h = round_as(gate * tl.sigmoid(gate), dtype) * round_as(acc_up, dtype)
+    tl.store(h_row + n, cast(h, dtype), mask=n_ok)
+
+
+@device_function
+def _gate_up_pairs(x_ptr, x_st, base, routed, w13_sn, sw_sn, h_row, q_ok, t, h_ptr, h_width, hidden, inter,
+                   shared_inter, fill_base, fill_ok, PAIRS: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, FILL: tl.constexpr):
+    """``silu(gate) · up`` of the pairs of ``q_ok`` (token ``t``'s routed choice or shared expert, whose
+    ``[2·I, hidden]`` weight starts at ``base``), column block ``program_id(1)``, stored in ``h``'s
+    rows ``h_row``.
     ``FILL`` (the offloaded block's read-through fill): the pairs of ``fill_ok`` also store the
     weight tiles they loaded at ``fill_base`` (a cache slot, with the same strides)."""
     row_st = tl.where(routed, w13_sn, sw_sn).to(tl.int64)
@@ -170,7 +227,7 @@ def _gate_up_pairs(x_ptr, x_st, base, routed, w13_sn, sw_sn, q, q_ok, t, h_ptr, 
     dtype = h_ptr.dtype.element_ty
     gate = round_as(acc_gate, dtype)
     h = round_as(gate * tl.sigmoid(gate), dtype) * round_as(acc_up, dtype)
-    tl.store(h_ptr + q.to(tl.int64)[:, None] * h_width + n[None, :], cast(h, dtype), mask=n_ok)
+    tl.store(h_ptr + h_row.to(tl.int64)[:, None] * h_width + n[None, :], cast(h, dtype), mask=n_ok)
 
 
 @triton.jit
@@ -178,20 +235,25 @@ def _gate_up_kernel(
     x_ptr, x_st, w13_ptr, w13_se, w13_sn, sw_ptr, sw_sn, topi_ptr, h_ptr, h_width,
     num_pairs, hidden, inter, shared_inter,
     TOP_K: tl.constexpr, PAIRS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    SHARED: tl.constexpr,
 ):
+    """``SHARED``: the pairs include each token's shared expert (``num_pairs`` = tokens x (TOP_K + 1));
+    else only the routed choices (tokens x TOP_K: the routing launch computed the shared rows)."""
     if PDL:  # the expert ids are the routing launch's output; the down programs may start
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    # Pair q = t·(TOP_K + 1) + j: token t's choice j, or its shared expert at j = TOP_K.
+    # Pair q: token t's choice j, or with SHARED its shared expert at j = TOP_K; h row t·(TOP_K + 1) + j.
+    PER_TOKEN: tl.constexpr = TOP_K + 1 if SHARED else TOP_K
     q = tl.program_id(0) * PAIRS + tl.arange(0, PAIRS)
     q_ok = q < num_pairs
-    t = q // (TOP_K + 1)
-    j = q % (TOP_K + 1)
+    t = q // PER_TOKEN
+    j = q % PER_TOKEN
     routed = j < TOP_K
     expert = tl.load(topi_ptr + t * TOP_K + j, mask=q_ok & routed, other=0).to(tl.int64)
     base = tl.where(routed, w13_ptr + expert * w13_se, sw_ptr)
-    _gate_up_pairs(x_ptr, x_st, base, routed, w13_sn, sw_sn, q, q_ok, t, h_ptr, h_width, hidden, inter, shared_inter,
-                   base, routed, PAIRS, BLOCK_N, BLOCK_K, False)
+    h_row = t * (TOP_K + 1) + j
+    _gate_up_pairs(x_ptr, x_st, base, routed, w13_sn, sw_sn, h_row, q_ok, t, h_ptr, h_width, hidden, inter,
+                   shared_inter, base, routed, PAIRS, BLOCK_N, BLOCK_K, False)
 
 
 @device_function
@@ -266,22 +328,43 @@ def _pdl_available() -> bool:
     return target.backend == "cuda" and target.arch >= 90
 
 
+class SharedInRoute(NamedTuple):
+    """The shared expert's gate/up, computed in the routing launch (``DecodeTiles.shared_in_route``):
+    the block's normed input ``x [T, hidden]``, ``shared_gate_up [2·Is, hidden]``, the ``h`` buffer
+    ``[T·(top_k + 1), width]`` whose rows ``t·(top_k + 1) + top_k`` receive it, and the rows a program."""
+
+    x: torch.Tensor
+    shared_gate_up: torch.Tensor
+    h: torch.Tensor
+    block_n: int
+
+
 def route(
-    gate_logits: torch.Tensor, num_experts: int, top_k: int, renormalize: bool, pdl: bool = False
+    gate_logits: torch.Tensor, num_experts: int, top_k: int, renormalize: bool, pdl: bool = False,
+    shared: SharedInRoute | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights [T, top_k] float32, expert ids [T, top_k] int32)`` of the router logits
     ``gate_logits[:, :num_experts]`` (row stride free, unit column stride): ``moe_topk_softmax``'s
     choices, with the weights not yet rounded to the activations' dtype. ``pdl``: launched to start
-    while the previous launch finishes (``DecodeTiles.pdl``)."""
+    while the previous launch finishes (``DecodeTiles.pdl``). ``shared``: the launch also computes
+    the shared expert's gate/up into ``shared.h``."""
     num_tokens = gate_logits.shape[0]
     top_w = new_empty((num_tokens, top_k), torch.float32, gate_logits.device)
     top_i = new_empty((num_tokens, top_k), torch.int32, gate_logits.device)
-    if num_tokens:
-        _route_kernel[(num_tokens,)](
-            gate_logits, gate_logits.stride(0), top_w, top_i, num_experts,
-            TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=pow2(num_experts), PDL=pdl, num_warps=ROUTE_WARPS,
-            launch_pdl=pdl,
-        )
+    if not num_tokens:
+        return top_w, top_i
+    if shared is None:
+        x, sw, h, blocks, hidden, shared_inter, block_n = gate_logits, gate_logits, top_w, 0, 0, 0, 1
+    else:
+        x, sw, h = shared.x, shared.shared_gate_up, shared.h
+        hidden, shared_inter, block_n = x.shape[1], sw.shape[0] // 2, shared.block_n
+        blocks = triton.cdiv(shared_inter, block_n)
+    _route_kernel[(num_tokens, 1 + blocks)](
+        gate_logits, gate_logits.stride(0), top_w, top_i, num_experts,
+        x, x.stride(0), sw, sw.stride(0), h, h.stride(0) if shared is not None else 0, hidden, shared_inter,
+        TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=pow2(num_experts), PDL=pdl, SHARED=shared is not None,
+        SHARED_N=block_n, SHARED_K=min(pow2(max(hidden, 1)), SHARED_MAX_K), num_warps=ROUTE_WARPS, launch_pdl=pdl,
+    )
     return top_w, top_i
 
 
@@ -315,8 +398,11 @@ def sparse_moe_decode_tiled(
         return new_empty(x.shape, x.dtype, x.device)
     gate_logits = gate_logits if gate_logits.stride(-1) == 1 else gate_logits.contiguous()
     pdl = tiles.pdl and _pdl_available()
-    top_w, top_i = route(gate_logits, num_experts, top_k, renormalize, pdl)
-    return _experts(x, gate_logits, top_w, top_i, w13, w2, shared_gate_up, shared_down, tiles)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    h = _h_buffer(x, w13, shared_gate_up, top_k)
+    shared = SharedInRoute(x, shared_gate_up.contiguous(), h, tiles.shared_block_n) if tiles.shared_in_route else None
+    top_w, top_i = route(gate_logits, num_experts, top_k, renormalize, pdl, shared)
+    return _experts(x, gate_logits, top_w, top_i, w13, w2, shared_gate_up, shared_down, tiles, h, shared is not None)
 
 
 def sparse_moe_decode_routed(
@@ -358,7 +444,7 @@ def sparse_moe_decode_routed_tiled(
         return new_empty(x.shape, x.dtype, x.device)
     gate_logits = gate_logits if gate_logits.stride(-1) == 1 else gate_logits.contiguous()
     return _experts(x, gate_logits, top_weights.contiguous(), top_ids.contiguous(), w13, w2, shared_gate_up,
-                    shared_down, tiles)
+                    shared_down, tiles, _h_buffer(x, w13, shared_gate_up, top_k), False)
 
 
 def _check(x, gate_logits, w13, w2, shared_gate_up, shared_down, top_k: int, name: str) -> int:
@@ -382,8 +468,19 @@ def _check(x, gate_logits, w13, w2, shared_gate_up, shared_down, top_k: int, nam
     return num_experts
 
 
-def _experts(x, gate_logits, top_w, top_i, w13, w2, shared_gate_up, shared_down, tiles: DecodeTiles) -> torch.Tensor:
-    """The gate/up and down launches over a routing (float32 weights, int32 ids ``[T, top_k]``)."""
+def _h_buffer(x: torch.Tensor, w13: torch.Tensor, shared_gate_up: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The gate/up output ``[T·(top_k + 1), max(I, Is)]``: token ``t``'s choice ``j`` in row
+    ``t·(top_k + 1) + j``, its shared expert's in row ``t·(top_k + 1) + top_k``."""
+    width = max(w13.shape[1], shared_gate_up.shape[0]) // 2
+    return new_empty((x.shape[0] * (top_k + 1), width), x.dtype, x.device)
+
+
+def _experts(
+    x, gate_logits, top_w, top_i, w13, w2, shared_gate_up, shared_down, tiles: DecodeTiles, h: torch.Tensor,
+    shared_done: bool,
+) -> torch.Tensor:
+    """The gate/up and down launches over a routing (float32 weights, int32 ids ``[T, top_k]``) into
+    ``h`` (``_h_buffer``); ``shared_done``: the routing launch computed the shared expert's rows."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter, shared_inter = two_inter // 2, shared_gate_up.shape[0] // 2
@@ -392,14 +489,15 @@ def _experts(x, gate_logits, top_w, top_i, w13, w2, shared_gate_up, shared_down,
     x = x if x.stride(-1) == 1 else x.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()
     shared_gate_up, shared_down = shared_gate_up.contiguous(), shared_down.contiguous()
-    h_width, pairs = max(inter, shared_inter), num_tokens * (top_k + 1)
-    h = new_empty((pairs, h_width), x.dtype, x.device)
+    h_width = h.shape[1]
+    pairs = num_tokens * (top_k if shared_done else top_k + 1)
     pdl = tiles.pdl and _pdl_available()
     _gate_up_kernel[(triton.cdiv(pairs, tiles.gate_up_pairs), triton.cdiv(h_width, tiles.gate_up_block_n))](
         x, x.stride(0), w13, w13.stride(0), w13.stride(1), shared_gate_up, shared_gate_up.stride(0), top_i,
         h, h_width, pairs, hidden, inter, shared_inter,
         TOP_K=top_k, PAIRS=tiles.gate_up_pairs, BLOCK_N=tiles.gate_up_block_n,
-        BLOCK_K=min(pow2(hidden), tiles.gate_up_block_k), PDL=pdl, num_warps=tiles.gate_up_warps, launch_pdl=pdl,
+        BLOCK_K=min(pow2(hidden), tiles.gate_up_block_k), PDL=pdl, SHARED=not shared_done,
+        num_warps=tiles.gate_up_warps, launch_pdl=pdl,
     )
     _down_kernel[(num_tokens, triton.cdiv(hidden, tiles.down_block_n))](
         h, h_width, w2, w2.stride(0), w2.stride(1), shared_down, shared_down.stride(0), top_w, top_i,

@@ -81,6 +81,9 @@ class NVFP4DecodeTiles(DecodeTiles):
     gate_up_regs: int = 0
     down_regs: int = 0
     shared_first: bool = False
+    # The NVFP4 block's shared expert stays in its gate/up pass (``DecodeTiles.shared_in_route`` is the
+    # bf16 block's).
+    shared_in_route: bool = False
 
     def __post_init__(self) -> None:
         counts = ("gate_up_per_sm", "down_per_sm", "gate_up_regs", "down_regs")
@@ -98,6 +101,8 @@ class NVFP4DecodeTiles(DecodeTiles):
                 raise ValueError(f"NVFP4DecodeTiles.{name} must be at least {GROUP}, got {getattr(self, name)}")
         if self.fuse_route and not (self.gate_up_per_sm and self.down_per_sm):
             raise ValueError("NVFP4DecodeTiles.fuse_route needs both passes as streams (gate_up_per_sm, down_per_sm > 0)")
+        if self.shared_in_route:
+            raise ValueError("NVFP4DecodeTiles.shared_in_route: the NVFP4 block computes its shared expert in its gate/up pass")
         if self.shared_first and not self.gate_up_per_sm:
             raise ValueError("NVFP4DecodeTiles.shared_first needs gate/up as a stream (gate_up_per_sm > 0)")
 

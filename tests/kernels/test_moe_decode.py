@@ -43,6 +43,10 @@ TILE_CASES = [
     dict(gate_up_block_n=16, gate_up_block_k=16, gate_up_pairs=4, gate_up_warps=4, down_block_n=4, down_block_k=32,
          pdl=False),
     dict(gate_up_block_n=2, gate_up_block_k=4096, gate_up_pairs=16, down_block_n=2, down_block_k=4096, down_warps=1),
+    # the shared expert's gate/up as pairs of the gate/up launch, and in the routing launch in row
+    # blocks not dividing its 40 rows
+    dict(gate_up_pairs=2, shared_in_route=False),
+    dict(gate_up_pairs=2, shared_block_n=16),
 ]
 
 
@@ -56,6 +60,19 @@ def test_sparse_moe_decode_tiles(rng, dtype, tiles):
     experts, top_k, hidden, inter, shared_inter = 6, 2, 40, 24, 40
     args = _inputs(rng, dtype, 3, experts, hidden, inter, shared_inter)
     got = moe_decode.sparse_moe_decode_tiled(*args, top_k, True, moe_decode.DecodeTiles(**tiles))
+    assert_close(got, ref.sparse_moe_decode_reference(*args, top_k, True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shared_rows_in_the_routing_launch_step_over_the_hidden_size(rng, dtype, monkeypatch):
+    """The routing launch's shared-expert programs loop over the hidden size in steps where it is
+    wider than one load (a ragged last step here); the shared expert wider than the routed ones."""
+    from freetoken.kernels.triton import moe_decode
+
+    monkeypatch.setattr(moe_decode, "SHARED_MAX_K", 16)
+    experts, top_k, hidden, inter, shared_inter = 5, 2, 40, 8, 24
+    args = _inputs(rng, dtype, 2, experts, hidden, inter, shared_inter)
+    got = moe_decode.sparse_moe_decode_tiled(*args, top_k, True, moe_decode.DecodeTiles(shared_block_n=2))
     assert_close(got, ref.sparse_moe_decode_reference(*args, top_k, True))
 
 
