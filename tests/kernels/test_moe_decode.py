@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -123,14 +125,16 @@ def test_sparse_moe_decode_rejects_mismatched_shapes(rng):
 @pytest.mark.parametrize("tokens,renormalize,shared_inter", [(1, True, 24), (3, False, 56)])
 def test_sparse_moe_decode_routed(rng, dtype, tokens, renormalize, shared_inter):
     """From the routing launch's output, the two expert launches give exactly the three-launch
-    block's result, and the reference's."""
-    from freetoken.kernels.triton.moe_decode import route, sparse_moe_decode, sparse_moe_decode_routed
+    block's result where that too runs the shared expert in its gate/up launch (in the routing
+    launch its float32 sums run in another order), and the reference's."""
+    from freetoken.kernels.triton.moe_decode import TILES, route, sparse_moe_decode_routed, sparse_moe_decode_tiled
 
     experts, top_k, hidden, inter = 7, 3, 72, 40
     x, gate_logits, *weights = _inputs(rng, dtype, tokens, experts, hidden, inter, shared_inter)
     top_w, top_i = route(gate_logits, experts, top_k, renormalize)
     got = sparse_moe_decode_routed(x, gate_logits, top_w, top_i, *weights)
-    assert torch.equal(got, sparse_moe_decode(x, gate_logits, *weights, top_k, renormalize))
+    three = sparse_moe_decode_tiled(x, gate_logits, *weights, top_k, renormalize, replace(TILES, shared_in_route=False))
+    assert torch.equal(got, three)
     assert_close(got, ref.sparse_moe_decode_routed_reference(x, gate_logits, top_w, top_i, *weights))
 
 
@@ -178,6 +182,8 @@ def test_moe_block_routes_in_its_router_launch(rng, dtype, monkeypatch):
         dispatch._triton_impl.cache_clear()
     assert calls, "the fused router launch did not run"
     logits, normed, summed = normed_gemv.add_rms_norm_gemv(x, residual, norm.weight, norm.eps, True, block.gate_weight, True)
-    want = moe_decode.sparse_moe_decode(normed, logits[:, : experts + 1], block.w13, block.w2, block.shared_gate_up,
-                                        block.shared_down, top_k, True)
+    # The routed block computes the shared expert in its gate/up launch: the three-launch block too here.
+    tiles = replace(moe_decode.TILES, shared_in_route=False)
+    want = moe_decode.sparse_moe_decode_tiled(normed, logits[:, : experts + 1], block.w13, block.w2,
+                                              block.shared_gate_up, block.shared_down, top_k, True, tiles)
     assert torch.equal(got_residual, summed) and torch.equal(got, want)
