@@ -14,8 +14,9 @@ Qwen3.6-35B-A3B shape, 13 us at the H200's bandwidth):
    up``, which needs no routing: they load its weight rows before waiting for the router's launch,
    whose small GEMV leaves HBM mostly idle, so the shared expert's 4 MB leave the gate/up pass.
 2. ``_gate_up_kernel``, one program per (``gate_up_pairs`` consecutive (token, choice, or shared
-   expert where launch 1 did not run it) pairs, block of intermediate columns): loads its pairs' expert ids and streams their gate
-   and up rows as one gathered ``[pairs, block_n, block_k]`` load each, writing ``silu(gate) · up``.
+   expert where launch 1 did not run it) pairs, block of intermediate columns): loads its pairs'
+   expert ids and streams their gate and up rows as one gathered ``[pairs, block_n, block_k]`` load
+   each, writing ``silu(gate) · up``.
    No sort: each pair reads its expert's rows, so an expert two tokens share is read twice (from L2
    when they run together); that is why the layers take this path only for a few tokens
    (``layers.moe.DECODE_MAX_TOKENS``).
@@ -31,8 +32,8 @@ their weights while the gate/up pass ends. ``DecodeTiles`` sets the launch shape
 ``benchmarks/tune_moe_decode.py`` times the candidates on the GPU.
 
 ``sparse_moe_decode_routed`` is the block from a routing already made (launches 2 and 3, the shared
-expert in launch 2): the layer takes it where the router's fused norm + GEMV launch routes in its last program
-(``kernels/triton/normed_gemv.py``, ``layers.moe.FUSED_ROUTE``), so launch 1 is gone. Every routing
+expert in launch 2): the layer takes it where the router's fused norm + GEMV launch routes in its
+last program (``kernels/triton/normed_gemv.py``, ``layers.moe.FUSED_ROUTE``), so launch 1 is gone. Every routing
 here, and the grouped path's one-warp top-k, is ``_top_k_rows``.
 
 Rounding follows the reference (projections, SiLU, products and the combine rounded to the
