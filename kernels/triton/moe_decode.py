@@ -164,7 +164,7 @@ def _route_kernel(
 def _shared_gate_up(x_row, sw_ptr, sw_sn, h_row, block, hidden, shared_inter,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """``silu(gate) · up`` of the shared expert's rows ``[block · BLOCK_N, ...)`` for one token (its
-    normed input ``x_row``), stored at ``h_row``, rounded as ``_gate_up_pairs`` rounds. The first
+    normed input ``x_row``), stored at ``h_row``. The first
     ``BLOCK_K`` columns of the weight rows are loaded before the PDL wait: no launch writes weights."""
     n = block * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < shared_inter
@@ -187,9 +187,14 @@ def _shared_gate_up(x_row, sw_ptr, sw_sn, h_row, block, hidden, shared_inter,
         acc_gate += tl.sum(tl.load(gate_rows + kk[None, :], mask=mask, other=0.0).to(tl.float32) * xv, 1)
         acc_up += tl.sum(tl.load(up_rows + kk[None, :], mask=mask, other=0.0).to(tl.float32) * xv, 1)
     dtype = h_row.dtype.element_ty
+    tl.store(h_row + n, cast(_silu_and_mul(acc_gate, acc_up, dtype), dtype), mask=n_ok)
+
+
+@device_function
+def _silu_and_mul(acc_gate, acc_up, dtype: tl.constexpr):
+    """``silu(gate) · up`` from the float32 projections, rounded to ``dtype`` where the reference rounds."""
     gate = round_as(acc_gate, dtype)
-    h = round_as(gate * tl.sigmoid(gate), dtype) * round_as(acc_up, dtype)
-    tl.store(h_row + n, cast(h, dtype), mask=n_ok)
+    return round_as(gate * tl.sigmoid(gate), dtype) * round_as(acc_up, dtype)
 
 
 @device_function
@@ -226,8 +231,7 @@ def _gate_up_pairs(x_ptr, x_st, base, routed, w13_sn, sw_sn, h_row, q_ok, t, h_p
         acc_gate += tl.sum(w_gate.to(tl.float32) * xv, 2)
         acc_up += tl.sum(w_up.to(tl.float32) * xv, 2)
     dtype = h_ptr.dtype.element_ty
-    gate = round_as(acc_gate, dtype)
-    h = round_as(gate * tl.sigmoid(gate), dtype) * round_as(acc_up, dtype)
+    h = _silu_and_mul(acc_gate, acc_up, dtype)
     tl.store(h_ptr + h_row.to(tl.int64)[:, None] * h_width + n[None, :], cast(h, dtype), mask=n_ok)
 
 
@@ -362,7 +366,7 @@ def route(
         blocks = triton.cdiv(shared_inter, block_n)
     _route_kernel[(num_tokens, 1 + blocks)](
         gate_logits, gate_logits.stride(0), top_w, top_i, num_experts,
-        x, x.stride(0), sw, sw.stride(0), h, h.stride(0) if shared is not None else 0, hidden, shared_inter,
+        x, x.stride(0), sw, sw.stride(0), h, h.stride(0), hidden, shared_inter,
         TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=pow2(num_experts), PDL=pdl, SHARED=shared is not None,
         SHARED_N=block_n, SHARED_K=min(pow2(max(hidden, 1)), SHARED_MAX_K), num_warps=ROUTE_WARPS, launch_pdl=pdl,
     )
