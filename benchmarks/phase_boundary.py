@@ -17,7 +17,7 @@ captured in a CUDA graph, per phase:
 - ``launches``: the same without PDL;
 - ``persistent, prefetch``: one launch, one program a row block (all resident), the phases separated by
   a grid barrier (an arrival counter a phase, an acquire spin), each program's rows of the next
-  phase loaded before it arrives;
+  phase loaded between its arrival and its spin, so they stream while it waits;
 - ``persistent``: the same with the rows loaded after the barrier;
 
 and the same four with no weights (each phase reads the whole vector and writes its rows): the bare
@@ -83,7 +83,7 @@ def _persistent_kernel(w_ptr, buf_ptr, count_ptr, phases, rows, cols, BLOCK_N: t
                        BLOCK_K: tl.constexpr, HAS_W: tl.constexpr, PREFETCH: tl.constexpr):
     """Every phase in one launch: phase ``i`` reads ``buf[i]`` and writes this program's rows of
     ``buf[i + 1]``, then arrives at ``count[i]`` and spins until every program has. ``PREFETCH``:
-    the next phase's weight rows are loaded before the arrival."""
+    the next phase's weight rows are loaded between the arrival and the spin."""
     nprog = tl.num_programs(0)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
@@ -100,11 +100,16 @@ def _persistent_kernel(w_ptr, buf_ptr, count_ptr, phases, rows, cols, BLOCK_N: t
         x = tl.load(buf_ptr + i * cols + k, mask=k < cols, other=0.0, cache_modifier=".cg").to(tl.float32)
         y = _phase(w_ptr, x, n, k, HAS_W, w)
         tl.store(buf_ptr + (i + 1) * cols + n, y.to(buf_ptr.dtype.element_ty))
+        tl.debug_barrier()  # every thread's stores before the arrival's release
+        tl.atomic_add(count_ptr + i, 1, sem="release", scope="gpu")
+        # The next rows are loaded after the arrival: its release is a MEMBAR.GPU that waits for
+        # every memory operation the thread has in flight, so loads issued before it would land
+        # before the arrival instead of during the wait (session 33's version did that). The spin's
+        # acquire loads (LDG.STRONG.GPU, CCTL.IVALL) leave them in flight.
         if HAS_W and PREFETCH:
             w = tl.load(w_rows + tl.minimum(i + 1, phases - 1) * phase_elems, mask=k_ok, other=0.0)
-        tl.debug_barrier()  # every thread's stores before the arrival's release
-        arrived = tl.atomic_add(count_ptr + i, 1, sem="acq_rel", scope="gpu") + 1
-        while arrived < nprog:
+        arrived = 0
+        while arrived < nprog:  # at least one acquire, the last arrival's too
             arrived = tl.atomic_add(count_ptr + i, 0, sem="acquire", scope="gpu")
 
 
