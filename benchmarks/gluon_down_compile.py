@@ -6,9 +6,7 @@ instructions that show the schedule.
 """
 import argparse
 import os
-import subprocess
 import sys
-import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests", "kernels"))
@@ -22,16 +20,10 @@ import triton  # noqa: E402
 
 import gluon_down_gemm as gluon_down  # noqa: E402
 
-CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
 def report(name, kernel, dump=None):
-    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
-        f.write(kernel.asm["cubin"])
-    usage = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    line = next((l.strip().split("CONSTANT")[0] for l in usage.splitlines() if "REG:" in l), usage[:200])
-    sass = subprocess.run([CUOBJDUMP, "--dump-sass", f.name], capture_output=True, text=True).stdout
-    os.unlink(f.name)
+    line, sass = compile_only.resources_and_sass(kernel)
     ptx = kernel.asm["ptx"]
     ptx_ops = {op: ptx.count(op) for op in ("wgmma.mma_async", "wgmma.wait_group", "cp.async.bulk.tensor",
                                             "mbarrier.try_wait", "mbarrier.arrive", "setmaxnreg", "bar.sync",

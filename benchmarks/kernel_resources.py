@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
-import tempfile
 from dataclasses import replace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,12 +25,10 @@ import compile_only  # noqa: E402
 compile_only.install(90)
 
 import torch  # noqa: E402
-import triton  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from freetoken.kernels.triton import attention, attention_prologue, gated_delta_rule, moe  # noqa: E402
 
-CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 BF16 = torch.bfloat16
 compiled: list[tuple[str, dict, object]] = []
 _run = JITFunction.run
@@ -100,12 +96,7 @@ def prologue(batch: int = 8) -> None:
 
 def report() -> None:
     for name, config, kernel in compiled:
-        with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
-            f.write(kernel.asm["cubin"])
-        usage = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-        line = next((l.strip().split("CONSTANT")[0] for l in usage.splitlines() if "REG:" in l), usage[:120])
-        sass = subprocess.run([CUOBJDUMP, "--dump-sass", f.name], capture_output=True, text=True).stdout
-        os.unlink(f.name)
+        line, sass = compile_only.resources_and_sass(kernel)
         ops = " ".join(f"{op}={sass.count(op)}" for op in ("STL", "HGMMA", "HMMA"))
         print(f"{name:22s} {line} dynamic shared {kernel.metadata.shared} {ops} {config}")
     compiled.clear()

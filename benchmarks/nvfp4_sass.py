@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import subprocess
 import sys
-import tempfile
 from collections import Counter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,12 +29,10 @@ import compile_only  # noqa: E402
 compile_only.install(90)
 
 import torch  # noqa: E402
-import triton  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from freetoken.kernels.triton import nvfp4, nvfp4_decode  # noqa: E402
 
-CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 BF16 = torch.bfloat16
 HIDDEN, EXPERTS, TOP_K, INTER = 2048, 256, 8, 512
 CLASSES = {
@@ -145,12 +141,7 @@ def report(label: str, dump: str | None) -> None:
         if name not in ("_linear_kernel", "_gemv_kernel", "_gate_up_kernel", "_down_kernel", "_gate_up_stream_kernel",
                         "_down_stream_kernel"):
             continue
-        with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
-            f.write(kernel.asm["cubin"])
-        usage = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-        resources = next((l.strip().split("CONSTANT")[0] for l in usage.splitlines() if "REG:" in l), usage[:120])
-        sass = subprocess.run([CUOBJDUMP, "--dump-sass", f.name], capture_output=True, text=True).stdout
-        os.unlink(f.name)
+        resources, sass = compile_only.resources_and_sass(kernel)
         if dump:
             os.makedirs(dump, exist_ok=True)
             with open(os.path.join(dump, f"{label.replace(' ', '_').replace('=', '')}_{name}.sass"), "w") as out:

@@ -9,6 +9,10 @@ the outputs it checks. Pin the Triton version of the GPU host (e.g. 3.6) to chec
 
 from __future__ import annotations
 
+import os
+import subprocess
+import tempfile
+
 import pytest
 
 compile_errors: list[BaseException] = []
@@ -54,6 +58,23 @@ def install(arch: int) -> None:
 
 
 @pytest.hookimpl(hookwrapper=True)
+def resources_and_sass(kernel) -> tuple[str, str]:
+    """A compiled kernel's ``cuobjdump --dump-resource-usage`` line (REG, STACK, SHARED, LOCAL) and
+    its SASS, from the cuobjdump Triton ships (for the benchmarks that read what a kernel became)."""
+    import triton
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    try:
+        usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([cuobjdump, "--dump-sass", f.name], capture_output=True, text=True).stdout
+    finally:
+        os.unlink(f.name)
+    line = next((l.strip().split("CONSTANT")[0] for l in usage.splitlines() if "REG:" in l), usage[:200])
+    return line, sass
+
+
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
