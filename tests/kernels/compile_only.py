@@ -57,7 +57,6 @@ def install(arch: int) -> None:
     JITFunction.run = compile_only_run
 
 
-@pytest.hookimpl(hookwrapper=True)
 def resources_and_sass(kernel) -> tuple[str, str]:
     """A compiled kernel's ``cuobjdump --dump-resource-usage`` line (REG, STACK, SHARED, LOCAL) and
     its SASS, from the cuobjdump Triton ships (for the benchmarks that read what a kernel became)."""
@@ -75,6 +74,7 @@ def resources_and_sass(kernel) -> tuple[str, str]:
     return line, sass
 
 
+@pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
