@@ -8,7 +8,7 @@ load the next phase's weights before the barrier. Whether that pays depends on t
 script measures before anything is built: what a barrier costs against a PDL boundary, and how much
 of a phase's weight stream the early loads hide.
 
-It times a chain of ``--phases`` dependent GEMVs ``y <- W_i y`` (``--rows`` x ``--cols`` bf16, 8 MB
+It times a chain of ``--phases`` dependent GEMVs ``y <- W_i y`` (square, ``--rows`` x ``--rows`` bf16, 8 MB
 each by default: a decode projection's size; the weights of all phases exceed L2, as a step's do),
 captured in a CUDA graph, per phase:
 
@@ -24,7 +24,7 @@ and the same four with no weights (each phase reads the whole vector and writes 
 cost of a boundary. Every variant's last vector is checked against a torch chain of the same
 roundings.
 
-    python benchmarks/phase_boundary.py [--phases 40] [--rows 2048] [--cols 2048] [--json FILE]
+    python benchmarks/phase_boundary.py [--phases 40] [--rows 2048] [--block-n 16] [--json FILE]
 
 On the GPU only: the barrier needs every program resident at once. (The CPU test runs the kernels
 under the interpreter with one program, where the barrier is trivially met.)
