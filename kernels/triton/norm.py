@@ -15,7 +15,7 @@ import triton.language as tl
 
 from freetoken.kernels.norm import check_gate_activation
 from freetoken.kernels.triton._common import cast, new_empty, pow2, round_as, rows_per_program
-from freetoken.kernels.triton.moe_decode import _pdl_available
+from freetoken.kernels.triton.moe_decode import _pdl_available, launch_pdl
 
 
 @triton.jit
@@ -117,7 +117,7 @@ def _launch(
             BLOCK_D=block_d,
             PDL=_pdl_available(),
             num_warps=4 if block_r * block_d <= 1024 else 8,
-            launch_pdl=_pdl_available(),
+            launch_pdl=launch_pdl("norm"),
         )
     return out, summed
 
