@@ -3,13 +3,10 @@
     python benchmarks/b1_fusions_ab.py --off route conv gated greedy -- --preset qwen3.6-35b-a3b \\
         --batch-sizes 1 --max-running-requests 1 --input-len 1024 --output-len 32 --profile-steps 0
     python benchmarks/b1_fusions_ab.py --on decode_norm -- ...
-    python benchmarks/b1_fusions_ab.py --no-pdl norm prologue attention gate_up -- ...
 
 ``--off`` / ``--on`` name the switches to set False / True (none: the defaults); everything after
 ``--`` goes to ``freetoken bench`` unchanged. The folds (``route``, ``conv``, ``gated``,
 ``decode_norm``, ``greedy``) and the shared expert's gate/up in the MoE routing launch (``shared_route``).
-``--no-pdl`` names kernels to launch without programmatic dependent launch
-(``kernels/triton/moe_decode.py``'s ``LAUNCH_WITHOUT_PDL``).
 """
 
 from __future__ import annotations
@@ -18,9 +15,6 @@ import argparse
 import importlib
 import sys
 from dataclasses import replace
-
-from freetoken.kernels.triton import moe_decode
-from freetoken.kernels.triton.moe_decode import PDL_OPTIONAL_KERNELS
 
 # name -> (module, its switch)
 SWITCHES = {
@@ -46,14 +40,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--off", nargs="*", default=[], choices=list(SWITCHES))
     parser.add_argument("--on", nargs="*", default=[], choices=list(SWITCHES))
-    parser.add_argument("--no-pdl", nargs="*", default=[], choices=PDL_OPTIONAL_KERNELS)
     args = parser.parse_args(argv[:split])
     for names, value in ((args.off, False), (args.on, True)):
         for name in names:
             set_switch(*SWITCHES[name], value)
-    moe_decode.LAUNCH_WITHOUT_PDL = frozenset(args.no_pdl)
-    print(f"off: {', '.join(args.off) or 'none'}; on: {', '.join(args.on) or 'none'}; "
-          f"launched without PDL: {', '.join(args.no_pdl) or 'none'}", flush=True)
+    print(f"off: {', '.join(args.off) or 'none'}; on: {', '.join(args.on) or 'none'}", flush=True)
     from freetoken.cli import main as cli
 
     return cli(["bench", *argv[split + 1 :]])

@@ -45,7 +45,7 @@ from freetoken.kernels.triton._common import (
     round_as,
     zeroed_counters,
 )
-from freetoken.kernels.triton.moe_decode import _pdl_available, launch_pdl
+from freetoken.kernels.triton.moe_decode import _pdl_available
 
 # Bound of the grid's split axis: at batch 1, 64 splits x 2 KV heads are about one program per
 # multiprocessor of an H200. No loop is unrolled over it (the merge reads at most FAN_IN partials,
@@ -352,6 +352,6 @@ def paged_decode_attention(
         GROUP=group, BLOCK_Q=block_m // group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_GATE=gate is not None, PRECISION=dot_precision(q.dtype), MAX_SPLITS=MAX_SPLITS,
         FAN_IN=FAN_IN, MERGE_UNROLL=merge_unroll, PREFETCH_PAGES=tiles.prefetch_pages, PDL=_pdl_available(),
-        num_warps=num_warps, num_stages=tiles.num_stages, launch_pdl=launch_pdl("attention"),
+        num_warps=num_warps, num_stages=tiles.num_stages, launch_pdl=_pdl_available(),
     )
     return out

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels.triton._common import cast, new_empty, pow2, round_as, rows_per_program
-from freetoken.kernels.triton.moe_decode import _pdl_available, launch_pdl
+from freetoken.kernels.triton.moe_decode import _pdl_available
 
 
 @triton.jit
@@ -134,6 +134,6 @@ def norm_rotary_store_kv(
         num_tokens, num_q_heads, num_kv_heads, head_dim, eps,
         HALF=half, BLOCK_HALF=pow2(half),
         BLOCK_REST=pow2(head_dim - rotary_dim), BLOCK_D=pow2(head_dim),
-        BLOCK_T=block_t, PDL=_pdl_available(), launch_pdl=launch_pdl("prologue"),
+        BLOCK_T=block_t, PDL=_pdl_available(), launch_pdl=_pdl_available(),
     )
     return out

@@ -43,7 +43,6 @@ activations' dtype). Grids depend only on the token count, so the launches are c
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, fields
 from typing import NamedTuple
 
@@ -334,34 +333,6 @@ def _pdl_available() -> bool:
     return target.backend == "cuda" and target.arch >= 90
 
 
-# Kernels that may launch without the programmatic-dependent-launch attribute where the GPU has it
-# (their code is unchanged: the PDL wait then returns at once). Each waits for the previous launch
-# before any work, so starting early preloads nothing: "norm" (`_rms_norm_kernel`), "prologue"
-# (`_prologue_kernel`), "attention" (`_decode_attention_kernel`), "gate_up" (this module's
-# `_gate_up_kernel`). On an H100 a bare PDL boundary cost 3.3 us against 2.8 us for a plain one
-# (benchmarks/phase_boundary.py, no weights).
-PDL_OPTIONAL_KERNELS = ("norm", "prologue", "attention", "gate_up")
-NO_PDL_ENV = "FREETOKEN_LAUNCH_WITHOUT_PDL"
-
-
-def kernels_from_text(text: str) -> frozenset[str]:
-    """The kernels named in ``"norm,gate_up"`` (``$FREETOKEN_LAUNCH_WITHOUT_PDL``'s form)."""
-    names = frozenset(filter(None, (part.strip() for part in text.split(","))))
-    unknown = sorted(names - set(PDL_OPTIONAL_KERNELS))
-    if unknown:
-        raise ValueError(f"{NO_PDL_ENV}: {', '.join(unknown)} not among {', '.join(PDL_OPTIONAL_KERNELS)}")
-    return names
-
-
-# Those launched without it: none, or those named in $FREETOKEN_LAUNCH_WITHOUT_PDL (an end-to-end A/B).
-LAUNCH_WITHOUT_PDL = kernels_from_text(os.environ.get(NO_PDL_ENV, ""))
-
-
-def launch_pdl(kernel: str) -> bool:
-    """Whether to launch ``kernel`` with programmatic dependent launch (``LAUNCH_WITHOUT_PDL``)."""
-    return _pdl_available() and kernel not in LAUNCH_WITHOUT_PDL
-
-
 class SharedInRoute(NamedTuple):
     """The shared expert's gate/up, computed in the routing launch (``DecodeTiles.shared_in_route``):
     the block's normed input ``x [T, hidden]``, ``shared_gate_up [2·Is, hidden]``, the ``h`` buffer
@@ -531,7 +502,7 @@ def _experts(
         h, h_width, pairs, hidden, inter, shared_inter,
         TOP_K=top_k, PAIRS=tiles.gate_up_pairs, BLOCK_N=tiles.gate_up_block_n,
         BLOCK_K=min(pow2(hidden), tiles.gate_up_block_k), PDL=pdl, SHARED=not shared_done,
-        num_warps=tiles.gate_up_warps, launch_pdl=pdl and launch_pdl("gate_up"),
+        num_warps=tiles.gate_up_warps, launch_pdl=pdl,
     )
     _down_kernel[(num_tokens, triton.cdiv(hidden, tiles.down_block_n))](
         h, h_width, w2, w2.stride(0), w2.stride(1), shared_down, shared_down.stride(0), top_w, top_i,

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from freetoken.kernels.norm import check_gate_activation
 from freetoken.kernels.triton._common import cast, new_empty, pow2, round_as, rows_per_program
-from freetoken.kernels.triton.moe_decode import _pdl_available, launch_pdl
+from freetoken.kernels.triton.moe_decode import _pdl_available
 
 
 @triton.jit
@@ -117,7 +117,7 @@ def _launch(
             BLOCK_D=block_d,
             PDL=_pdl_available(),
             num_warps=4 if block_r * block_d <= 1024 else 8,
-            launch_pdl=launch_pdl("norm"),
+            launch_pdl=_pdl_available(),
         )
     return out, summed
 

@@ -113,18 +113,6 @@ def test_decode_tiles_rejects_a_block_not_a_power_of_two():
         DecodeTiles(down_block_n=12)
 
 
-def test_launch_without_pdl_names_only_kernels_that_wait_first(monkeypatch):
-    from freetoken.kernels.triton import moe_decode
-
-    assert moe_decode.kernels_from_text(" norm, gate_up ,") == {"norm", "gate_up"}
-    assert moe_decode.kernels_from_text("") == frozenset()
-    with pytest.raises(ValueError, match="FREETOKEN_LAUNCH_WITHOUT_PDL: down not among"):
-        moe_decode.kernels_from_text("norm,down")
-    monkeypatch.setattr(moe_decode, "_pdl_available", lambda: True)
-    monkeypatch.setattr(moe_decode, "LAUNCH_WITHOUT_PDL", frozenset({"norm"}))
-    assert not moe_decode.launch_pdl("norm") and moe_decode.launch_pdl("gate_up")
-
-
 def test_sparse_moe_decode_rejects_mismatched_shapes(rng):
     from freetoken.kernels.triton.moe_decode import sparse_moe_decode
 
