@@ -9,9 +9,8 @@ Qwen3.6-35B-A3B shape, and print ``GATED_NORMED_TUNED`` entries:
 3. ``conv``: the GDN input norm + in_proj GEMV, then ``causal_conv1d_decode``, against the launch
    with the conv step in its epilogue (``add_rms_norm_gemv_conv``; ``layers.gated_deltanet.FUSED_CONV``);
 4. ``decode_norm``: the Gated DeltaNet decode step (``_decode_gated_kernel``), then the gated output
-   norm (``_rms_norm_kernel``), against the step with the norm in its epilogue, a program a head
-   (``gated_delta_rule_decode_gated_norm``; ``layers.gated_deltanet.FUSED_DECODE_NORM``), over its
-   warps (``gdn_decode.NORM_NUM_WARPS``);
+   norm (``_rms_norm_kernel``), against the step with the norm in its epilogue, run by the last of a
+   head's programs (``gated_delta_rule_decode_gated_norm``; ``layers.gated_deltanet.FUSED_DECODE_NORM``);
 5. ``greedy``: the sampler's general path at temperature 0 (parameter gathers, ``sample_tokens``,
    the slot scatters) against the one greedy launch (``greedy_sample_into_slots``;
    ``engine.sample.FUSED_GREEDY``), eager as the engine runs it (after the graph).
@@ -193,26 +192,16 @@ def decode_norm(rows: int) -> dict:
     start = states[0].clone()
     want, want_state = unfused(states[0]), states[0].clone()
     states[0].copy_(start)
-    default_warps = gdn_decode.NORM_NUM_WARPS
-    row = dict(part="decode_norm", rows=rows, calls_per_step=30,
-               unfused_us=graph_us(lambda: [unfused(states[i % len(states)]) for i in range(calls)], calls), fused=[])
-    for warps in (4, 8, 16):
-        gdn_decode.NORM_NUM_WARPS = warps
-        states[0].copy_(start)
-        got = fused(states[0])
-        row["fused"].append(dict(num_warps=warps, rel_error=_rel(got, want), state_rel_error=_rel(states[0], want_state),
-                                 differing=int((got != want).sum()),
-                                 us=graph_us(lambda: [fused(states[i % len(states)]) for i in range(calls)], calls)))
-    gdn_decode.NORM_NUM_WARPS = default_warps
-    best = min(row["fused"], key=lambda t: t["us"])
-    row.update(best_warps=best["num_warps"], best_us=best["us"],
-               saving_us_per_step=(row["unfused_us"] - best["us"]) * 30)
+    got = fused(states[0])
+    row = dict(part="decode_norm", rows=rows, calls_per_step=30, rel_error=_rel(got, want),
+               state_rel_error=_rel(states[0], want_state), differing=int((got != want).sum()),
+               unfused_us=graph_us(lambda: [unfused(states[i % len(states)]) for i in range(calls)], calls),
+               fused_us=graph_us(lambda: [fused(states[i % len(states)]) for i in range(calls)], calls))
+    row["saving_us_per_step"] = (row["unfused_us"] - row["fused_us"]) * 30
     print(f"decode_norm rows={rows}: GDN decode, gated norm {row['unfused_us']:6.2f} us | norm in the decode "
-          f"epilogue best {best['us']:6.2f} us ({best['num_warps']} warps; default {default_warps}) | x30 a step: "
-          f"{row['saving_us_per_step']:+.1f} us", flush=True)
-    for t in row["fused"]:
-        print(f"    {t['num_warps']:2d} warps {t['us']:7.2f} us  rel err {t['rel_error']:.2e} ({t['differing']} of "
-              f"{want.numel()} differ), state rel err {t['state_rel_error']:.2e}", flush=True)
+          f"epilogue {row['fused_us']:6.2f} us | x30 a step: {row['saving_us_per_step']:+.1f} us | rel err "
+          f"{row['rel_error']:.2e} ({row['differing']} of {want.numel()} differ), state rel err "
+          f"{row['state_rel_error']:.2e}", flush=True)
     return row
 
 

@@ -11,20 +11,6 @@ from freetoken.kernels.dispatch import op
 from freetoken.kernels.gated_delta_rule import gated_delta_rule_decode_reference
 from freetoken.kernels.norm import gated_rms_norm_reference
 
-# The largest ``pow2(Dk) * pow2(Dv)`` state tile one program of the normed step's Triton launch
-# holds (it owns a head's whole row of value columns; Qwen3.6's heads are 128 x 128).
-NORM_MAX_TILE = 128 * 128
-
-
-def norm_fits_one_program(key_dim: int, value_dim: int) -> bool:
-    """Whether ``gated_delta_rule_decode_gated_norm``'s Triton launch takes heads of this size."""
-    return _pow2(key_dim) * _pow2(value_dim) <= NORM_MAX_TILE
-
-
-def _pow2(n: int) -> int:
-    """The smallest power of two >= ``n`` (the Triton launch's block sizes)."""
-    return 1 << max(int(n) - 1, 0).bit_length()
-
 
 def gated_delta_rule_decode_gated_reference(
     q: torch.Tensor,

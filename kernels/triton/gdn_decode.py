@@ -13,10 +13,13 @@ restores, which run as stream-ordered copies before the forward's first launch),
 starts early only under its predecessor's ``gdc_launch_dependents``.
 
 With ``NORM`` the layer's gated output RMS norm runs in the epilogue too
-(``gated_delta_rule_decode_gated_norm``): one program owns a head's whole row of value columns
-(``BLOCK_V >= value_dim``), so the sum of squares needs nothing from another program; the output
-is the normed, gated row out_proj reads, rounded where the unfused decode + ``gated_rms_norm``
-round it.
+(``gated_delta_rule_decode_gated_norm``), on the step's own programs: each stores its columns of the
+step's output (rounded to the activations' dtype, as the unfused step stores them) and arrives at
+its (request, head) counter; the last of the head's programs to arrive reads the head's whole row
+back from L2 and stores it normed and gated, rounded where the unfused decode + ``gated_rms_norm``
+round it. The state still streams through every program of the unfused step (session 21's version
+gave each head one program with the whole 128 x 128 state tile: 32 programs a layer at batch 1,
+slower than the norm launch it saved).
 """
 
 from __future__ import annotations
@@ -25,9 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels.gdn_decode import NORM_MAX_TILE, norm_fits_one_program
 from freetoken.kernels.norm import check_gate_activation
-from freetoken.kernels.triton._common import cast, new_empty, pow2, round_as
+from freetoken.kernels.triton._common import arrive, cast, device_function, new_empty, pow2, round_as, zeroed_counters
 from freetoken.kernels.triton.moe_decode import _pdl_available
 
 # Value columns per program and warps: below ``WIDE_BATCH`` requests (B=1: 4.3 us on the H200)
@@ -36,10 +38,6 @@ from freetoken.kernels.triton.moe_decode import _pdl_available
 BLOCK_V = 32
 WIDE_BATCH, WIDE_BLOCK_V = 16, 64
 NUM_WARPS = 4
-# The normed launch's warps: its program holds a ``[Dk, Dv]`` = 128 x 128 float32 state tile; ptxas
-# (sm_90, Triton 3.6) gives 255 (36 bytes spilled) / 169 / 99 registers a thread at 4 / 8 / 16 warps. Not
-# yet measured (``benchmarks/b1_fusions_sweep.py --parts decode_norm`` times all three).
-NORM_NUM_WARPS = 8
 
 
 def decode_tiles(batch: int, value_dim: int) -> int:
@@ -52,10 +50,11 @@ def _decode_gated_kernel(
     q_ptr, q_sb, q_sh, k_ptr, k_sb, k_sh, v_ptr, v_sb, v_sh,
     a_ptr, a_sb, b_ptr, b_sb, a_log_ptr, dt_bias_ptr,
     state_ptr, st_ss, st_sh, st_sk, slot_ptr, out_ptr,
-    z_ptr, z_sb, z_sh, norm_w_ptr, eps,
+    z_ptr, z_sb, z_sh, norm_w_ptr, eps, count_ptr,
     num_v_heads, key_dim, value_dim, q_scale,
     HEAD_RATIO: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr,
-    NORM: tl.constexpr = False, GATE_SIGMOID: tl.constexpr = False, ROUND_PRODUCT: tl.constexpr = True,
+    NORM: tl.constexpr = False, BLOCK_ROW: tl.constexpr = 1, GATE_SIGMOID: tl.constexpr = False,
+    ROUND_PRODUCT: tl.constexpr = True,
 ):
     bi = tl.program_id(0)
     h = tl.program_id(1)
@@ -84,25 +83,38 @@ def _decode_gated_kernel(
     q = q * (tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * q_scale)
     k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
     v = tl.load(v_ptr + bi * v_sb + h * v_sh + vcols, mask=v_ok, other=0.0).to(tl.float32)
-    if NORM:  # the norm's operands
-        norm_w = tl.load(norm_w_ptr + vcols, mask=v_ok, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + bi * z_sb + h * z_sh + vcols, mask=v_ok, other=0.0).to(tl.float32)
     s = s * tl.exp(g)
     predicted = tl.sum(s * k[:, None], 0)
     s = s + k[:, None] * ((v - predicted) * beta)[None, :]
     tl.store(s_ptrs, s, mask=s_mask)
-    out = tl.sum(s * q[:, None], 0)
-    if NORM:  # the gated output norm over this program's whole head, as ``_rms_norm_kernel`` rounds it
-        core = round_as(out, dtype)  # the decode step's output, as the unfused launch stores it
-        normed = round_as(core * tl.rsqrt(tl.sum(core * core, 0) / value_dim + eps), dtype)
-        out = norm_w * normed
-        if ROUND_PRODUCT:  # ``w · x̂`` in the activations' dtype unless the weight's is wider
-            out = round_as(out, dtype)
-        if GATE_SIGMOID:
-            out = out * tl.sigmoid(z)
-        else:
-            out = out * (z * tl.sigmoid(z))
-    tl.store(out_ptr + (bi * num_v_heads + h) * value_dim + vcols, cast(out, dtype), mask=v_ok)
+    out_row = out_ptr + (bi * num_v_heads + h) * value_dim
+    tl.store(out_row + vcols, cast(tl.sum(s * q[:, None], 0), dtype), mask=v_ok)
+    if NORM:  # the last of the head's programs: the gated output norm over its whole row
+        if arrive(count_ptr + bi * num_v_heads + h, tl.num_programs(2)):
+            _gated_norm_row(out_row, z_ptr + bi * z_sb + h * z_sh, norm_w_ptr, eps, value_dim,
+                            BLOCK_ROW, GATE_SIGMOID, ROUND_PRODUCT)
+
+
+@device_function
+def _gated_norm_row(row_ptr, z_row, norm_w_ptr, eps, value_dim, BLOCK_ROW: tl.constexpr,
+                    GATE_SIGMOID: tl.constexpr, ROUND_PRODUCT: tl.constexpr):
+    """``row`` (the step's output, stored by the head's programs) normed and gated in place, as
+    ``_rms_norm_kernel`` rounds it: ``x̂`` and, unless the weight's dtype is wider, ``w · x̂`` in the
+    activations' dtype; the gate in float32."""
+    dtype = row_ptr.dtype.element_ty
+    cols = tl.arange(0, BLOCK_ROW)
+    ok = cols < value_dim
+    core = tl.load(row_ptr + cols, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+    normed = round_as(core * tl.rsqrt(tl.sum(core * core, 0) / value_dim + eps), dtype)
+    out = tl.load(norm_w_ptr + cols, mask=ok, other=0.0).to(tl.float32) * normed
+    if ROUND_PRODUCT:
+        out = round_as(out, dtype)
+    z = tl.load(z_row + cols, mask=ok, other=0.0).to(tl.float32)
+    if GATE_SIGMOID:
+        out = out * tl.sigmoid(z)
+    else:
+        out = out * (z * tl.sigmoid(z))
+    tl.store(row_ptr + cols, cast(out, dtype), mask=ok)
 
 
 def _check(q, k, v, a, b, A_log, dt_bias, state) -> None:
@@ -126,9 +138,9 @@ def _check(q, k, v, a, b, A_log, dt_bias, state) -> None:
         )
 
 
-def _launch(q, k, v, a, b, A_log, dt_bias, state, state_slots, block_v, num_warps, norm=None) -> torch.Tensor:
-    """The step's launch over ``(request, value head, block of block_v columns)``; ``norm``:
-    ``(z, weight, eps, activation)`` of the output norm run in its epilogue (``block_v >= Dv``)."""
+def _launch(q, k, v, a, b, A_log, dt_bias, state, state_slots, norm=None) -> torch.Tensor:
+    """The step's launch over ``(request, value head, block of value columns)``; ``norm``:
+    ``(z, weight, eps, activation)`` of the output norm run in its epilogue."""
     batch, num_v_heads, value_dim = v.shape
     num_k_heads, key_dim = k.shape[1:]
     q, k, v, a, b = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, a, b))
@@ -137,19 +149,21 @@ def _launch(q, k, v, a, b, A_log, dt_bias, state, state_slots, block_v, num_warp
     if batch == 0:
         return out
     if norm is None:
-        z, norm_w, eps, extra = v, A_log, 0.0, {}
+        z, norm_w, eps, counters, extra = v, A_log, 0.0, out, {}
     else:
         z, norm_w, eps, activation = norm
         z, norm_w = (z if z.stride(-1) == 1 else z.contiguous()), norm_w.contiguous()
-        extra = dict(NORM=True, GATE_SIGMOID=activation == "sigmoid",
+        counters = zeroed_counters(v.device, "gdn_decode_norm", batch * num_v_heads)
+        extra = dict(NORM=True, BLOCK_ROW=pow2(value_dim), GATE_SIGMOID=activation == "sigmoid",
                      ROUND_PRODUCT=torch.promote_types(norm_w.dtype, v.dtype) == v.dtype)
+    block_v = decode_tiles(batch, value_dim)
     _decode_gated_kernel[(batch, num_v_heads, triton.cdiv(value_dim, block_v))](
         q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
         a, a.stride(0), b, b.stride(0), A_log, dt_bias,
         state, state.stride(0), state.stride(1), state.stride(2), state_slots, out,
-        z, z.stride(0), z.stride(1), norm_w, eps,
+        z, z.stride(0), z.stride(1), norm_w, eps, counters,
         num_v_heads, key_dim, value_dim, key_dim**-0.5,
-        HEAD_RATIO=num_v_heads // num_k_heads, BLOCK_K=pow2(key_dim), BLOCK_V=block_v, num_warps=num_warps,
+        HEAD_RATIO=num_v_heads // num_k_heads, BLOCK_K=pow2(key_dim), BLOCK_V=block_v, num_warps=NUM_WARPS,
         PDL=_pdl_available(), launch_pdl=_pdl_available(), **extra,
     )
     return out
@@ -167,8 +181,7 @@ def gated_delta_rule_decode_gated(
     state_slots: torch.Tensor,
 ) -> torch.Tensor:
     _check(q, k, v, a, b, A_log, dt_bias, state)
-    block_v = decode_tiles(v.shape[0], v.shape[2])
-    return _launch(q, k, v, a, b, A_log, dt_bias, state, state_slots, block_v, NUM_WARPS)
+    return _launch(q, k, v, a, b, A_log, dt_bias, state, state_slots)
 
 
 def gated_delta_rule_decode_gated_norm(
@@ -194,7 +207,4 @@ def gated_delta_rule_decode_gated_norm(
             f"gated delta rule decode + norm: z {tuple(z.shape)} must be v's {tuple(v.shape)}, "
             f"norm weight {tuple(norm_weight.shape)} ({value_dim},)"
         )
-    if not norm_fits_one_program(k.shape[2], value_dim):
-        raise ValueError(f"gated delta rule decode + norm: a {k.shape[2]} x {value_dim} state tile is over {NORM_MAX_TILE}")
-    return _launch(q, k, v, a, b, A_log, dt_bias, state, state_slots, pow2(value_dim), NORM_NUM_WARPS,
-                   (z, norm_weight, eps, activation))
+    return _launch(q, k, v, a, b, A_log, dt_bias, state, state_slots, (z, norm_weight, eps, activation))

@@ -11,7 +11,6 @@ from torch import nn
 from freetoken import kernels
 from freetoken.batch import ForwardBatch
 from freetoken.kernels.prefill_snapshots import PrefillSnapshots
-from freetoken.kernels.gdn_decode import norm_fits_one_program
 from freetoken.kernels.gemv_configs import prefers_gated_normed_gemv
 from freetoken.layers.linear import linear, takes_gemv
 from freetoken.layers.norm import RMSNorm
@@ -29,17 +28,13 @@ FUSED_OUTPUT_NORM = False
 # conv1d decode step runs in that launch too (``kernels.add_rms_norm_gemv_conv``: each program
 # convolves its own q|k|v channels): one launch a layer fewer. False: the A/B switch.
 FUSED_CONV = True
-# In a decode-only step of up to ``DECODE_NORM_MAX_BATCH`` requests the gated output norm runs in
-# the delta-rule step's epilogue (``kernels.gated_delta_rule_decode_gated_norm``: a program owns a
-# head's whole value row): one launch a layer fewer, out_proj a plain GEMV. Taken before
-# ``FUSED_OUTPUT_NORM``. Off: on the H200 a batch-1 step took 2.46 ms with it against 2.43 without
-# (``benchmarks/b1_fusions_ab.py --off decode_norm``, session 21): 32 programs a layer carrying a
-# whole head's state each cost more than the norm launch they save.
+# In a decode-only step the gated output norm runs in the delta-rule step's epilogue
+# (``kernels.gated_delta_rule_decode_gated_norm``: the last of a head's programs to finish normalizes
+# the head's row): one launch a layer fewer, out_proj a plain GEMV. Taken before
+# ``FUSED_OUTPUT_NORM``. Off until measured (``benchmarks/b1_fusions_ab.py --on decode_norm``): session
+# 21's version, one program a head with its whole state tile, took 2.46 ms a batch-1 step on the H200
+# against 2.43 without.
 FUSED_DECODE_NORM = False
-# Its program holds a 128 x 128 float32 state tile (169 registers a thread over 8 warps, ptxas for
-# sm_90: one program an SM), so up to 4 requests x 32 heads its programs are one wave on the H200's
-# 132 SMs; past that the unfused step's smaller programs (89 registers, 4 warps) share the SMs.
-DECODE_NORM_MAX_BATCH = 4
 
 
 @dataclass(frozen=True)
@@ -145,7 +140,7 @@ class GatedDeltaNet(nn.Module):
         )
         nd = batch.num_decodes
         z = z.reshape(num_tokens, self.num_v_heads, self.head_v_dim)
-        if not batch.has_prefill and self._norm_in_decode(num_tokens):
+        if not batch.has_prefill and FUSED_DECODE_NORM:
             out = self._decode(mixed_qkv, a, b, batch.state_slots[:nd], conv, z)
             return linear(out.reshape(num_tokens, self.value_dim), self.out_proj)
         if not batch.has_prefill:  # decode only: the step's output is the core
@@ -162,15 +157,6 @@ class GatedDeltaNet(nn.Module):
             return kernels.gated_rms_norm_gemv(core, z, self.norm_weight, self.eps, self.gate_activation, self.out_proj)
         out = self.output_norm(core, z)
         return linear(out.reshape(num_tokens, self.value_dim), self.out_proj)
-
-    def _norm_in_decode(self, rows: int) -> bool:
-        """Whether a decode-only step of ``rows`` requests runs the gated output norm in the
-        delta-rule step's launch (``FUSED_DECODE_NORM``)."""
-        return (
-            FUSED_DECODE_NORM
-            and rows <= DECODE_NORM_MAX_BATCH
-            and norm_fits_one_program(self.head_k_dim, self.head_v_dim)
-        )
 
     def _norm_in_out_proj(self, core: torch.Tensor) -> bool:
         """Whether the gated output norm runs in ``out_proj``'s GEMV launch (``FUSED_OUTPUT_NORM``):
