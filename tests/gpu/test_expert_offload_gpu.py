@@ -211,24 +211,25 @@ def test_read_through_fill_at_qwen36_sizes_in_a_graph():
         assert hits.any()
 
 
+def _reserved_after_collecting() -> int:
+    """What the allocator still holds once dropped engines are collected (their MoE blocks and
+    stores reference each other) and its cached blocks released."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved()
+
+
 def test_offloaded_greedy_equals_resident_on_cuda():
     path = str(checkpoint(DEMO["qwen3_5_moe"]))
     common = dict(model=path, dtype="float32", device="cuda", page_size=PAGE_SIZE, max_prefill_length=16)
     prompts = [{"prompt_token_ids": p} for p in batch_prompts(DEMO["qwen3_5_moe"])]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     resident = [o.token_ids for o in LLM(**common).generate(prompts, params)]
-    gc.collect()
-    torch.cuda.empty_cache()
+    _reserved_after_collecting()
     offloaded_llm = LLM(**common, moe_offload=True, expert_cache_slots=16)
     assert offloaded_llm.runtime.engine.graph_runner is not None  # graphs on, as the resident engine's
     offloaded = [o.token_ids for o in offloaded_llm.generate(prompts, params)]
     assert offloaded == resident
-
-
-def _reserved_after_collecting() -> int:
-    gc.collect()  # the MoE blocks and their stores reference each other
-    torch.cuda.empty_cache()
-    return torch.cuda.memory_reserved()
 
 
 def test_cache_sized_from_free_memory_under_the_cap():
@@ -298,8 +299,7 @@ def test_preset_shape_graphs_equal_eager_offloaded(tmp_path):
             assert len(replays) >= params.max_tokens - 2
             assert llm.runtime.stats().expert_cache.hits > 0
         del llm
-        gc.collect()
-        torch.cuda.empty_cache()
+        _reserved_after_collecting()
     assert tokens["graphs"] == tokens["eager"]
 
 
@@ -329,8 +329,7 @@ def test_nvfp4_preset_shape_offloaded_with_graphs(tmp_path):
         torch.cuda.synchronize()
         check_slot_map_invariant(engine.offload)
         del llm, engine
-        gc.collect()
-        torch.cuda.empty_cache()
+        _reserved_after_collecting()
     assert tokens["graphs"] == tokens["eager"]
 
 
@@ -408,8 +407,7 @@ def test_trace_routing_and_decode_counters_under_graphs(tmp_path):
         counters[name] = asdict(engine.offload.counters)
         expert_bytes = engine.offload.expert_bytes
         del llm, engine
-        gc.collect()
-        torch.cuda.empty_cache()
+        _reserved_after_collecting()
     assert tokens["graphs"] == tokens["eager"]
     for c in counters.values():
         assert c["decode_forwards"] >= params.max_tokens - 2 and c["decode_hits"] > 0
