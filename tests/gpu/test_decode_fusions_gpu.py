@@ -249,7 +249,8 @@ def test_gdn_decode_with_the_output_norm_at_real_sizes(rng, check, dtype, rows, 
 @pytest.mark.parametrize("rows", [1, 2, 4, 16])
 def test_gdn_layer_output_norm_in_its_decode_launch(rng, check, monkeypatch, rows):
     """A Qwen3.6 GDN layer's decode step with the output norm in the delta-rule launch
-    (``FUSED_DECODE_NORM``) and without: the same output, residual and states, two steps in a row;
+    (``FUSED_DECODE_NORM``, its row limit lifted to ``rows``) and without: the same output, residual
+    and states, two steps in a row;
     then three layers' worth of steps captured in one CUDA graph (programmatic dependent launch as
     the engine has it) and replayed with the outputs poisoned give the eager outputs."""
     from freetoken import kernels
@@ -273,6 +274,7 @@ def test_gdn_layer_output_norm_in_its_decode_launch(rng, check, monkeypatch, row
     calls = []
     fused = kernels.gated_delta_rule_decode_gated_norm
     monkeypatch.setattr(kernels, "gated_delta_rule_decode_gated_norm", lambda *a: calls.append(1) or fused(*a))
+    monkeypatch.setattr(gated_deltanet, "DECODE_NORM_MAX_ROWS", rows)
 
     def run(on: bool) -> list[torch.Tensor]:
         monkeypatch.setattr(gated_deltanet, "FUSED_DECODE_NORM", on)

@@ -64,9 +64,9 @@ def test_gated_delta_rule_decode_gated_rejects_mismatched_shapes():
     ],
 )
 def test_gated_delta_rule_decode_gated_norm(rng, dtype, batch, activation, weight_dtype):
-    """The step with the gated output norm in its epilogue: exactly the unfused Triton chain (the
-    step, then ``gated_rms_norm``) and its state, and the composed references within the dtype's
-    bound. 80 value columns in three 32-column programs a head (two 64-column ones at 16 requests),
+    """The step with the gated output norm in its epilogue: the unfused Triton chain (the step, then
+    ``gated_rms_norm``; bit for bit under the interpreter, to the rounding of the row's sum compiled)
+    and its state, and the composed references within the dtype's bound. 80 value columns in three 32-column programs a head (two 64-column ones at 16 requests),
     the last partly masked: the head's last program to arrive normalizes the whole row."""
     from freetoken.kernels.triton import gdn_decode, norm
 
@@ -95,7 +95,10 @@ def test_gated_delta_rule_decode_gated_norm(rng, dtype, batch, activation, weigh
     chain = norm.gated_rms_norm(core, z, norm_w, eps, activation)
     want = ref.gated_delta_rule_decode_gated_norm_reference(*args, ref_state, slots, z, norm_w, eps, activation)
     if weight_dtype is None:  # the unfused Triton norm rounds ``w · x̂`` to the activations' dtype whatever w's is
-        assert torch.equal(got, chain)
+        if DEVICE.type == "cpu":  # the interpreter sums a row in order whatever the tile
+            assert torch.equal(got, chain)
+        else:  # a compiled row sum's order follows its tile and warps, which differ from the norm kernel's
+            torch.testing.assert_close(got, chain, rtol=2 * torch.finfo(dtype).eps, atol=1e-6)
     assert torch.equal(state, chain_state)
     assert got.dtype == dtype and got.shape == (batch, hv, dv)
     assert_close(got, want)

@@ -31,10 +31,12 @@ FUSED_CONV = True
 # In a decode-only step the gated output norm runs in the delta-rule step's epilogue
 # (``kernels.gated_delta_rule_decode_gated_norm``: the last of a head's programs to finish normalizes
 # the head's row): one launch a layer fewer, out_proj a plain GEMV. Taken before
-# ``FUSED_OUTPUT_NORM``. Off until measured (``benchmarks/b1_fusions_ab.py --on decode_norm``): session
-# 21's version, one program a head with its whole state tile, took 2.46 ms a batch-1 step on the H200
-# against 2.43 without.
-FUSED_DECODE_NORM = False
+# ``FUSED_OUTPUT_NORM``; up to ``DECODE_NORM_MAX_ROWS`` requests. Measured (session 36, H100,
+# ``benchmarks/b1_fusions_sweep.py --parts decode_norm``): 3.96 us a layer against 4.64 for the step
+# and the norm launch at 1 request, even from 4 to 32, 106 against 102 at 64 and 215 against 199 at
+# 128. False: the A/B switch.
+FUSED_DECODE_NORM = True
+DECODE_NORM_MAX_ROWS = 8
 
 
 @dataclass(frozen=True)
@@ -140,7 +142,7 @@ class GatedDeltaNet(nn.Module):
         )
         nd = batch.num_decodes
         z = z.reshape(num_tokens, self.num_v_heads, self.head_v_dim)
-        if not batch.has_prefill and FUSED_DECODE_NORM:
+        if not batch.has_prefill and FUSED_DECODE_NORM and num_tokens <= DECODE_NORM_MAX_ROWS:
             out = self._decode(mixed_qkv, a, b, batch.state_slots[:nd], conv, z)
             return linear(out.reshape(num_tokens, self.value_dim), self.out_proj)
         if not batch.has_prefill:  # decode only: the step's output is the core
