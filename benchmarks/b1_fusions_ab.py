@@ -1,12 +1,12 @@
 """``freetoken bench`` with some of issue 9's batch-1 switches turned off or on, for an A/B in one call:
 
-    python benchmarks/b1_fusions_ab.py --off route conv gated greedy -- --preset qwen3.6-35b-a3b \\
+    python benchmarks/b1_fusions_ab.py --off conv decode_norm greedy -- --preset qwen3.6-35b-a3b \\
         --batch-sizes 1 --max-running-requests 1 --input-len 1024 --output-len 32 --profile-steps 0
-    python benchmarks/b1_fusions_ab.py --on decode_norm -- ...
+    python benchmarks/b1_fusions_ab.py --off decode_norm -- ...
 
 ``--off`` / ``--on`` name the switches to set False / True (none: the defaults); everything after
-``--`` goes to ``freetoken bench`` unchanged. The folds (``route``, ``conv``, ``gated``,
-``decode_norm``, ``greedy``) and the shared expert's gate/up in the MoE routing launch (``shared_route``).
+``--`` goes to ``freetoken bench`` unchanged. The folds (``conv``, ``decode_norm``, ``greedy``) and
+the shared expert's gate/up in the MoE routing launch (``shared_route``).
 """
 
 from __future__ import annotations
@@ -18,9 +18,7 @@ from dataclasses import replace
 
 # name -> (module, its switch)
 SWITCHES = {
-    "route": ("freetoken.layers.moe", "FUSED_ROUTE"),
     "conv": ("freetoken.layers.gated_deltanet", "FUSED_CONV"),
-    "gated": ("freetoken.layers.gated_deltanet", "FUSED_OUTPUT_NORM"),
     "decode_norm": ("freetoken.layers.gated_deltanet", "FUSED_DECODE_NORM"),
     "greedy": ("freetoken.engine.sample", "FUSED_GREEDY"),
     "shared_route": ("freetoken.kernels.triton.moe_decode", "TILES.shared_in_route"),

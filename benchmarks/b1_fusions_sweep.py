@@ -1,23 +1,22 @@
 """Time the batch-1 decode fusions of issue 9 against the launches they replace, on one GPU, at the
-Qwen3.6-35B-A3B shape, and print ``GATED_NORMED_TUNED`` entries:
+Qwen3.6-35B-A3B shape:
 
-1. ``router``: the router's fused norm + GEMV, then the routing launch (``_route_kernel``), against
-   the fused launch that routes in its last program (``add_rms_norm_gemv_route``; ``layers.moe.FUSED_ROUTE``);
-2. ``gated``: the Gated DeltaNet output norm, then the out_proj GEMV, against the GEMV with the norm
-   in its prologue (``gated_rms_norm_gemv``; ``layers.gated_deltanet.FUSED_OUTPUT_NORM``), over
-   launch shapes;
-3. ``conv``: the GDN input norm + in_proj GEMV, then ``causal_conv1d_decode``, against the launch
+1. ``conv``: the GDN input norm + in_proj GEMV, then ``causal_conv1d_decode``, against the launch
    with the conv step in its epilogue (``add_rms_norm_gemv_conv``; ``layers.gated_deltanet.FUSED_CONV``);
-4. ``decode_norm``: the Gated DeltaNet decode step (``_decode_gated_kernel``), then the gated output
+2. ``decode_norm``: the Gated DeltaNet decode step (``_decode_gated_kernel``), then the gated output
    norm (``_rms_norm_kernel``), against the step with the norm in its epilogue, run by the last of a
    head's programs (``gated_delta_rule_decode_gated_norm``; ``layers.gated_deltanet.FUSED_DECODE_NORM``);
-5. ``greedy``: the sampler's general path at temperature 0 (parameter gathers, ``sample_tokens``,
+3. ``greedy``: the sampler's general path at temperature 0 (parameter gathers, ``sample_tokens``,
    the slot scatters) against the one greedy launch (``greedy_sample_into_slots``;
    ``engine.sample.FUSED_GREEDY``), eager as the engine runs it (after the graph).
 
-    python benchmarks/b1_fusions_sweep.py [--parts router gated conv decode_norm greedy] [--rows 1] [--json FILE]
+    python benchmarks/b1_fusions_sweep.py [--parts conv decode_norm greedy] [--rows 1] [--json FILE]
 
-1-4 replay one CUDA graph of back-to-back calls over distinct weight copies (``decode_norm``:
+Two folds this script timed were measured slower and deleted (session 36; docs/benchmarks.md): the
+MoE routing in the router's norm + GEMV launch (``router``) and the GDN output norm in out_proj's
+GEMV prologue (``gated``).
+
+1-2 replay one CUDA graph of back-to-back calls over distinct weight copies (``decode_norm``:
 distinct recurrent states; more than the L2 together, as ``normed_gemv_sweep.py``), with
 programmatic dependent launch as the step has it; us per call (the median replay). Each fused
 output is checked against the unfused chain's.
@@ -33,18 +32,14 @@ import statistics
 import torch
 
 from graph_timing import graph_us
-from freetoken.kernels.gemv_configs import GemvConfig, gemv_config, normed_gemv_config
+from freetoken.kernels.gemv_configs import normed_gemv_config
 
-C = GemvConfig
 BF16 = torch.bfloat16
 EPS = 1e-6
 TARGET_BYTES = 256 << 20
 MIN_CALLS = 20
-HIDDEN, GATE_ROWS, EXPERTS, TOP_K = 2048, 264, 256, 8
+HIDDEN = 2048
 HEADS, HEAD_DIM, VOCAB = 32, 128, 248320
-# Gated norm + GEMV shapes: weight rows a program, 2-byte columns a step (whole 128-column heads), warps.
-GATED_CANDIDATES = [C(4, 1024, 2), C(8, 1024, 4), C(8, 2048, 4), C(16, 1024, 4), C(16, 2048, 4), C(16, 512, 4),
-                    C(32, 1024, 8), C(8, 512, 2)]
 
 
 def _weights(n_out: int, k_in: int) -> list[torch.Tensor]:
@@ -54,78 +49,6 @@ def _weights(n_out: int, k_in: int) -> list[torch.Tensor]:
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
-
-
-def router(rows: int) -> dict:
-    from freetoken.kernels.triton import moe_decode, normed_gemv
-
-    weights = _weights(GATE_ROWS, HIDDEN)
-    calls = max(MIN_CALLS, len(weights))
-    x, res = (torch.randn(rows, HIDDEN, device="cuda").to(BF16) for _ in range(2))
-    nw = (torch.randn(HIDDEN, device="cuda") * 0.2).to(BF16)
-    config = normed_gemv_config(rows, GATE_ROWS, HIDDEN)
-
-    def unfused(w):
-        logits = normed_gemv.add_rms_norm_gemv_tiled(x, res, nw, EPS, True, w, True, config)[0]
-        return moe_decode.route(logits, EXPERTS, TOP_K, True, config.pdl)[1]
-
-    def fused(w):
-        return normed_gemv.add_rms_norm_gemv_route_tiled(x, res, nw, EPS, True, w, EXPERTS, TOP_K, True, config)[4]
-
-    assert torch.equal(unfused(weights[0]), fused(weights[0])), "the fused launch routes differently"
-    row = dict(part="router", rows=rows, config=config.label(), calls_per_step=40,
-               unfused_us=graph_us(lambda: [unfused(weights[i % len(weights)]) for i in range(calls)], calls),
-               fused_us=graph_us(lambda: [fused(weights[i % len(weights)]) for i in range(calls)], calls))
-    row["saving_us_per_step"] = (row["unfused_us"] - row["fused_us"]) * 40
-    print(f"router rows={rows} ({config.label()}): norm + GEMV, route {row['unfused_us']:6.2f} us | routed in the "
-          f"GEMV {row['fused_us']:6.2f} us | x40 a step: {row['saving_us_per_step']:+.1f} us", flush=True)
-    return row
-
-
-def gated(rows: int) -> dict:
-    from freetoken.kernels.triton import gated_norm_gemv, gemv, norm
-
-    k_in = HEADS * HEAD_DIM
-    weights = _weights(HIDDEN, k_in)
-    calls = max(MIN_CALLS, len(weights))
-    core = torch.randn(rows, HEADS, HEAD_DIM, device="cuda").to(BF16)
-    z = torch.randn(rows, HEADS, HEAD_DIM, device="cuda").to(BF16)
-    nw = (torch.randn(HEAD_DIM, device="cuda") * 0.2 + 1).to(BF16)
-    plain = gemv_config(rows, HIDDEN, k_in)
-
-    def unfused(w):
-        return gemv.gemv_tiled(norm.gated_rms_norm(core, z, nw, EPS, "silu").reshape(rows, -1), w, plain)
-
-    want = unfused(weights[0])
-    row = dict(part="gated", rows=rows, gemv_config=plain.label(), calls_per_step=30,
-               unfused_us=graph_us(lambda: [unfused(weights[i % len(weights)]) for i in range(calls)], calls))
-    timed = []
-    for cand in GATED_CANDIDATES:
-        for pdl in (True, False):
-            c = GemvConfig(cand.block_n, cand.block_k, cand.num_warps, pdl=pdl)
-
-            def fused(w, c=c):
-                return gated_norm_gemv.gated_rms_norm_gemv_tiled(core, z, nw, EPS, "silu", w, c)
-
-            try:
-                err = _rel(fused(weights[0]), want)
-                us = graph_us(lambda: [fused(weights[i % len(weights)]) for i in range(calls)], calls)
-            except Exception as exc:  # a shape that does not compile or fit: reported, skipped
-                print(f"  gated rows={rows} {c.label()}: {exc!r}", flush=True)
-                continue
-            timed.append(dict(config=c.label(), us=us, rel_error=err, cfg=c))
-    timed.sort(key=lambda t: t["us"])
-    best = timed[0]
-    row.update(fused=[{k: v for k, v in t.items() if k != "cfg"} for t in timed[:6]], best=best["config"],
-               best_us=best["us"], saving_us_per_step=(row["unfused_us"] - best["us"]) * 30)
-    cfg = best["cfg"]
-    row["entry"] = (f"C({cfg.block_n}, {cfg.block_k}, {cfg.num_warps}, {cfg.num_stages}, {cfg.pdl})"
-                    if best["us"] < row["unfused_us"] else "None")
-    print(f"gated  rows={rows}: gated norm + GEMV ({plain.label()}) {row['unfused_us']:6.2f} us | fused best "
-          f"{best['config']} {best['us']:6.2f} us | x30 a step: {row['saving_us_per_step']:+.1f} us", flush=True)
-    for t in row["fused"]:
-        print(f"    {t['config']:22s} {t['us']:7.2f} us  rel err {t['rel_error']:.2e}", flush=True)
-    return row
 
 
 def conv(rows: int) -> dict:
@@ -239,7 +162,7 @@ def greedy(rows: int, iters: int = 200) -> dict:
     return row
 
 
-PARTS = {"router": router, "gated": gated, "conv": conv, "decode_norm": decode_norm, "greedy": greedy}
+PARTS = {"conv": conv, "decode_norm": decode_norm, "greedy": greedy}
 
 
 def main() -> None:
@@ -250,10 +173,6 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     out = [PARTS[part](rows) for part in args.parts for rows in args.rows]
-    gated_rows = [r for r in out if r["part"] == "gated"]
-    if gated_rows:
-        buckets = ", ".join(f"({r['rows']}, {r['entry']})" for r in gated_rows)
-        print(f"\nGATED_NORMED_TUNED entry (kernels/gemv_configs.py):\n    ({HIDDEN}, {HEADS * HEAD_DIM}): ({buckets},),")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -25,10 +25,9 @@ from freetoken.kernels.moe import (
 )
 from freetoken.kernels.gemv import gemv
 from freetoken.kernels.normed_nvfp4_gemv import add_rms_norm_nvfp4_gemv
-from freetoken.kernels.normed_gemv import add_rms_norm_gemv, add_rms_norm_gemv_conv, add_rms_norm_gemv_route
-from freetoken.kernels.gated_norm_gemv import gated_rms_norm_gemv
+from freetoken.kernels.normed_gemv import add_rms_norm_gemv, add_rms_norm_gemv_conv
 from freetoken.kernels.nvfp4 import fused_experts_nvfp4, nvfp4_linear, sparse_moe_decode_nvfp4
-from freetoken.kernels.moe_decode import sparse_moe_decode, sparse_moe_decode_routed
+from freetoken.kernels.moe_decode import sparse_moe_decode
 from freetoken.kernels.moe_decode_offload import sparse_moe_decode_offload, sparse_moe_decode_offload_nvfp4
 from freetoken.kernels.gdn_decode import gated_delta_rule_decode_gated, gated_delta_rule_decode_gated_norm
 from freetoken.kernels.sampling import greedy_sample_into_slots, sample_tokens
@@ -66,14 +65,11 @@ __all__ = [
     "gemv",
     "add_rms_norm_gemv",
     "add_rms_norm_nvfp4_gemv",
-    "add_rms_norm_gemv_route",
     "add_rms_norm_gemv_conv",
-    "gated_rms_norm_gemv",
     "nvfp4_linear",
     "fused_experts_nvfp4",
     "sparse_moe_decode_nvfp4",
     "sparse_moe_decode",
-    "sparse_moe_decode_routed",
     "sparse_moe_decode_offload",
     "sparse_moe_decode_offload_nvfp4",
     "sample_tokens",

@@ -152,35 +152,3 @@ def normed_gemv_config(num_rows: int, n_out: int, k_in: int) -> GemvConfig:
     if config is None or config.dot:
         config = default_config(n_out, k_in)
     return config
-
-
-# The GEMV with the Gated DeltaNet output norm (per head, gated) in its prologue
-# (``kernels/gated_norm_gemv.py``), at up to ``NORMED_MAX_ROWS`` rows where the GEMV runs: its shapes
-# by (out, in) and row count, else ``GATED_NORMED_DEFAULT``. Every program normalizes the head
-# columns of its steps itself (reading each row's core and gate from L2), so it takes rows enough a
-# program to keep that small: 16 rows of the 2048 x 4096 out_proj are 128 programs, 2 MB of L2 reads
-# a row. A guess, not yet measured (``benchmarks/gated_norm_gemv_sweep.py`` times it against the two
-# launches and prints entries for this table); ``None``: the norm and the GEMV stay apart.
-GATED_NORMED_DEFAULT = C(16, 1024, 4, 1, True)
-GATED_NORMED_TUNED: dict[tuple[int, int], Buckets] = {}
-
-
-def _gated_bucket(num_rows: int, n_out: int, k_in: int) -> tuple[bool, GemvConfig | None]:
-    buckets = GATED_NORMED_TUNED.get((n_out, k_in))
-    if buckets is None:
-        return False, None
-    return True, next((c for bound, c in buckets if num_rows <= bound), None)
-
-
-def prefers_gated_normed_gemv(num_rows: int, n_out: int, k_in: int) -> bool:
-    """Whether ``linear(gated_rms_norm(core, z), W)`` should run as one fused launch: where the GEMV
-    runs (``prefers_gemv``), up to ``NORMED_MAX_ROWS`` rows, unless the table keeps them apart."""
-    if not (num_rows <= NORMED_MAX_ROWS and prefers_gemv(num_rows, n_out, k_in)):
-        return False
-    listed, config = _gated_bucket(num_rows, n_out, k_in)
-    return config is not None or not listed
-
-
-def gated_normed_gemv_config(num_rows: int, n_out: int, k_in: int) -> GemvConfig:
-    """The fused launch's shape: the table's entry, else ``GATED_NORMED_DEFAULT``."""
-    return _gated_bucket(num_rows, n_out, k_in)[1] or GATED_NORMED_DEFAULT

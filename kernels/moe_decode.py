@@ -36,30 +36,10 @@ def sparse_moe_decode_reference(
     """
     num_experts = w13.shape[0]
     weights, ids = moe_topk_softmax_reference(gate_logits[:, :num_experts].float(), top_k, renormalize)
-    return sparse_moe_decode_routed_reference(x, gate_logits, weights, ids, w13, w2, shared_gate_up, shared_down)
-
-
-sparse_moe_decode = op("moe_decode")(sparse_moe_decode_reference)
-
-
-def sparse_moe_decode_routed_reference(
-    x: torch.Tensor,
-    gate_logits: torch.Tensor,
-    top_weights: torch.Tensor,
-    top_ids: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    shared_gate_up: torch.Tensor,
-    shared_down: torch.Tensor,
-) -> torch.Tensor:
-    """``sparse_moe_decode`` from a routing already made (the router's fused launch,
-    ``add_rms_norm_gemv_route``): float32 ``top_weights [T, k]`` (rounded to the activations' dtype
-    here, as the router's output is), int32 ``top_ids [T, k]``; ``gate_logits [T, E + 1]`` supplies
-    the shared expert's gate logit, last."""
-    num_experts = w13.shape[0]
-    routed = fused_experts_reference(x, w13, w2, top_weights.to(x.dtype), top_ids)
+    routed = fused_experts_reference(x, w13, w2, weights.to(x.dtype), ids)
     shared = F.linear(silu_and_mul_reference(F.linear(x, shared_gate_up)), shared_down)
     return shared_expert_combine_reference(routed, shared, gate_logits[:, num_experts:])
 
 
-sparse_moe_decode_routed = op("moe_decode")(sparse_moe_decode_routed_reference)
+sparse_moe_decode = op("moe_decode")(sparse_moe_decode_reference)
+

@@ -19,7 +19,6 @@ import torch.nn.functional as F
 
 from freetoken.kernels.conv1d import causal_conv1d_decode_reference
 from freetoken.kernels.dispatch import op
-from freetoken.kernels.moe import moe_topk_softmax_reference
 from freetoken.kernels.norm import add_rms_norm_reference, rms_norm_reference
 
 
@@ -46,30 +45,6 @@ def add_rms_norm_gemv_reference(
 
 
 add_rms_norm_gemv = op("normed_gemv")(add_rms_norm_gemv_reference)
-
-
-def add_rms_norm_gemv_route_reference(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    zero_centered: bool,
-    weight: torch.Tensor,
-    num_experts: int,
-    top_k: int,
-    renormalize: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The MoE router's fused launch: ``add_rms_norm_gemv`` of the router + shared-gate weight (the
-    normalized rows returned: the experts read them), then the routing of its first ``num_experts``
-    output columns: ``(logits, normed, summed, weights [T, top_k] float32, ids [T, top_k] int32)``,
-    ``moe_topk_softmax``'s choices with the weights not rounded to the activations' dtype (the
-    layout ``sparse_moe_decode_routed`` reads). ``x``: ``[tokens, hidden]``."""
-    out, normed, summed = add_rms_norm_gemv_reference(x, residual, norm_weight, eps, zero_centered, weight, True)
-    weights, ids = moe_topk_softmax_reference(out[:, :num_experts].float(), top_k, renormalize)
-    return out, normed, summed, weights, ids
-
-
-add_rms_norm_gemv_route = op("normed_gemv")(add_rms_norm_gemv_route_reference)
 
 
 def add_rms_norm_gemv_conv_reference(

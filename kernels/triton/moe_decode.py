@@ -31,10 +31,7 @@ output: the gate/up programs are resident when the routing is done, and the down
 their weights while the gate/up pass ends. ``DecodeTiles`` sets the launch shapes;
 ``benchmarks/tune_moe_decode.py`` times the candidates on the GPU.
 
-``sparse_moe_decode_routed`` is the block from a routing already made (launches 2 and 3, the shared
-expert in launch 2): the layer takes it where the router's fused norm + GEMV launch routes in its
-last program (``kernels/triton/normed_gemv.py``, ``layers.moe.FUSED_ROUTE``), so launch 1 is gone. Every routing
-here, and the grouped path's one-warp top-k, is ``_top_k_rows``.
+Every routing here, and the grouped path's one-warp top-k, is ``_top_k_rows``.
 
 Rounding follows the reference (projections, SiLU, products and the combine rounded to the
 activations' dtype). Grids depend only on the token count, so the launches are capture-safe.
@@ -408,48 +405,6 @@ def sparse_moe_decode_tiled(
     shared = SharedInRoute(x, shared_gate_up.contiguous(), h, tiles.shared_block_n) if tiles.shared_in_route else None
     top_w, top_i = route(gate_logits, num_experts, top_k, renormalize, pdl, shared)
     return _experts(x, gate_logits, top_w, top_i, w13, w2, shared_gate_up, shared_down, tiles, h, shared is not None)
-
-
-def sparse_moe_decode_routed(
-    x: torch.Tensor,
-    gate_logits: torch.Tensor,
-    top_weights: torch.Tensor,
-    top_ids: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    shared_gate_up: torch.Tensor,
-    shared_down: torch.Tensor,
-) -> torch.Tensor:
-    return sparse_moe_decode_routed_tiled(x, gate_logits, top_weights, top_ids, w13, w2, shared_gate_up, shared_down,
-                                          TILES)
-
-
-def sparse_moe_decode_routed_tiled(
-    x: torch.Tensor,
-    gate_logits: torch.Tensor,
-    top_weights: torch.Tensor,
-    top_ids: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    shared_gate_up: torch.Tensor,
-    shared_down: torch.Tensor,
-    tiles: DecodeTiles,
-) -> torch.Tensor:
-    """``sparse_moe_decode_routed`` in the given tiles: the gate/up and down launches only."""
-    top_k = top_ids.shape[-1] if top_ids.dim() == 2 else 0
-    _check(x, gate_logits, w13, w2, shared_gate_up, shared_down, top_k, "sparse_moe_decode_routed")
-    expected = (x.shape[0], top_k)
-    if top_ids.shape != expected or top_weights.shape != expected:
-        raise ValueError(f"sparse_moe_decode_routed: top_weights {tuple(top_weights.shape)} and top_ids "
-                         f"{tuple(top_ids.shape)} must both be [tokens, top_k]")
-    if top_weights.dtype != torch.float32 or top_ids.dtype != torch.int32:
-        raise ValueError(f"sparse_moe_decode_routed: top_weights must be float32 and top_ids int32, got "
-                         f"{top_weights.dtype} and {top_ids.dtype}")
-    if x.shape[0] == 0:
-        return new_empty(x.shape, x.dtype, x.device)
-    gate_logits = gate_logits if gate_logits.stride(-1) == 1 else gate_logits.contiguous()
-    return _experts(x, gate_logits, top_weights.contiguous(), top_ids.contiguous(), w13, w2, shared_gate_up,
-                    shared_down, tiles, _h_buffer(x, w13, shared_gate_up, top_k), False)
 
 
 def _check(x, gate_logits, w13, w2, shared_gate_up, shared_down, top_k: int, name: str) -> int:

@@ -9,13 +9,6 @@ weight tile's rows share (held by the threads that hold those columns: the norm 
 per weight row a thread holds). Program 0 also writes ``x + residual`` and, when asked, the
 normalized rows, to fresh buffers: no program of the launch reads a buffer another one writes.
 
-``add_rms_norm_gemv_route`` (the MoE router + shared gate): every program then arrives at a zeroed
-counter (``_common.arrive``), and the last one to arrive, whose arrival orders every other
-program's logits before its reads, routes each row (``moe_decode._top_k_rows`` over the first
-``num_experts`` logits, read from L2) into the float32 weights / int32 ids the decode block reads.
-One counter per device: the launches run in stream order (under PDL each waits for the previous
-launch before its first arrival).
-
 ``add_rms_norm_gemv_conv`` (the Gated DeltaNet's ``in_proj`` at decode): the programs holding conv
 channels (the first ``C`` output rows: q|k|v) also run ``causal_conv1d_decode``'s step on them, from
 the projection as stored, in each row's state slot; a (slot, channel) belongs to one program.
@@ -33,15 +26,13 @@ from freetoken.kernels.gemv import GEMV_DTYPES
 from freetoken.kernels.gemv_configs import NORMED_MAX_ROWS, GemvConfig, normed_gemv_config
 from freetoken.kernels.triton._common import (
     INTERPRETED,
-    arrive,
     cast,
     device_function,
     new_empty,
     pow2,
     round_as,
-    zeroed_counters,
 )
-from freetoken.kernels.triton.moe_decode import _pdl_available, _top_k_rows
+from freetoken.kernels.triton.moe_decode import _pdl_available
 
 
 @device_function
@@ -120,12 +111,10 @@ def _conv_step(acc, m, n, cw_ptr, cs_ptr, cs_ss, cs_sc, cs_sk, slot_ptr, conv_pt
 @triton.jit
 def _normed_gemv_kernel(
     x_ptr, x_st, r_ptr, r_st, nw_ptr, w_ptr, w_st, out_ptr, normed_ptr, sum_ptr, N, K, eps,
-    count_ptr, topw_ptr, topi_ptr, num_experts,
     cw_ptr, cs_ptr, cs_ss, cs_sc, cs_sk, slot_ptr, conv_ptr, conv_channels,
     HAS_RESIDUAL: tl.constexpr, ZERO_CENTERED: tl.constexpr, WRITE_NORMED: tl.constexpr,
     ROWS: tl.constexpr, ROWS_P2: tl.constexpr, BLOCK_N: tl.constexpr, REPS: tl.constexpr, CHUNK: tl.constexpr,
     BLOCK_D: tl.constexpr, PDL: tl.constexpr,
-    ROUTE: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
     CONV: tl.constexpr, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     if PDL:  # the next launch may start: its programs take the slots these leave
@@ -170,14 +159,6 @@ def _normed_gemv_kernel(
         if tl.program_id(0) * BLOCK_N < conv_channels:
             _conv_step(acc, m, n, cw_ptr, cs_ptr, cs_ss, cs_sc, cs_sk, slot_ptr, conv_ptr, conv_channels, dtype,
                        ROWS, WIDTH, BLOCK_W)
-    if ROUTE:  # the last program to finish routes every row from the others' logits (in L2: .cg)
-        if arrive(count_ptr, tl.num_programs(0)):
-            e = tl.arange(0, BLOCK_E)[None, :]
-            for i in tl.static_range(ROWS):
-                logits = tl.load(out_ptr + i * N + e, mask=e < num_experts, other=0.0, cache_modifier=".cg")
-                weights, experts = _top_k_rows(logits.to(tl.float32), e, num_experts, TOP_K, RENORMALIZE, BLOCK_E)
-                tl.store(topw_ptr + i * TOP_K + e, weights, mask=e < TOP_K)
-                tl.store(topi_ptr + i * TOP_K + e, experts, mask=e < TOP_K)
 
 
 def _rows(t: torch.Tensor, k_in: int) -> torch.Tensor:
@@ -207,23 +188,13 @@ class _Conv(NamedTuple):
     slots: torch.Tensor  # [rows] int
 
 
-class _Route(NamedTuple):
-    """The routing the fused router launch adds: softmax and top-k over the first ``num_experts``
-    output columns of every row (``moe_decode._top_k_rows``)."""
-
-    num_experts: int
-    top_k: int
-    renormalize: bool
-
-
 def _launch(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, zero_centered: bool,
-    weight: torch.Tensor, return_normed: bool, config: GemvConfig, route: _Route | None,
+    weight: torch.Tensor, return_normed: bool, config: GemvConfig,
     out_dtype: torch.dtype | None = None, conv: _Conv | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """The fused launch: ``(out, normed, summed)``, then with ``route`` the float32 routing weights
-    and int32 expert ids ``[rows, top_k]`` (else ``None, None``); with ``conv`` the conv output
-    ``[rows, C]`` in place of the weights (``(out, None, summed, conv_out, None)``)."""
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """The fused launch: ``(out, normed, summed, conv_out)``; ``conv_out``, with ``conv``, the conv
+    output ``[rows, C]`` (else ``None``)."""
     _check(x, residual, norm_weight, zero_centered, weight)
     n_out, k_in = weight.shape
     rows = _rows(x, k_in)
@@ -238,36 +209,25 @@ def _launch(
     out = new_empty((num_rows, n_out), out_dtype or x.dtype, x.device)
     normed = new_empty(x.shape, x.dtype, x.device) if return_normed else None
     summed = new_empty(x.shape, x.dtype, x.device) if residual is not None else x
-    top_w = top_i = conv_out = None
+    conv_out = None
     if conv is not None:
         conv_out = new_empty((num_rows, conv.weight.shape[0]), x.dtype, x.device)
-    if route is not None:
-        top_w = new_empty((num_rows, route.top_k), torch.float32, x.device)
-        top_i = new_empty((num_rows, route.top_k), torch.int32, x.device)
     if num_rows and n_out:
         pdl = config.pdl and _pdl_available()
         chunk = min(32 * 16 // weight.element_size(), pow2(k_in))
         reps = max(1, config.block_k * 2 // weight.element_size() // chunk)  # as gemv_tiled: the same sums
-        counter = zeroed_counters(x.device, "normed_gemv_route", 1) if route is not None else out
         _normed_gemv_kernel[(triton.cdiv(n_out, config.block_n),)](
             rows, rows.stride(0), res, res.stride(0), norm_weight.contiguous(), weight, weight.stride(0), out,
             normed if normed is not None else out, summed if residual is not None else out, n_out, k_in, eps,
-            counter, top_w if top_w is not None else out, top_i if top_i is not None else out,
-            route.num_experts if route is not None else 0,
             *(_conv_args(conv, conv_out) if conv is not None else (out, out, 0, 0, 0, out, out, 0)),
             HAS_RESIDUAL=residual is not None, ZERO_CENTERED=zero_centered, WRITE_NORMED=return_normed,
             ROWS=num_rows, ROWS_P2=pow2(num_rows), BLOCK_N=config.block_n, REPS=reps, CHUNK=chunk,
             BLOCK_D=pow2(k_in), PDL=pdl,
-            ROUTE=route is not None, TOP_K=route.top_k if route is not None else 1,
-            RENORMALIZE=route is not None and route.renormalize,
-            BLOCK_E=pow2(route.num_experts) if route is not None else 1,
             CONV=conv is not None, WIDTH=conv.weight.shape[1] if conv is not None else 1,
             BLOCK_W=pow2(conv.weight.shape[1]) if conv is not None else 1,
             num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
         )
-    if conv is not None:
-        return out.reshape(*x.shape[:-1], n_out), None, summed, conv_out, None
-    return out.reshape(*x.shape[:-1], n_out), normed, summed, top_w, top_i
+    return out.reshape(*x.shape[:-1], n_out), normed, summed, conv_out
 
 
 def _conv_args(conv: _Conv, conv_out: torch.Tensor) -> tuple:
@@ -279,23 +239,7 @@ def add_rms_norm_gemv_tiled(
     weight: torch.Tensor, return_normed: bool, config: GemvConfig, out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """``add_rms_norm_gemv`` launched in the given shape (``benchmarks/normed_gemv_sweep.py``, the tests)."""
-    return _launch(x, residual, norm_weight, eps, zero_centered, weight, return_normed, config, None, out_dtype)[:3]
-
-
-def add_rms_norm_gemv_route_tiled(
-    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, zero_centered: bool,
-    weight: torch.Tensor, num_experts: int, top_k: int, renormalize: bool, config: GemvConfig,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``add_rms_norm_gemv_route`` launched in the given shape."""
-    if not 0 < top_k <= num_experts <= weight.shape[0]:
-        raise ValueError(
-            f"add_rms_norm_gemv_route: top_k {top_k} of num_experts {num_experts} must be in [1, num_experts], "
-            f"num_experts at most the weight's {weight.shape[0]} rows"
-        )
-    if x.dim() != 2:
-        raise ValueError(f"add_rms_norm_gemv_route: x must be [tokens, hidden], got {tuple(x.shape)}")
-    return _launch(x, residual, norm_weight, eps, zero_centered, weight, True, config,
-                   _Route(num_experts, top_k, renormalize))  # type: ignore[return-value]
+    return _launch(x, residual, norm_weight, eps, zero_centered, weight, return_normed, config, out_dtype)[:3]
 
 
 # Under the interpreter, whose cost is per program and per operation: few, wide programs.
@@ -310,16 +254,6 @@ def add_rms_norm_gemv(
     num_rows = x.numel() // k_in if k_in else 0
     return add_rms_norm_gemv_tiled(x, residual, norm_weight, eps, zero_centered, weight, return_normed,
                                    _config(num_rows, n_out, k_in), out_dtype)
-
-
-def add_rms_norm_gemv_route(
-    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, zero_centered: bool,
-    weight: torch.Tensor, num_experts: int, top_k: int, renormalize: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    n_out, k_in = weight.shape
-    config = _config(x.numel() // k_in if k_in else 0, n_out, k_in)
-    return add_rms_norm_gemv_route_tiled(x, residual, norm_weight, eps, zero_centered, weight, num_experts, top_k,
-                                         renormalize, config)
 
 
 def _config(num_rows: int, n_out: int, k_in: int) -> GemvConfig:
@@ -347,8 +281,8 @@ def add_rms_norm_gemv_conv_tiled(
             f"{tuple(conv_weight.shape)}, conv_state {tuple(conv_state.shape)} {conv_state.dtype}, state_slots "
             f"{tuple(state_slots.shape)} disagree"
         )
-    out, _, summed, conv_out, _ = _launch(x, residual, norm_weight, eps, zero_centered, weight, False, config, None,
-                                          None, _Conv(conv_weight, conv_state, state_slots))
+    out, _, summed, conv_out = _launch(x, residual, norm_weight, eps, zero_centered, weight, False, config,
+                                       conv=_Conv(conv_weight, conv_state, state_slots))
     return out, conv_out, summed  # type: ignore[return-value]
 
 

@@ -1,137 +1,26 @@
-"""The MoE router's fused launch (residual add + RMSNorm + router GEMV, the last program to finish
-routing every row: ``kernels.add_rms_norm_gemv_route``) at Qwen3.6-35B-A3B's sizes (264 x 2048
-router + shared gate, 256 experts, top 8), and the decode block from its routing
-(``kernels.sparse_moe_decode_routed``): against the plain fused launch and the routing kernel, and
-several layers of both in a CUDA graph, replayed with new inputs, with programmatic dependent
-launch on and off (the gate/up launch reads the routing the router launch's last program wrote).
-Also the lm_head's fused launch storing float32 logits (``out_dtype``) at 248,320 x 2048."""
+"""The batch-1 decode folds at Qwen3.6-35B-A3B's sizes on the GPU: the lm_head's fused launch
+storing float32 logits (``out_dtype``) at 248,320 x 2048, the GDN conv step in the input norm +
+in_proj launch, and the GDN output norm in the delta-rule step's launch; each against the unfused
+launches and the references, eager and replayed from a CUDA graph."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 import torch
 
 from freetoken.kernels import gemv_configs
-from freetoken.kernels.moe_decode import sparse_moe_decode_reference
-from freetoken.layers import moe
 from freetoken.layers.norm import RMSNorm
 from gpu_checks import capture_graph, replay
 
 pytestmark = pytest.mark.gpu
 
 CUDA = torch.device("cuda")
-HIDDEN, EXPERTS, TOP_K, INTER, GATE_ROWS, LAYERS = 2048, 256, 8, 512, 264, 3
+HIDDEN = 2048
 EPS = 1e-6
 
 
 def _randn(rng, *shape, dtype, scale=1.0):
     return (torch.randn(*shape, generator=rng, device=CUDA) * scale).to(dtype)
-
-
-def _stable_top_k(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference router (renormalised) with ties to the lower expert id, as the kernels break them."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    ids = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :TOP_K]
-    weights = probs.gather(1, ids)
-    return weights / weights.sum(dim=-1, keepdim=True), ids.to(torch.int32)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, gemv_configs.NORMED_MAX_ROWS])
-def test_router_launch_routes_at_real_sizes(rng, check, dtype, rows):
-    from freetoken.kernels.triton import _common, moe_decode, normed_gemv
-
-    x, res = (_randn(rng, rows, HIDDEN, dtype=dtype) for _ in range(2))
-    nw = _randn(rng, HIDDEN, dtype=dtype, scale=0.2)
-    w = _randn(rng, GATE_ROWS, HIDDEN, dtype=dtype, scale=HIDDEN**-0.5)
-    logits, normed, summed, top_w, top_i = normed_gemv.add_rms_norm_gemv_route(x, res, nw, EPS, True, w, EXPERTS, TOP_K, True)
-    want_out, want_normed, want_summed = normed_gemv.add_rms_norm_gemv(x, res, nw, EPS, True, w, True)
-    assert torch.equal(logits, want_out) and torch.equal(normed, want_normed) and torch.equal(summed, want_summed)
-    want_w, want_i = _stable_top_k(logits[:, :EXPERTS])
-    assert torch.equal(top_i, want_i)
-    torch.testing.assert_close(top_w, want_w, rtol=1e-5, atol=1e-6)
-    route_w, route_i = moe_decode.route(logits, EXPERTS, TOP_K, True)  # the block's own routing launch
-    assert torch.equal(top_i, route_i)
-    torch.testing.assert_close(top_w, route_w, rtol=1e-6, atol=1e-7)
-    torch.cuda.synchronize()
-    assert all(int(b.count_nonzero()) == 0 for owned in _common._counter_buffers.values() for b in owned)
-
-
-def _layer(rng, dtype, rows):
-    return dict(
-        nw=_randn(rng, HIDDEN, dtype=dtype, scale=0.2),
-        gate=_randn(rng, GATE_ROWS, HIDDEN, dtype=dtype, scale=HIDDEN**-0.5),
-        w13=_randn(rng, EXPERTS, 2 * INTER, HIDDEN, dtype=dtype, scale=HIDDEN**-0.5),
-        w2=_randn(rng, EXPERTS, HIDDEN, INTER, dtype=dtype, scale=INTER**-0.5),
-        sgu=_randn(rng, 2 * INTER, HIDDEN, dtype=dtype, scale=HIDDEN**-0.5),
-        sd=_randn(rng, HIDDEN, INTER, dtype=dtype, scale=INTER**-0.5),
-    )
-
-
-@pytest.mark.parametrize("pdl", [True, False])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, gemv_configs.NORMED_MAX_ROWS])
-def test_routed_layers_in_a_cuda_graph(rng, check, pdl, dtype, rows):
-    """Three layers of (router launch, two expert launches), the stream carried through, in one
-    graph replayed twice with new inputs: each layer against the reference block on that layer's
-    normalized rows and logits (so roundings do not compound)."""
-    from freetoken.kernels.triton import moe_decode, normed_gemv
-
-    layers = [_layer(rng, dtype, rows) for _ in range(LAYERS)]
-    x, res = (_randn(rng, rows, HIDDEN, dtype=dtype) for _ in range(2))
-    config = dataclasses.replace(gemv_configs.normed_gemv_config(rows, GATE_ROWS, HIDDEN), pdl=pdl)
-    tiles = dataclasses.replace(moe_decode.TILES, pdl=pdl)
-
-    def step() -> list[tuple[torch.Tensor, ...]]:
-        hidden, residual, outs = x, res, []
-        for p in layers:
-            logits, normed, residual, top_w, top_i = normed_gemv.add_rms_norm_gemv_route_tiled(
-                hidden, residual, p["nw"], EPS, True, p["gate"], EXPERTS, TOP_K, True, config
-            )
-            hidden = moe_decode.sparse_moe_decode_routed_tiled(
-                normed, logits[:, : EXPERTS + 1], top_w, top_i, p["w13"], p["w2"], p["sgu"], p["sd"], tiles
-            )
-            outs.append((logits, normed, top_i, hidden))
-        return outs
-
-    graph, outs = capture_graph(step)
-    for n in range(2):
-        x.copy_(_randn(rng, rows, HIDDEN, dtype=dtype))
-        res.copy_(_randn(rng, rows, HIDDEN, dtype=dtype))
-        replay(graph, (t for layer_outs in outs for t in layer_outs), -1)
-        for i, ((logits, normed, top_i, hidden), p) in enumerate(zip(outs, layers)):
-            assert torch.equal(top_i, _stable_top_k(logits[:, :EXPERTS])[1]), f"layer {i} replay {n}"
-            want = sparse_moe_decode_reference(
-                normed, logits[:, : EXPERTS + 1], p["w13"], p["w2"], p["sgu"], p["sd"], TOP_K, True
-            )
-            check(f"routed_graph_m{rows}_layer{i}_replay{n}", hidden.float(), want.float(), dtype)
-
-
-@pytest.mark.parametrize("rows", [1, 2, 4, 8])
-def test_moe_block_takes_the_fused_router_launch(rng, check, monkeypatch, rows):
-    """``SparseMoE.forward_normed`` on CUDA: the fused router launch where the norm folds into the
-    router GEMV (up to ``NORMED_MAX_ROWS`` rows), the same block as with ``FUSED_ROUTE`` off."""
-    from freetoken import kernels
-
-    block = moe.SparseMoE(HIDDEN, EXPERTS, TOP_K, INTER, INTER).to(CUDA, torch.bfloat16)
-    for p in block.parameters():
-        p.data.copy_(_randn(rng, *p.shape, dtype=torch.bfloat16, scale=p.shape[-1] ** -0.5))
-    norm = RMSNorm(HIDDEN, EPS, zero_centered=True).to(CUDA, torch.bfloat16)
-    norm.weight.data.copy_(_randn(rng, HIDDEN, dtype=torch.bfloat16, scale=0.2))
-    x, res = (_randn(rng, rows, HIDDEN, dtype=torch.bfloat16) for _ in range(2))
-    calls = []
-    fused = kernels.add_rms_norm_gemv_route
-    monkeypatch.setattr(kernels, "add_rms_norm_gemv_route", lambda *a: calls.append(1) or fused(*a))
-    monkeypatch.setattr(moe, "FUSED_ROUTE", True)  # off by default (slower end to end), still kept exact
-    got, got_res = block.forward_normed(norm, x, res)
-    assert len(calls) == (rows <= gemv_configs.NORMED_MAX_ROWS)
-    monkeypatch.setattr(moe, "FUSED_ROUTE", False)
-    want, want_res = block.forward_normed(norm, x, res)
-    assert len(calls) == (rows <= gemv_configs.NORMED_MAX_ROWS)
-    assert torch.equal(got_res, want_res)
-    check(f"moe_block_fused_route_m{rows}", got.float(), want.float(), torch.bfloat16)
 
 
 def test_lm_head_launch_stores_float32_logits(rng):

@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 
@@ -119,71 +117,3 @@ def test_sparse_moe_decode_rejects_mismatched_shapes(rng):
     x, gate_logits, w13, w2, sgu, sd = _inputs(rng, torch.float32, 2, 5, 16, 8, 8)
     with pytest.raises(ValueError, match="gate_logits"):
         sparse_moe_decode(x, gate_logits[:, :-1], w13, w2, sgu, sd, 2, True)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens,renormalize,shared_inter", [(1, True, 24), (3, False, 56)])
-def test_sparse_moe_decode_routed(rng, dtype, tokens, renormalize, shared_inter):
-    """From the routing launch's output, the two expert launches give exactly the three-launch
-    block's result where that too runs the shared expert in its gate/up launch (in the routing
-    launch its float32 sums run in another order), and the reference's."""
-    from freetoken.kernels.triton.moe_decode import TILES, route, sparse_moe_decode_routed, sparse_moe_decode_tiled
-
-    experts, top_k, hidden, inter = 7, 3, 72, 40
-    x, gate_logits, *weights = _inputs(rng, dtype, tokens, experts, hidden, inter, shared_inter)
-    top_w, top_i = route(gate_logits, experts, top_k, renormalize)
-    got = sparse_moe_decode_routed(x, gate_logits, top_w, top_i, *weights)
-    three = sparse_moe_decode_tiled(x, gate_logits, *weights, top_k, renormalize, replace(TILES, shared_in_route=False))
-    assert torch.equal(got, three)
-    assert_close(got, ref.sparse_moe_decode_routed_reference(x, gate_logits, top_w, top_i, *weights))
-
-
-def test_sparse_moe_decode_routed_rejects_a_bad_routing(rng):
-    from freetoken.kernels.triton.moe_decode import route, sparse_moe_decode_routed
-
-    x, gate_logits, *weights = _inputs(rng, torch.float32, 2, 5, 16, 8, 8)
-    top_w, top_i = route(gate_logits, 5, 2, True)
-    with pytest.raises(ValueError, match="tokens, top_k"):
-        sparse_moe_decode_routed(x, gate_logits, top_w[:1], top_i[:1], *weights)
-    with pytest.raises(ValueError, match="float32"):
-        sparse_moe_decode_routed(x, gate_logits, top_w.double(), top_i, *weights)
-    with pytest.raises(ValueError, match="disagree"):
-        sparse_moe_decode_routed(x, gate_logits[:, :-1], top_w, top_i, *weights)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_moe_block_routes_in_its_router_launch(rng, dtype, monkeypatch):
-    """``SparseMoE.forward_normed`` with the routing in the router's fused launch
-    (``FUSED_ROUTE``) gives exactly the block after the plain fused norm + router GEMV, and the same
-    stream after the add. The fused launch is taken only on CUDA, so the test forces it here."""
-    from freetoken.kernels import dispatch
-    from freetoken.kernels.triton import moe_decode, normed_gemv
-    from freetoken.layers import moe
-    from freetoken.layers.norm import RMSNorm
-
-    experts, top_k, hidden, inter, shared_inter, tokens = 9, 3, 48, 24, 40, 2
-    block = moe.SparseMoE(hidden, experts, top_k, inter, shared_inter).to(DEVICE, dtype)
-    for p in block.parameters():
-        p.data.copy_(torch.randn(p.shape, generator=rng) * p.shape[-1] ** -0.5)
-    norm = RMSNorm(hidden, 1e-6, zero_centered=True).to(DEVICE, dtype)
-    norm.weight.data.copy_(torch.randn(hidden, generator=rng) * 0.2)
-    x = torch.randn(tokens, hidden, generator=rng).to(dtype).to(DEVICE)
-    residual = torch.randn(tokens, hidden, generator=rng).to(dtype).to(DEVICE)
-    monkeypatch.setattr(moe, "fuses", lambda *_: True)
-    monkeypatch.setattr(moe, "FUSED_ROUTE", True)  # off by default (slower end to end on the H200)
-    monkeypatch.setattr(dispatch, "_backend", dispatch.KernelBackend.TRITON)
-    calls = []
-    fused_launch = normed_gemv.add_rms_norm_gemv_route
-    monkeypatch.setattr(normed_gemv, "add_rms_norm_gemv_route", lambda *a: calls.append(1) or fused_launch(*a))
-    dispatch._triton_impl.cache_clear()
-    try:
-        got, got_residual = block.forward_normed(norm, x, residual)
-    finally:
-        dispatch._triton_impl.cache_clear()
-    assert calls, "the fused router launch did not run"
-    logits, normed, summed = normed_gemv.add_rms_norm_gemv(x, residual, norm.weight, norm.eps, True, block.gate_weight, True)
-    # The routed block computes the shared expert in its gate/up launch: the three-launch block too here.
-    tiles = replace(moe_decode.TILES, shared_in_route=False)
-    want = moe_decode.sparse_moe_decode_tiled(normed, logits[:, : experts + 1], block.w13, block.w2,
-                                              block.shared_gate_up, block.shared_down, top_k, True, tiles)
-    assert torch.equal(got_residual, summed) and torch.equal(got, want)

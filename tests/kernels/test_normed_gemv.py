@@ -113,66 +113,6 @@ def test_normed_gemv_takes_the_gemv_rows_and_fma_shapes(monkeypatch):
     assert gemv_configs.normed_gemv_config(2, 512, 2048) == gemv_configs.default_config(512, 2048)
 
 
-def _stable_top_k(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference router with ties broken as the kernels break them (the lower expert id first):
-    torch.topk leaves their order unspecified, and bf16 router logits tie."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    ids = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :top_k]
-    weights = probs.gather(1, ids)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids.to(torch.int32)
-
-
-# Launch shapes: several programs of one row a warp (the last to arrive routes), several rows a warp.
-@pytest.mark.parametrize("config", [GemvConfig(1, 256, 1), GemvConfig(8, 128, 2)], ids=lambda c: c.label())
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("rows,renormalize", [(1, True), (3, False), (NORMED_MAX_ROWS, True)])
-def test_normed_gemv_route(rng, config, dtype, rows, renormalize):
-    """The router's fused launch: its GEMV, norm and sum exactly the plain fused launch's, and the
-    routing of the first ``num_experts`` logits that launch wrote: the reference router's choices in
-    its order (ties to the lower id), float32 weights before rounding; the counter left at zero."""
-    from freetoken.kernels.triton import _common
-
-    normed_gemv = _triton()[2]
-    n_out, num_experts, top_k, k_in = 27, 23, 5, 200  # a shared-gate column and padding past the experts
-    x, res, nw, w = operands(rng, rows, n_out, k_in, dtype, True, True)
-    logits, normed, summed, top_w, top_i = normed_gemv.add_rms_norm_gemv_route_tiled(
-        x, res, nw, EPS, True, w, num_experts, top_k, renormalize, config
-    )
-    want_out, want_normed, want_summed = normed_gemv.add_rms_norm_gemv_tiled(x, res, nw, EPS, True, w, True, config)
-    assert torch.equal(logits, want_out) and torch.equal(normed, want_normed) and torch.equal(summed, want_summed)
-    want_w, want_i = _stable_top_k(logits[:, :num_experts], top_k, renormalize)
-    assert top_w.dtype == torch.float32 and top_i.dtype == torch.int32
-    assert torch.equal(top_i, want_i.to(DEVICE))
-    torch.testing.assert_close(top_w, want_w.to(DEVICE), rtol=1e-6, atol=1e-7)
-    assert all(int(b.count_nonzero()) == 0 for owned in _common._counter_buffers.values() for b in owned)
-
-
-def test_normed_gemv_route_matches_its_reference(rng):
-    """float32: no ties; every output against ``add_rms_norm_gemv_route_reference``."""
-    from freetoken.kernels.normed_gemv import add_rms_norm_gemv_route_reference
-
-    x, res, nw, w = operands(rng, 2, 19, 72, torch.float32, True, True)
-    got = _triton()[2].add_rms_norm_gemv_route(x, res, nw, EPS, True, w, 17, 4, True)
-    want = add_rms_norm_gemv_route_reference(x, res, nw, EPS, True, w, 17, 4, True)
-    for g, r in zip(got[:3], want[:3]):
-        assert_close(g, r)
-    assert torch.equal(got[4], want[4])
-    torch.testing.assert_close(got[3], want[3], rtol=1e-5, atol=1e-6)
-
-
-def test_normed_gemv_route_rejects_bad_operands(rng):
-    normed_gemv = _triton()[2]
-    x, res, nw, w = operands(rng, 2, 9, 16, torch.float32, True, True)
-    with pytest.raises(ValueError, match="num_experts"):
-        normed_gemv.add_rms_norm_gemv_route(x, res, nw, EPS, True, w, 10, 2, True)
-    with pytest.raises(ValueError, match="top_k"):
-        normed_gemv.add_rms_norm_gemv_route(x, res, nw, EPS, True, w, 8, 9, True)
-    with pytest.raises(ValueError, match="tokens, hidden"):
-        normed_gemv.add_rms_norm_gemv_route(x[None], res[None], nw, EPS, True, w, 8, 2, True)
-
-
 def test_normed_gemv_stores_float32_logits(rng):
     """``out_dtype=float32`` (the lm_head): the bf16 launch's output, converted, with no launch of its own."""
     normed_gemv = _triton()[2]

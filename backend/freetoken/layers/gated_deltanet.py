@@ -11,30 +11,23 @@ from torch import nn
 from freetoken import kernels
 from freetoken.batch import ForwardBatch
 from freetoken.kernels.prefill_snapshots import PrefillSnapshots
-from freetoken.kernels.gemv_configs import prefers_gated_normed_gemv
-from freetoken.layers.linear import linear, takes_gemv
+from freetoken.layers.linear import linear
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.normed_linear import fuses, normed_linear
 from freetoken.layers.slot_state import StateShapes
 from freetoken.layers.weights import WeightTarget, new_param, packed_targets
 
 
-# At a few tokens the gated output norm runs in out_proj's GEMV launch (``kernels.gated_rms_norm_gemv``)
-# where ``gemv_configs.prefers_gated_normed_gemv`` says: one launch a layer fewer. Off: on the H200 at
-# batch 1 the step ran 2.49 ms without it against 2.60 with it, in a launch shape not yet swept
-# (``benchmarks/b1_fusions_sweep.py`` prints its table entry; docs/benchmarks.md).
-FUSED_OUTPUT_NORM = False
 # In a decode-only step whose input norm folds into in_proj's GEMV (``layers.normed_linear``), the
 # conv1d decode step runs in that launch too (``kernels.add_rms_norm_gemv_conv``: each program
 # convolves its own q|k|v channels): one launch a layer fewer. False: the A/B switch.
 FUSED_CONV = True
 # In a decode-only step the gated output norm runs in the delta-rule step's epilogue
 # (``kernels.gated_delta_rule_decode_gated_norm``: the last of a head's programs to finish normalizes
-# the head's row): one launch a layer fewer, out_proj a plain GEMV. Taken before
-# ``FUSED_OUTPUT_NORM``; up to ``DECODE_NORM_MAX_ROWS`` requests. Measured (session 36, H100,
-# ``benchmarks/b1_fusions_sweep.py --parts decode_norm``): 3.96 us a layer against 4.64 for the step
-# and the norm launch at 1 request, even from 4 to 32, 106 against 102 at 64 and 215 against 199 at
-# 128. False: the A/B switch.
+# the head's row): one launch a layer fewer, out_proj a plain GEMV; up to ``DECODE_NORM_MAX_ROWS``
+# requests. Measured (session 36, H100, ``benchmarks/b1_fusions_sweep.py --parts decode_norm``): 3.96
+# us a layer against 4.64 for the step and the norm launch at 1 request, even from 4 to 32, 106
+# against 102 at 64 and 215 against 199 at 128. False: the A/B switch.
 FUSED_DECODE_NORM = True
 DECODE_NORM_MAX_ROWS = 8
 
@@ -155,22 +148,8 @@ class GatedDeltaNet(nn.Module):
             core[:nd] = self._decode(mixed_qkv[:nd], a[:nd], b[:nd], batch.state_slots[:nd])
             first, cu_seqlens, slots = batch.prefill_part()
             core[first:] = self._prefill(mixed_qkv[first:], a[first:], b[first:], slots, cu_seqlens, batch.prefill_snapshots())
-        if self._norm_in_out_proj(core):
-            return kernels.gated_rms_norm_gemv(core, z, self.norm_weight, self.eps, self.gate_activation, self.out_proj)
         out = self.output_norm(core, z)
         return linear(out.reshape(num_tokens, self.value_dim), self.out_proj)
-
-    def _norm_in_out_proj(self, core: torch.Tensor) -> bool:
-        """Whether the gated output norm runs in ``out_proj``'s GEMV launch (``FUSED_OUTPUT_NORM``):
-        a dense weight the GEMV takes at this row count, a norm weight of the activations' dtype."""
-        rows = core.reshape(core.shape[0], -1)
-        return (
-            FUSED_OUTPUT_NORM
-            and isinstance(self.out_proj, torch.Tensor)
-            and self.norm_weight.dtype == core.dtype
-            and takes_gemv(rows, self.out_proj)
-            and prefers_gated_normed_gemv(rows.shape[0], *self.out_proj.shape)
-        )
 
     def _decode(
         self, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,

@@ -11,7 +11,7 @@ from freetoken.experts.store import OffloadedExperts, ResidentExperts, make_stor
 from freetoken.layers.linear import Weight, linear, sparse_moe_decode
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.moe_partial import MoEPartial
-from freetoken.layers.normed_linear import fuses, normed_linear
+from freetoken.layers.normed_linear import normed_linear
 from freetoken.layers.weights import WeightTarget, new_param, packed_targets
 
 # Up to this many tokens the block after the router GEMM runs as one fused op (``kernels.sparse_moe_decode``):
@@ -32,13 +32,6 @@ COMBINE_IN_NEXT_NORM = True
 SHARED_IN_GROUPED_MAX_TOKENS = 128
 # The router + shared-gate weight's rows are a multiple of this (8 rows: 16 bytes of bf16 output a row).
 GATE_ROW_ALIGN = 8
-# Where the norm before the block folds into the router's GEMV (``layers.normed_linear``), route there
-# too: the launch's last program to finish does the softmax and top-k (``kernels.add_rms_norm_gemv_route``)
-# and the fused block runs its two expert launches from that routing (``kernels.sparse_moe_decode_routed``):
-# one launch a layer fewer than the router GEMV + the block's own routing launch. Off: on the H200 at
-# batch 1 the step ran 2.53 ms without it against 2.60 with it (cause not profiled yet;
-# docs/benchmarks.md).
-FUSED_ROUTE = False
 
 
 class SparseMoE(nn.Module):
@@ -132,36 +125,9 @@ class SparseMoE(nn.Module):
         self, norm: RMSNorm, x: torch.Tensor | MoEPartial, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor | MoEPartial, torch.Tensor]:
         """The block on ``norm(x + residual)``, and the stream after the add (``x + residual``): the
-        norm runs with the router GEMV (``layers.normed_linear``), and where that is one launch on a
-        resident block of dense weights at decode, the routing runs in it too (``FUSED_ROUTE``)."""
-        if self._routes_in_gemv(norm, x):
-            logits, normed, summed, top_w, top_i = kernels.add_rms_norm_gemv_route(
-                x, residual, norm.weight, norm.eps, norm.zero_centered, self.gate_weight,
-                self.num_experts, self.top_k, self.renormalize,
-            )
-            out = kernels.sparse_moe_decode_routed(
-                normed, logits[:, : self.num_experts + 1], top_w, top_i,
-                self.w13, self.w2, self.shared_gate_up, self.shared_down,
-            )
-            return out, summed
+        norm runs with the router GEMV (``layers.normed_linear``)."""
         projected = normed_linear(norm, x, residual, self.gate_weight, return_normed=True)
         return self(projected.normed, projected.out, partial=True), projected.residual
-
-    def _routes_in_gemv(self, norm: RMSNorm, x: torch.Tensor | MoEPartial) -> bool:
-        """Whether ``forward_normed`` takes the fused router launch: a few tokens (one program of the
-        fused GEMV holds them all), the norm folding into the router GEMV, resident dense weights
-        (the fused block's), and no router bias (the launch routes the GEMV's raw logits)."""
-        dense = all(isinstance(w, torch.Tensor) for w in (self.w13, self.w2, self.shared_gate_up, self.shared_down))
-        return (
-            FUSED_ROUTE
-            and isinstance(x, torch.Tensor)
-            and x.dim() == 2
-            and x.shape[0] <= DECODE_MAX_TOKENS
-            and self.router_bias is None
-            and isinstance(self.experts, ResidentExperts)
-            and dense
-            and fuses(norm, x, self.gate_weight)
-        )
 
     def forward(
         self, x: torch.Tensor, projected: torch.Tensor | None = None, partial: bool = False

@@ -50,8 +50,8 @@ class DecoderLayer(nn.Module):
         self, hidden: torch.Tensor | MoEPartial, residual: torch.Tensor | None, batch: ForwardBatch
     ) -> tuple[torch.Tensor | MoEPartial, torch.Tensor]:
         # Each norm runs with the projection after it (one launch at decode: layers.normed_linear);
-        # the GDN conv step and the MoE block's routing run in those launches too (layers.gated_deltanet.FUSED_CONV,
-        # layers.moe.FUSED_ROUTE), and past a few rows the norm sums the previous MoE block's output (``MoEPartial``).
+        # the GDN conv step runs in in_proj's launch too (layers.gated_deltanet.FUSED_CONV), and past a
+        # few rows the norm sums the previous MoE block's output (``MoEPartial``).
         hidden, residual = self.mixer.forward_normed(self.input_layernorm, hidden, residual, batch)
         return self.mlp.forward_normed(self.post_attention_layernorm, hidden, residual)
 
