@@ -31,6 +31,7 @@ import triton.language as tl
 from freetoken.kernels.norm import check_gate_activation
 from freetoken.kernels.triton._common import arrive, cast, device_function, new_empty, pow2, round_as, zeroed_counters
 from freetoken.kernels.triton.moe_decode import _pdl_available
+from freetoken.kernels.triton.norm import apply_gate
 
 # Value columns per program and warps: below ``WIDE_BATCH`` requests (B=1: 4.3 us on the H200)
 # ``BLOCK_V`` over 4 warps; from it ``WIDE_BLOCK_V`` over 4 warps, fewer programs for the same state
@@ -110,11 +111,7 @@ def _gated_norm_row(row_ptr, z_row, norm_w_ptr, eps, value_dim, BLOCK_ROW: tl.co
     if ROUND_PRODUCT:
         out = round_as(out, dtype)
     z = tl.load(z_row + cols, mask=ok, other=0.0).to(tl.float32)
-    if GATE_SIGMOID:
-        out = out * tl.sigmoid(z)
-    else:
-        out = out * (z * tl.sigmoid(z))
-    tl.store(row_ptr + cols, cast(out, dtype), mask=ok)
+    tl.store(row_ptr + cols, cast(apply_gate(out, z, GATE_SIGMOID), dtype), mask=ok)
 
 
 def _check(q, k, v, a, b, A_log, dt_bias, state) -> None:

@@ -14,8 +14,18 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels.norm import check_gate_activation
-from freetoken.kernels.triton._common import cast, new_empty, pow2, round_as, rows_per_program
+from freetoken.kernels.triton._common import cast, device_function, new_empty, pow2, round_as, rows_per_program
 from freetoken.kernels.triton.moe_decode import _pdl_available
+
+
+@device_function
+def apply_gate(y, g, GATE_SIGMOID: tl.constexpr):
+    """``y`` gated by float32 ``g`` as the gated norm gates it: ``y · sigmoid(g)``, else ``y · silu(g)``."""
+    if GATE_SIGMOID:
+        gated = y * tl.sigmoid(g)
+    else:
+        gated = y * (g * tl.sigmoid(g))
+    return gated
 
 
 @triton.jit
@@ -60,10 +70,7 @@ def _rms_norm_kernel(
         y = round_as(w * round_as(normed, x.dtype), out_ptr.dtype.element_ty)
     if HAS_GATE:
         g = tl.load(gate_ptr + i * gate_s0 + j * gate_s1 + cols, mask=mask, other=0.0).to(tl.float32)
-        if GATE_SIGMOID:
-            y = y * tl.sigmoid(g)
-        else:
-            y = y * (g * tl.sigmoid(g))
+        y = apply_gate(y, g, GATE_SIGMOID)
     tl.store(out_ptr + out_offs, cast(y, out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "kernels"))  # kernel_checks
+from kernel_checks import poisoned_outputs  # noqa: E402, F401  (autouse)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -26,16 +27,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-@pytest.fixture(autouse=True)
-def poisoned_outputs(monkeypatch):
-    from freetoken.kernels.triton import _common
-
-    monkeypatch.setattr(_common, "poison_outputs", True)
-    torch.backends.cuda.matmul.allow_tf32 = False  # float32 references in true float32
-    torch.backends.cudnn.allow_tf32 = False
-    yield
 
 
 @pytest.fixture
