@@ -37,18 +37,6 @@ def test_float32_greedy_tokens_equal_transformers_on_cuda(case, kernel_backend):
     assert_greedy_batch(llm, case)
 
 
-@pytest.mark.parametrize("case", [Case("qwen3_5_moe", "demo")], ids=str)
-def test_float32_greedy_tokens_with_the_routing_in_the_expert_programs(case, monkeypatch):
-    """``DecodeTiles.route_in_experts`` (no routing launch in the MoE decode block): the same tokens."""
-    import dataclasses
-
-    from freetoken.kernels.triton import moe_decode
-
-    monkeypatch.setattr(moe_decode, "TILES", dataclasses.replace(moe_decode.TILES, route_in_experts=True))
-    llm = LLM(model=str(checkpoint(case)), dtype="float32", device="cuda", max_prefill_length=16, page_size=PAGE_SIZE)
-    assert_greedy_batch(llm, case)
-
-
 def test_pools_sized_from_free_gpu_memory():
     """No num_pages given: the pages come from the free memory after the weights, capped at what
     max_running_requests x max_model_len can use."""

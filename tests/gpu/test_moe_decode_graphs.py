@@ -33,16 +33,13 @@ def _layer(rng: torch.Generator, dtype: torch.dtype, tokens: int) -> tuple[torch
     )
 
 
-@pytest.mark.parametrize("route_in_experts", [False, True])
 @pytest.mark.parametrize("pdl", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 8])
-def test_sparse_moe_decode_layers_in_a_cuda_graph(rng, check, pdl, dtype, tokens, route_in_experts):
-    """``route_in_experts``: no routing launch, each gate/up and down program routing its token (the
-    down programs before their wait, from the logits of the launch before gate/up)."""
+def test_sparse_moe_decode_layers_in_a_cuda_graph(rng, check, pdl, dtype, tokens):
     from freetoken.kernels.triton import moe_decode
 
-    tiles = dataclasses.replace(moe_decode.TILES, pdl=pdl, route_in_experts=route_in_experts)
+    tiles = dataclasses.replace(moe_decode.TILES, pdl=pdl)
     layers = [_layer(rng, dtype, tokens) for _ in range(LAYERS)]
     wants = [ref_moe_decode.sparse_moe_decode_reference(*layer, TOP_K, True) for layer in layers]
 
