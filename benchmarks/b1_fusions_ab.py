@@ -6,8 +6,7 @@
 
 ``--off`` / ``--on`` name the switches to set False / True (none: the defaults); everything after
 ``--`` goes to ``freetoken bench`` unchanged. The folds (``conv``, ``decode_norm``, ``greedy``) and
-the shared expert's gate/up in the MoE routing launch (``shared_route``), and the routing in the MoE
-block's gate/up and down programs instead of its own launch (``route_experts``).
+the shared expert's gate/up in the MoE routing launch (``shared_route``).
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ SWITCHES = {
     "decode_norm": ("freetoken.layers.gated_deltanet", "FUSED_DECODE_NORM"),
     "greedy": ("freetoken.engine.sample", "FUSED_GREEDY"),
     "shared_route": ("freetoken.kernels.triton.moe_decode", "TILES.shared_in_route"),
-    "route_experts": ("freetoken.kernels.triton.moe_decode", "TILES.route_in_experts"),
 }
 
 

@@ -79,12 +79,6 @@ class DecodeTiles:
     # only the routed experts (at one token 33.6 of 37.7 MB).
     shared_in_route: bool = True
     shared_block_n: int = 1
-    # No routing launch (``route_in_experts``): each gate/up and down program routes its token from the
-    # router logits itself (top-8 of 256 in registers, the same choices in every program), one launch
-    # boundary a layer fewer; a routed gate/up program's first weight load then waits for its own
-    # top-k instead of for the routing launch's end. The shared expert runs as one more pair of the
-    # gate/up launch (``shared_in_route`` does not apply).
-    route_in_experts: bool = False
 
     def __post_init__(self) -> None:
         for field in fields(self):
@@ -101,27 +95,24 @@ def _top_k_rows(logits, e, num_experts, TOP_K: tl.constexpr, RENORMALIZE: tl.con
     """(routing weights in float32, expert ids), both ``[R, BLOCK_E]`` with choice ``c`` in column
     ``c`` (columns from ``TOP_K`` on hold zeros), of rows of float32 router ``logits [R, BLOCK_E]``
     (``e``: the column index ``[1, BLOCK_E]``; columns from ``num_experts`` on are ignored). The
-    routing of the decode block and of the grouped path's one-warp top-k kernel: the lowest expert
-    id first among ties, the renormalising sum adding the choices in order.
+    routing of the one-token decode block, of its fused router GEMV, and of the grouped path's
+    one-warp top-k kernel: the lowest expert id first among ties, the renormalising sum adding the
+    choices in order.
 
-    The choices compare the bits of ``exp(logit - max)`` as int32 (non-negative floats order as their
-    bits do): in one warp a choice is two int32 reductions of one ``redux.sync`` each (the largest
-    value's bits, then the lowest expert id holding them), where floats take five shuffles. The keys
-    are elementwise, so every program that routes the same logits picks the same experts whatever
-    its layout sums the softmax's denominator in (the gate/up and down programs of
-    ``DecodeTiles.route_in_experts`` each route their token)."""
+    The choices compare the probabilities' bits as int32 (non-negative floats order as their bits
+    do): in one warp a choice is two int32 reductions of one ``redux.sync`` each (the largest
+    probability's bits, then the lowest expert id holding them), where floats take five shuffles."""
     ok = e < num_experts
     logits = tl.where(ok, logits, float("-inf"))
-    ex = tl.exp(logits - tl.max(logits, 1)[:, None])
-    key = tl.where(ok, ex.to(tl.int32, bitcast=True), -1)  # padding: below every exp
-    denominator = tl.sum(ex, 1)[:, None]
+    p = tl.exp(logits - tl.max(logits, 1)[:, None])
+    key = tl.where(ok, (p / tl.sum(p, 1)[:, None]).to(tl.int32, bitcast=True), -1)  # padding: below every p
     total = tl.zeros([logits.shape[0], 1], tl.float32)
     weights = tl.zeros([logits.shape[0], BLOCK_E], tl.float32)
     experts = tl.zeros([logits.shape[0], BLOCK_E], tl.int32)
     for c in tl.static_range(TOP_K):
         best_key = tl.max(key, 1)[:, None]
         best_i = tl.min(tl.where(key == best_key, e, BLOCK_E), 1)[:, None]
-        best = best_key.to(tl.float32, bitcast=True) / denominator  # the softmax's probability
+        best = best_key.to(tl.float32, bitcast=True)
         total += best
         weights = tl.where(e == c, best, weights)
         experts = tl.where(e == c, best_i, experts)
@@ -241,25 +232,16 @@ def _gate_up_pairs(x_ptr, x_st, base, routed, w13_sn, sw_sn, h_row, q_ok, t, h_p
     tl.store(h_ptr + h_row.to(tl.int64)[:, None] * h_width + n[None, :], cast(h, dtype), mask=n_ok)
 
 
-@device_function
-def _chosen(weights, experts, c, BLOCK_E: tl.constexpr):
-    """Choice ``c [R]`` of routings ``[R, BLOCK_E]`` (``_top_k_rows``'s layout): (weight, expert id) ``[R]``."""
-    mine = tl.arange(0, BLOCK_E)[None, :] == c[:, None]
-    return tl.sum(tl.where(mine, weights, 0.0), 1), tl.sum(tl.where(mine, experts, 0), 1)
-
-
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, x_st, w13_ptr, w13_se, w13_sn, sw_ptr, sw_sn, topi_ptr, logits_ptr, l_st, h_ptr, h_width,
-    num_pairs, hidden, inter, shared_inter, num_experts,
+    x_ptr, x_st, w13_ptr, w13_se, w13_sn, sw_ptr, sw_sn, topi_ptr, h_ptr, h_width,
+    num_pairs, hidden, inter, shared_inter,
     TOP_K: tl.constexpr, PAIRS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-    SHARED: tl.constexpr, ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+    SHARED: tl.constexpr,
 ):
     """``SHARED``: the pairs include each token's shared expert (``num_pairs`` = tokens x (TOP_K + 1));
-    else only the routed choices (tokens x TOP_K: the routing launch computed the shared rows).
-    ``ROUTE`` (``DecodeTiles.route_in_experts``): each program routes its token from the router
-    logits (the previous launch's output) instead of reading the routing launch's expert ids."""
-    if PDL:  # the expert ids (or the logits) are the previous launch's output; the down programs may start
+    else only the routed choices (tokens x TOP_K: the routing launch computed the shared rows)."""
+    if PDL:  # the expert ids are the routing launch's output; the down programs may start
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     # Pair q: token t's choice j, or with SHARED its shared expert at j = TOP_K; h row t·(TOP_K + 1) + j.
@@ -269,13 +251,7 @@ def _gate_up_kernel(
     t = q // PER_TOKEN
     j = q % PER_TOKEN
     routed = j < TOP_K
-    if ROUTE:  # each program routes its pairs' tokens: the same choices as every other program
-        e = tl.arange(0, BLOCK_E)[None, :]
-        logits = tl.load(logits_ptr + t[:, None] * l_st + e, mask=q_ok[:, None] & (e < num_experts), other=0.0)
-        weights, experts = _top_k_rows(logits.to(tl.float32), e, num_experts, TOP_K, False, BLOCK_E)
-        expert = _chosen(weights, experts, j, BLOCK_E)[1].to(tl.int64)
-    else:
-        expert = tl.load(topi_ptr + t * TOP_K + j, mask=q_ok & routed, other=0).to(tl.int64)
+    expert = tl.load(topi_ptr + t * TOP_K + j, mask=q_ok & routed, other=0).to(tl.int64)
     base = tl.where(routed, w13_ptr + expert * w13_se, sw_ptr)
     h_row = t * (TOP_K + 1) + j
     _gate_up_pairs(x_ptr, x_st, base, routed, w13_sn, sw_sn, h_row, q_ok, t, h_ptr, h_width, hidden, inter,
@@ -325,27 +301,20 @@ def _down_kernel(
     h_ptr, h_width, w2_ptr, w2_se, w2_sn, sd_ptr, sd_sn, topw_ptr, topi_ptr, logits_ptr, l_st, out_ptr,
     hidden, inter, shared_inter, num_experts,
     TOP_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-    ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
-    # Under PDL this runs while the gate/up launch finishes: the launch before that one is done
+    # Under PDL this runs while the gate/up launch finishes: the routing launch before it is done
     # (each gate/up program waited for it before letting this one start), so the routing is read
-    # here (.cg: L1 may hold an earlier layer's values at the same address), or with ROUTE computed
-    # from the router logits that launch wrote, and the weights streamed; ``h``, the gate/up output,
-    # only after the wait.
+    # here, from L2 (.cg: L1 may hold an earlier layer's ids at the same address), and the weights
+    # streamed; ``h``, the gate/up output, only after the wait.
     t = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < hidden
     c = tl.arange(0, BLOCK_C)
     c_ok = c < TOP_K
     dtype = out_ptr.dtype.element_ty
-    if ROUTE:
-        weights, experts = _top_k(logits_ptr + t * l_st, num_experts, TOP_K, RENORMALIZE, BLOCK_E)
-        weight, expert = _chosen(weights[None, :], experts[None, :], c, BLOCK_E)
-        expert = expert.to(tl.int64)
-    else:
-        expert = tl.load(topi_ptr + t * TOP_K + c, mask=c_ok, other=0, cache_modifier=".cg").to(tl.int64)
-        weight = tl.load(topw_ptr + t * TOP_K + c, mask=c_ok, other=0.0, cache_modifier=".cg")
+    expert = tl.load(topi_ptr + t * TOP_K + c, mask=c_ok, other=0, cache_modifier=".cg").to(tl.int64)
     # The weights as the reference holds them: rounded to the activations' dtype.
+    weight = tl.load(topw_ptr + t * TOP_K + c, mask=c_ok, other=0.0, cache_modifier=".cg")
     weight = cast(weight, dtype).to(tl.float32)
     w_rows = w2_ptr + expert[:, None] * w2_se + n[None, :] * w2_sn
     _down_choices(h_ptr, h_width, w_rows, sd_ptr, sd_sn, weight, logits_ptr, l_st, out_ptr, t, n, n_ok, c, c_ok,
@@ -433,13 +402,9 @@ def sparse_moe_decode_tiled(
     pdl = tiles.pdl and _pdl_available()
     x = x if x.stride(-1) == 1 else x.contiguous()
     h = _h_buffer(x, w13, shared_gate_up, top_k)
-    if tiles.route_in_experts:
-        return _experts(x, gate_logits, None, w13, w2, shared_gate_up, shared_down, tiles, h, False, top_k, renormalize)
     shared = SharedInRoute(x, shared_gate_up.contiguous(), h, tiles.shared_block_n) if tiles.shared_in_route else None
-    routing = route(gate_logits, num_experts, top_k, renormalize, pdl, shared)
-    return _experts(
-        x, gate_logits, routing, w13, w2, shared_gate_up, shared_down, tiles, h, shared is not None, top_k, renormalize
-    )
+    top_w, top_i = route(gate_logits, num_experts, top_k, renormalize, pdl, shared)
+    return _experts(x, gate_logits, top_w, top_i, w13, w2, shared_gate_up, shared_down, tiles, h, shared is not None)
 
 
 def _check(x, gate_logits, w13, w2, shared_gate_up, shared_down, top_k: int, name: str) -> int:
@@ -471,17 +436,15 @@ def _h_buffer(x: torch.Tensor, w13: torch.Tensor, shared_gate_up: torch.Tensor, 
 
 
 def _experts(
-    x, gate_logits, routing: tuple[torch.Tensor, torch.Tensor] | None, w13, w2, shared_gate_up, shared_down,
-    tiles: DecodeTiles, h: torch.Tensor, shared_done: bool, top_k: int, renormalize: bool,
+    x, gate_logits, top_w, top_i, w13, w2, shared_gate_up, shared_down, tiles: DecodeTiles, h: torch.Tensor,
+    shared_done: bool,
 ) -> torch.Tensor:
-    """The gate/up and down launches into ``h`` (``_h_buffer``) over a ``routing`` (float32 weights,
-    int32 ids ``[T, top_k]``), or with ``None`` routing each token in their programs from
-    ``gate_logits`` (``DecodeTiles.route_in_experts``); ``shared_done``: the routing launch computed
-    the shared expert's rows."""
+    """The gate/up and down launches over a routing (float32 weights, int32 ids ``[T, top_k]``) into
+    ``h`` (``_h_buffer``); ``shared_done``: the routing launch computed the shared expert's rows."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter, shared_inter = two_inter // 2, shared_gate_up.shape[0] // 2
-    top_w, top_i = routing if routing is not None else (gate_logits, gate_logits)  # unread without a routing
+    top_k = top_i.shape[1]
     out = new_empty((num_tokens, hidden), x.dtype, x.device)
     x = x if x.stride(-1) == 1 else x.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()
@@ -489,19 +452,17 @@ def _experts(
     h_width = h.shape[1]
     pairs = num_tokens * (top_k if shared_done else top_k + 1)
     pdl = tiles.pdl and _pdl_available()
-    route_here = dict(ROUTE=routing is None, RENORMALIZE=renormalize, BLOCK_E=pow2(num_experts))
     _gate_up_kernel[(triton.cdiv(pairs, tiles.gate_up_pairs), triton.cdiv(h_width, tiles.gate_up_block_n))](
         x, x.stride(0), w13, w13.stride(0), w13.stride(1), shared_gate_up, shared_gate_up.stride(0), top_i,
-        gate_logits, gate_logits.stride(0), h, h_width, pairs, hidden, inter, shared_inter, num_experts,
+        h, h_width, pairs, hidden, inter, shared_inter,
         TOP_K=top_k, PAIRS=tiles.gate_up_pairs, BLOCK_N=tiles.gate_up_block_n,
-        BLOCK_K=min(pow2(hidden), tiles.gate_up_block_k), PDL=pdl, SHARED=not shared_done, **route_here,
+        BLOCK_K=min(pow2(hidden), tiles.gate_up_block_k), PDL=pdl, SHARED=not shared_done,
         num_warps=tiles.gate_up_warps, launch_pdl=pdl,
     )
     _down_kernel[(num_tokens, triton.cdiv(hidden, tiles.down_block_n))](
         h, h_width, w2, w2.stride(0), w2.stride(1), shared_down, shared_down.stride(0), top_w, top_i,
         gate_logits, gate_logits.stride(0), out, hidden, inter, shared_inter, num_experts,
         TOP_K=top_k, BLOCK_C=pow2(top_k), BLOCK_N=tiles.down_block_n,
-        BLOCK_K=min(pow2(h_width), tiles.down_block_k), PDL=pdl, **route_here,
-        num_warps=tiles.down_warps, launch_pdl=pdl,
+        BLOCK_K=min(pow2(h_width), tiles.down_block_k), PDL=pdl, num_warps=tiles.down_warps, launch_pdl=pdl,
     )
     return out

@@ -47,10 +47,6 @@ TILE_CASES = [
     # blocks not dividing its 40 rows
     dict(gate_up_pairs=2, shared_in_route=False),
     dict(gate_up_pairs=2, shared_block_n=16),
-    # no routing launch: every gate/up and down program routes its token, pairs of two tokens in one
-    # gate/up program (9 pairs: ragged), with and without programmatic dependent launch
-    dict(gate_up_pairs=2, route_in_experts=True),
-    dict(gate_up_block_n=8, gate_up_block_k=16, down_block_n=16, down_block_k=16, pdl=False, route_in_experts=True),
 ]
 
 
@@ -106,22 +102,6 @@ def test_route_takes_the_lowest_index_among_ties(rng):
     gate_logits = torch.randint(0, 3, (5, experts + 1), generator=rng).float().to(DEVICE)
     order = torch.sort(gate_logits[:, :experts], dim=1, descending=True, stable=True).indices
     assert torch.equal(route(gate_logits, experts, top_k, False)[1].long(), order[:, :top_k])
-
-
-@pytest.mark.parametrize("renormalize", [True, False])
-def test_programs_that_route_their_tokens_agree_on_ties(rng, renormalize):
-    """Router logits full of ties (three values): the gate/up and down programs of
-    ``route_in_experts`` each route a token and must pick the same experts, the routing launch's
-    (lowest index first); a disagreement pairs a choice's ``h`` row with another expert's down rows."""
-    from freetoken.kernels.triton import moe_decode
-
-    experts, top_k, hidden, inter, shared_inter = 9, 4, 32, 16, 16
-    x, _, *weights = _inputs(rng, torch.float32, 3, experts, hidden, inter, shared_inter)
-    gate_logits = torch.randint(0, 3, (3, experts + 1), generator=rng).float().to(DEVICE)
-    args = (x, gate_logits, *weights, top_k, renormalize)
-    got = moe_decode.sparse_moe_decode_tiled(*args, moe_decode.DecodeTiles(gate_up_pairs=2, route_in_experts=True))
-    want = moe_decode.sparse_moe_decode_tiled(*args, moe_decode.DecodeTiles(gate_up_pairs=2))
-    assert_close(got, want)
 
 
 def test_decode_tiles_rejects_a_block_not_a_power_of_two():
