@@ -28,6 +28,17 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype | Non
     assert err <= bound, f"relative error {err:.3g} > {bound:.3g}"
 
 
+def assert_as_launched(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Two launches that compute the same thing alike: bit for bit under the interpreter (every sum in
+    order, no contraction); compiled, within two units of the dtype's rounding, since a compiled
+    sum's order follows its tile and warps, and ptxas contracts a float32 ``a · b + c`` into one FMA
+    where the code allows (seen on the H100 in the fused norm + GEMV and its conv step, session 37)."""
+    if DEVICE.type == "cpu":
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=2 * torch.finfo(want.dtype).eps, atol=1e-6)
+
+
 @pytest.fixture(autouse=True)
 def poisoned_outputs(monkeypatch):
     """Every buffer the kernel wrappers allocate poisoned (NaN / -1), so unwritten elements fail; and

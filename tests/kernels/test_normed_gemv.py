@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_checks import DEVICE, assert_close
+from kernel_checks import DEVICE, assert_as_launched, assert_close
 from freetoken.kernels.gemv_configs import NORMED_MAX_ROWS, GemvConfig
 from freetoken.kernels.normed_gemv import add_rms_norm_gemv_reference
 
@@ -46,13 +46,13 @@ CONFIG = GemvConfig(64, 256, 4, pdl=False)  # the interpreter's launch shape
 @pytest.mark.parametrize("residual", [True, False], ids=["add", "first"])
 @pytest.mark.parametrize("zero_centered", [True, False], ids=["zero_centered", "plain"])
 @pytest.mark.parametrize("rows,n_out,k_in", [(1, 37, 100), (2, 65, 300), (3, 9, 48), (NORMED_MAX_ROWS, 70, 257)])
-def test_normed_gemv_matches_the_two_launches_bit_for_bit(rng, dtype, residual, zero_centered, rows, n_out, k_in):
+def test_normed_gemv_matches_the_two_launches(rng, dtype, residual, zero_centered, rows, n_out, k_in):
     x, res, nw, w = operands(rng, rows, n_out, k_in, dtype, residual, zero_centered)
     out, normed, summed = _triton()[2].add_rms_norm_gemv(x, res, nw, EPS, zero_centered, w, True)
     want_out, want_normed, want_summed = unfused(x, res, nw, zero_centered, w, CONFIG)
     assert out.dtype == dtype and out.shape == (rows, n_out)
     assert torch.equal(summed, want_summed) and torch.equal(normed, want_normed)
-    assert torch.equal(out, want_out)
+    assert_as_launched(out, want_out)
     ref_out, ref_normed, ref_summed = add_rms_norm_gemv_reference(x, res, nw, EPS, zero_centered, w, True)
     assert torch.equal(summed, ref_summed)
     assert_close(normed.float(), ref_normed.float(), dtype=dtype)
@@ -69,7 +69,8 @@ def test_normed_gemv_tiles(rng, config, dtype):
     out, normed, summed = _triton()[2].add_rms_norm_gemv_tiled(x, res, nw, EPS, True, w, False, config)
     want_out, _, want_summed = unfused(x, res, nw, True, w, config)
     assert normed is None
-    assert torch.equal(summed, want_summed) and torch.equal(out, want_out)
+    assert torch.equal(summed, want_summed)
+    assert_as_launched(out, want_out)
 
 
 def test_normed_gemv_keeps_leading_dims(rng):
@@ -149,8 +150,9 @@ def test_normed_gemv_conv(rng, config, dtype, rows, width):
                                                                 config)
     want_out, _, want_summed = normed_gemv.add_rms_norm_gemv_tiled(x, res, nw, EPS, True, w, False, config)
     want_conv = conv1d.causal_conv1d_decode(want_out[:, :channels], conv_w, want_state, slots)
-    assert torch.equal(out, want_out) and torch.equal(summed, want_summed)
-    assert torch.equal(conv, want_conv) and torch.equal(got_state, want_state)
+    assert torch.equal(summed, want_summed)
+    for got, want in ((out, want_out), (conv, want_conv), (got_state, want_state)):
+        assert_as_launched(got, want)
     ref_out, ref_conv, _ = add_rms_norm_gemv_conv_reference(x, res, nw, EPS, True, w, conv_w, ref_state, slots)
     assert_close(out.float(), ref_out.float(), dtype=dtype)
     assert_close(conv.float(), ref_conv.float(), dtype=dtype)
