@@ -42,6 +42,15 @@ class Nvfp4GemmConfig(GemmConfig):
     def __post_init__(self) -> None:
         if self.split and self.block_k < 32:  # each half of a K step is one MMA's K, at least 16
             raise ValueError(f"Nvfp4GemmConfig.split needs block_k >= 32, got {self.block_k}")
+        # Compiled, the decode turns a 32-bit word of four code bytes into eight weights a PTX call
+        # (``nvfp4._decode_tile``, ``pack=4``); a tile of fewer code bytes than four a thread has its
+        # words padded with undefined bytes, and decoded wrong (16 x 32 at 4 warps on the H100).
+        code_bytes = self.block_n * self.block_k // 2
+        if code_bytes < 4 * 32 * self.num_warps:
+            raise ValueError(
+                f"Nvfp4GemmConfig: a {self.block_n} x {self.block_k} weight tile is {code_bytes} code bytes, fewer "
+                f"than 4 a thread at {self.num_warps} warps ({4 * 32 * self.num_warps})"
+            )
 
 
 C = Nvfp4GemmConfig

@@ -128,7 +128,9 @@ def test_sparse_moe_decode_offload_nvfp4(rng, dtype, tokens):
     got = sparse_moe_decode_offload_nvfp4(x, logits, slot_map, *slots, *host, *shared, top_k, True, got_routed)
     want = ref.sparse_moe_decode_offload_nvfp4_reference(
         x.float(), logits.float(), slot_map, *slots, *host, *shared, top_k, True, want_routed)
-    assert_close(got.float(), want, dtype=dtype)
+    # The resident block's bound (test_nvfp4_kernels: three bf16 roundings before the sum; a draw
+    # reached 1.003x the one-rounding bound here on the H100, session 37).
+    assert_close(got.float(), want, dtype=dtype, scale=2.0)
     assert torch.equal(got_routed, want_routed)
     assert want_routed[0, 0] >= 0 and want_routed[0, 1] < 0
 

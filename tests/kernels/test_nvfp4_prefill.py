@@ -56,12 +56,12 @@ def _config(*fields):
 CONFIG_CASES = [
     ((16, 32, 64, 1, 4, 1), (16, 16, 64, 1, 4, 1)),
     ((32, 64, 16, 4, 4, 1, True), (32, 64, 16, 8, 4, 1, True)),
-    ((64, 16, 32, 8, 4, 1), (16, 64, 16, 2, 4, 1, True)),
+    ((64, 16, 64, 8, 4, 1), (16, 64, 16, 2, 4, 1, True)),
     ((16, 64, 64, 1, 4, 1, True), (64, 16, 64, 4, 4, 1)),
     ((None,), (None,)),
     ((16, 64, 64, 8, 4, 1, True), (None,)),
     ((16, 64, 64, 1, 4, 1, True, True), (32, 64, 16, 8, 4, 1, True, True)),
-    ((32, 16, 32, 4, 4, 1, False, True), (16, 16, 64, 1, 4, 1, False, True)),
+    ((32, 16, 64, 4, 4, 1, False, True), (16, 16, 64, 1, 4, 1, False, True)),
     ((32, 64, 64, 4, 4, 1, True, False, True), (16, 64, 32, 8, 4, 1, True, True, True)),
     ((16, 32, 32, 1, 4, 1, False, False, True), (None,)),
 ]
@@ -192,6 +192,14 @@ def test_nvfp4_moe_config_buckets_by_pairs_per_expert(monkeypatch):
 def test_split_config_needs_two_mma_steps_of_k():
     with pytest.raises(ValueError, match="block_k >= 32"):
         _config(16, 64, 16, 8, 4, 1, True, True, True)
+
+
+def test_config_needs_four_code_bytes_a_thread():
+    """The compiled decode takes a 32-bit word of codes a call: 16 x 32 weights at 4 warps (2 bytes a
+    thread) decoded wrong on the H100; 16 x 64 (4 bytes a thread) is the smallest such tile."""
+    with pytest.raises(ValueError, match="fewer than 4 a thread"):
+        _config(64, 16, 32, 8, 4, 1)
+    assert _config(64, 16, 64, 8, 4, 1).block_k == 64
 
 
 def test_format_buckets_is_python_for_the_table():
