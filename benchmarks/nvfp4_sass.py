@@ -66,11 +66,10 @@ def random_nvfp4(*shape: int):
             torch.ones(*lead, rows))
 
 
-# Stream variants of the decode block (nvfp4_decode_stream.py): rows a tile, warps, fused routing.
+# Stream variants of the decode block (nvfp4_decode_stream.py): rows a tile, warps.
 STREAM_TILES = [
     dict(gate_up_per_sm=2, down_per_sm=2, gate_up_block_n=4, down_block_n=4, gate_up_warps=8, down_warps=4),
-    dict(gate_up_per_sm=2, down_per_sm=2, gate_up_block_n=8, down_block_n=8, gate_up_warps=8, down_warps=8,
-         fuse_route=True),
+    dict(gate_up_per_sm=2, down_per_sm=2, gate_up_block_n=8, down_block_n=8, gate_up_warps=8, down_warps=8),
 ]
 
 

@@ -9,12 +9,12 @@ The candidates: the one-program-per-tile kernels (the default) and the stream ke
 (``nvfp4_decode_stream.py``: ``*_per_sm`` programs an SM looping over row tiles, the next tile's
 loads issued before the current one's decode), varying rows a tile, warps, programs an SM (sized
 to the registers each shape compiles to, so that all its programs are resident: ``nvfp4_sass.py``),
-routing fused into the passes or not, the shared expert's gate/up tiles first (loaded before
-the wait and the routing) or not, prefetch and PDL off as controls (one persistent launch for both
-passes was measured 2.7-3.4x slower and removed: docs/benchmarks.md). ``--old`` adds the frozen
+the shared expert's gate/up tiles first (loaded before the wait and the routing) or not, prefetch
+and PDL off as controls (one persistent launch for both passes was measured 2.7-3.4x slower and
+removed: docs/benchmarks.md). ``--old`` adds the frozen
 two-launch kernels (``nvfp4_decode_baseline.py``), ``--dense`` the one-row dense GEMVs (attention
 qkv and o) against the frozen tensor-core tile, and the attention input norm + qkv GEMV as two
-launches against the fused one (``normed_nvfp4_gemv.py``). The default run (18 distinct shapes, two token counts)
+launches against the fused one (``normed_nvfp4_gemv.py``). The default run (12 distinct shapes, two token counts)
 takes under three minutes with a cold Triton cache, most of it compiling.
 
 As ``tune_moe_decode.py`` (whose graph check and profiler breakdown this reuses): each timing runs
@@ -74,22 +74,16 @@ CANDIDATES = [
     replace(DEFAULT, down_per_sm=D4[2], down_block_n=D4[0], down_warps=D4[1]),  # stream down only
     replace(DEFAULT, gate_up_per_sm=G8[2], gate_up_block_n=G8[0], gate_up_warps=G8[1]),  # stream gate/up only
     stream(G8, D4),
-    stream(G8, D4, fuse_route=True),
     stream(G8, D2),
-    stream(G8, D2, fuse_route=True),
     stream(G8, D8),
     stream(G4, D4),
-    stream(G4, D2, fuse_route=True),
     stream(G2, D2),
-    stream((4, 8, 3), D4, fuse_route=True),
     stream((8, 4, 3), (8, 4, 3), down_regs=168),  # down capped from 254 registers: 3 programs an SM
     stream((8, 8, 1), (4, 8, 1)),  # fewer programs, more tiles each
     stream((16, 8, 1), D4),  # gate/up 168 registers: one program an SM, half the tiles
     # The shared expert's tiles first, loaded before the wait and the routing (nvfp4_decode_stream).
     replace(DEFAULT, shared_first=True),
-    replace(DEFAULT, shared_first=True, fuse_route=True),
     stream((4, 4, 5), D2, shared_first=True),
-    stream((4, 4, 5), D2, shared_first=True, fuse_route=True),
     stream(G8, D4, prefetch=False),  # controls
     stream(G8, D4, pdl=False),
 ]
@@ -108,7 +102,7 @@ def label(tiles: NVFP4DecodeTiles) -> str:
                if t.gate_up_per_sm else f"gate/up {t.gate_up_block_n}x{t.gate_up_block_k} p{t.gate_up_pairs} w{t.gate_up_warps}")
     down = (f"down stream {t.down_block_n} rows w{t.down_warps} x{t.down_per_sm}/SM"
             if t.down_per_sm else f"down {t.down_block_n}x{t.down_block_k} w{t.down_warps}")
-    flags = [name for name, on in (("pdl", t.pdl), ("fused route", t.fuse_route), ("shared first", t.shared_first),
+    flags = [name for name, on in (("pdl", t.pdl), ("shared first", t.shared_first),
                                    ("no prefetch", (t.gate_up_per_sm or t.down_per_sm) and not t.prefetch)) if on]
     regs = [f"{name} {getattr(t, name)}" for name in ("gate_up_regs", "down_regs") if getattr(t, name)]
     return ", ".join([gate_up, down, *flags, *regs])

@@ -350,7 +350,7 @@ def sparse_moe_decode_offload_nvfp4(
     tiles = nvfp4_decode.TILES
     pdl = tiles.pdl and moe_decode._pdl_available()
     stream = dict(TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=pow2(num_experts), BLOCK_C=pow2(top_k),
-                  FUSE_ROUTE=False, PREFETCH=tiles.prefetch, PDL=pdl, OFFLOAD=True, FILL=fill, launch_pdl=pdl)
+                  PREFETCH=tiles.prefetch, PDL=pdl, OFFLOAD=True, FILL=fill, launch_pdl=pdl)
     gate_up_parts = routed_parts((slot_w13_packed, slot_w13_scales, slot_w13_row_scales),
                                  (host_w13_packed, host_w13_scales, host_w13_row_scales))
     gate_up_tiles = (top_k + 1) * triton.cdiv(h_width, tiles.gate_up_block_n)

@@ -18,9 +18,8 @@ finishes. ``benchmarks/tune_nvfp4_decode.py`` times the launch shapes on the GPU
 
 Either pass can instead run as a stream (``nvfp4_decode_stream.py``; ``NVFP4DecodeTiles.gate_up_per_sm``
 / ``down_per_sm``): a grid sized to the GPU, each program looping over row tiles with the next
-tile's loads in flight during the current decode, optionally with the routing computed in both
-passes (``fuse_route``: two launches). The defaults are the two streams the H200 sweep picked
-(``NVFP4DecodeTiles``); one persistent launch for both passes was measured 2.7-3.4x slower and
+tile's loads in flight during the current decode. The defaults are the two streams the H200 sweep
+picked (``NVFP4DecodeTiles``); one persistent launch for both passes was measured 2.7-3.4x slower and
 removed (docs/benchmarks.md).
 
 The weights are never formed: one row against one token has no tensor-core work, so
@@ -60,8 +59,7 @@ class NVFP4DecodeTiles(DecodeTiles):
     unused), the next tile's loads issued before the current one's decode where ``prefetch``.
     ``shared_first`` (gate/up a stream): the shared expert's tiles first, the first of them loaded
     before the wait for the previous launch and the routing.
-    ``fuse_route`` (both passes streams): the routing computed in both passes' programs, no routing
-    launch. ``gate_up_regs`` / ``down_regs``: a register cap per thread (Triton's ``maxnreg``; 0: the
+    ``gate_up_regs`` / ``down_regs``: a register cap per thread (Triton's ``maxnreg``; 0: the
     compiler's choice), for more resident programs an SM."""
 
     # The defaults: the H200 sweep's best at one token (tune_nvfp4_decode.py: 13.8 us a layer against
@@ -77,7 +75,6 @@ class NVFP4DecodeTiles(DecodeTiles):
     gate_up_per_sm: int = 4
     down_per_sm: int = 2
     prefetch: bool = True
-    fuse_route: bool = False
     gate_up_regs: int = 0
     down_regs: int = 0
     shared_first: bool = False
@@ -99,8 +96,6 @@ class NVFP4DecodeTiles(DecodeTiles):
         for name in ("gate_up_block_k", "down_block_k"):
             if getattr(self, name) < GROUP:
                 raise ValueError(f"NVFP4DecodeTiles.{name} must be at least {GROUP}, got {getattr(self, name)}")
-        if self.fuse_route and not (self.gate_up_per_sm and self.down_per_sm):
-            raise ValueError("NVFP4DecodeTiles.fuse_route needs both passes as streams (gate_up_per_sm, down_per_sm > 0)")
         if self.shared_in_route:
             raise ValueError("NVFP4DecodeTiles.shared_in_route: the NVFP4 block computes its shared expert in its gate/up pass")
         if self.shared_first and not self.gate_up_per_sm:
@@ -112,7 +107,7 @@ TILES_ENV = "FREETOKEN_NVFP4_DECODE_TILES"
 
 def tiles_from_text(text: str) -> NVFP4DecodeTiles:
     """``NVFP4DecodeTiles`` from ``"field=value,..."`` (the sweep's "apply:" line, e.g.
-    ``down_per_sm=2,fuse_route=True``; booleans as true/false or 1/0), the other fields default."""
+    ``down_per_sm=2,prefetch=False``; booleans as true/false or 1/0), the other fields default."""
     kinds = {f.name: f.type for f in fields(NVFP4DecodeTiles)}
     values: dict[str, int | bool] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
@@ -334,17 +329,13 @@ def sparse_moe_decode_nvfp4_tiled(
     h_width, pairs = max(inter, shared_inter), num_tokens * (top_k + 1)
     h = new_empty((pairs, h_width), x.dtype, x.device)
     pdl = tiles.pdl and _pdl_available()
-    if tiles.fuse_route:  # written by the programs, which route
-        top_w = new_empty((num_tokens, top_k), torch.float32, x.device)
-        top_i = new_empty((num_tokens, top_k), torch.int32, x.device)
-    else:
-        top_w, top_i = route(gate_logits, num_experts, top_k, renormalize, pdl)
+    top_w, top_i = route(gate_logits, num_experts, top_k, renormalize, pdl)
     w13 = weight(w13_packed, w13_scales, w13_row_scales)
     shared_gate_up = weight(shared_gate_up_packed, shared_gate_up_scales, shared_gate_up_row_scales)
     w2 = weight(w2_packed, w2_scales, w2_row_scales)
     shared_down = weight(shared_down_packed, shared_down_scales, shared_down_row_scales)
     routing = dict(TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=pow2(num_experts), BLOCK_C=pow2(top_k),
-                   FUSE_ROUTE=tiles.fuse_route, PREFETCH=tiles.prefetch, PDL=pdl, launch_pdl=pdl)
+                   PREFETCH=tiles.prefetch, PDL=pdl, launch_pdl=pdl)
     stream = dict(routing, OFFLOAD=False, FILL=False)
     def words(weight):  # the packed codes as int32 words (8 codes each) for the stream kernels
         return (weight[0].view(torch.int32), *weight[1:])

@@ -12,16 +12,10 @@ and each program's loads of tile i + 1 are issued before tile i's decode (``PREF
 DRAM and the decode overlap within every program. A program handles one token: its activations
 (``x`` for gate/up, the token's ``h`` rows for down) are loaded and widened once, not per tile.
 
-``FUSE_ROUTE``: the programs compute the token's top-k themselves (``_route_token``, the routing
-launch's selection) instead of the routing launch, so the block is two launches. The down programs
-read the logits from L2 (``.cg``) before waiting for the gate/up launch: they were written two
-launches back, before the gate/up programs' wait returned, which precedes this launch (as
-``moe_decode._down_kernel`` reads the routing).
-
 ``SHARED_FIRST``: a token's gate/up tiles start with the shared expert's, and the programs whose
 first tile is one of them issue its loads before the wait for the previous launch and before the
 routing (the shared expert's weights depend on neither), so that ~1 MB a layer is in flight while
-the routing is read or computed.
+the routing is read.
 
 Tiles: gate/up tile ``i`` of a token is pair ``j = i // NB`` (choice ``j``, the shared expert at
 ``j = TOP_K``; ``SHARED_FIRST``: ``j = (i // NB + TOP_K) % (TOP_K + 1)``), intermediate columns ``(i % NB) · BLOCK_N`` on, the whole hidden dim in one load;
@@ -42,56 +36,16 @@ from freetoken.kernels.triton.nvfp4_rows import _word_dots
 
 
 @device_function
-def _route_token(logits_ptr, l_st, topw_ptr, topi_ptr, t, num_experts, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                 BLOCK_E: tl.constexpr):
-    """Token ``t``'s routing, ``moe_decode._top_k``'s choices (softmax, then the top-k of the
-    probabilities' bits, lowest index among ties), stored to ``topw`` / ``topi`` as the routing
-    launch would (every program of the token stores the same values).
-
-    Each choice is one int64 max over ``probability bits << 32 | (BLOCK_E - 1 - expert)`` (the
-    larger probability, then the lower index) instead of ``_top_k``'s two int32 reductions: a
-    reduction over a whole program's warps is a round trip through shared memory with two barriers,
-    so this halves the ~17 such trips before the first weight load (``_top_k`` runs in one warp)."""
-    e = tl.arange(0, BLOCK_E)
-    ok = e < num_experts
-    logits = tl.load(logits_ptr + t * l_st + e, mask=ok, other=0.0, cache_modifier=".cg")
-    logits = tl.where(ok, logits.to(tl.float32), float("-inf"))
-    p = tl.exp(logits - tl.max(logits, 0))
-    bits = (p / tl.sum(p, 0)).to(tl.int32, bitcast=True).to(tl.int64)
-    key = tl.where(ok, (bits << 32) | (BLOCK_E - 1 - e), -1)
-    total = tl.sum(tl.zeros([BLOCK_E], tl.float32), 0)
-    weights = tl.zeros([BLOCK_E], tl.float32)
-    experts = tl.zeros([BLOCK_E], tl.int32)
-    for c in tl.static_range(TOP_K):
-        best = tl.max(key, 0)
-        best_i = (BLOCK_E - 1 - (best & 0xFFFFFFFF)).to(tl.int32)
-        best_p = (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-        total += best_p
-        weights = tl.where(e == c, best_p, weights)
-        experts = tl.where(e == c, best_i, experts)
-        key = tl.where(e == best_i, -1, key)
-    if RENORMALIZE:
-        weights = weights / total
-    tl.store(topw_ptr + t * TOP_K + e, weights, mask=e < TOP_K)
-    tl.store(topi_ptr + t * TOP_K + e, experts, mask=e < TOP_K)
-
-
-@device_function
-def _choices(logits_ptr, l_st, topw_ptr, topi_ptr, map_ptr, fill_ptr, t, num_experts, TOP_K: tl.constexpr,
-             RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr, FUSE_ROUTE: tl.constexpr,
+def _choices(topw_ptr, topi_ptr, map_ptr, fill_ptr, t, TOP_K: tl.constexpr, BLOCK_C: tl.constexpr,
              OFFLOAD: tl.constexpr, FILL: tl.constexpr):
     """Token ``t``'s routing weights (float32), expert ids, slots and fill slots (int32), ``[BLOCK_C]``
-    with choice ``c`` in lane ``c``: the routing launch's output, or (``FUSE_ROUTE``) computed here
-    first and read back after a barrier, both from L2 (``.cg``: L1 may hold an earlier layer's at
-    the same address; the program's own stores are in L2).
+    with choice ``c`` in lane ``c``: the routing launch's output, read from L2 (``.cg``: L1 may hold
+    an earlier layer's at the same address).
 
     Resident experts: the slot is the expert id (its index in the layer's weights). ``OFFLOAD``: the
     routing launch wrote ``e`` for a hit and ``-1 - e`` for a miss (``moe_decode_offload``); a hit's
     slot comes from the layer's slot map, a miss has slot -1 (read from host memory). ``FILL``: the
     slot a miss claimed for the read-through fill, else -1."""
-    if FUSE_ROUTE:
-        _route_token(logits_ptr, l_st, topw_ptr, topi_ptr, t, num_experts, TOP_K, RENORMALIZE, BLOCK_E)
-        tl.debug_barrier()
     c = tl.arange(0, BLOCK_C)
     c_ok = c < TOP_K
     weights = tl.load(topw_ptr + t * TOP_K + c, mask=c_ok, other=0.0, cache_modifier=".cg")
@@ -214,7 +168,7 @@ def _gate_up_stream_kernel(
     fill_ptr, sw_ptr, sw_s_ptr, sw_r_ptr, topw_ptr, topi_ptr, logits_ptr, l_st,
     h_ptr, h_width, hidden, w_row, s_row, inter, shared_inter, num_experts,
     TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
-    BLOCK_N: tl.constexpr, NB: tl.constexpr, BLOCK_K: tl.constexpr, FUSE_ROUTE: tl.constexpr, PREFETCH: tl.constexpr,
+    BLOCK_N: tl.constexpr, NB: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
     SHARED_FIRST: tl.constexpr, PDL: tl.constexpr, OFFLOAD: tl.constexpr, FILL: tl.constexpr,
 ):
     # NB: column blocks a pair (cdiv(h_width, BLOCK_N)), a constant so that a tile's pair is a shift.
@@ -241,11 +195,10 @@ def _gate_up_stream_kernel(
             w13_ptr, w13_s_ptr, w13_r_ptr, host_w_ptr, host_s_ptr, host_r_ptr, es_w, es_s, es_r, sw_ptr, sw_s_ptr,
             sw_r_ptr, none, none, tl.where(early, first, num_tiles), num_tiles, w_row, s_row, w_offs, s_offs, w_k_ok,
             s_k_ok, inter, shared_inter, TOP_K, BLOCK_N, NB, SHARED_FIRST, OFFLOAD)
-    if PDL:  # the routing (or the router logits) is the previous launch's output; the down programs may start
+    if PDL:  # the routing is the previous launch's output; the down programs may start
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    _, experts, slots, fills = _choices(logits_ptr, l_st, topw_ptr, topi_ptr, map_ptr, fill_ptr, t, num_experts, TOP_K,
-                                        RENORMALIZE, BLOCK_E, BLOCK_C, FUSE_ROUTE, OFFLOAD, FILL)
+    _, experts, slots, fills = _choices(topw_ptr, topi_ptr, map_ptr, fill_ptr, t, TOP_K, BLOCK_C, OFFLOAD, FILL)
     x0, x1, x2, x3, x4, x5, x6, x7 = _word_columns(x_ptr + t * x_st + word[None, None, :] * 0, word[None, None, :],
                                                    (word < w_row)[None, None, :])
     dtype = h_ptr.dtype.element_ty
@@ -332,18 +285,19 @@ def _down_stream_kernel(
     fill_ptr, sd_ptr, sd_s_ptr, sd_r_ptr, topw_ptr, topi_ptr,
     logits_ptr, l_st, out_ptr, hidden, inter, shared_inter, w_row, s_row, sw_row, ss_row, num_experts,
     TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FUSE_ROUTE: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
     OFFLOAD: tl.constexpr, FILL: tl.constexpr,
 ):
     # w_row, s_row (sw_row, ss_row): the routed (shared) down rows' strides in words and scale bytes,
     # inter / 8 and inter / 16, as arguments for their divisibility (see _gate_up_stream_kernel).
     # Under PDL this starts while the gate/up launch runs: the routing and the first tile's weights
-    # are loaded before the wait, ``h`` (the gate/up output) after it. An offloaded layer's routing
-    # launch (slots, claims) ran before the gate/up launch's wait returned, as the routing does.
+    # are loaded before the wait, ``h`` (the gate/up output) after it. The routing launch ran two
+    # launches back: it finished before the gate/up programs' wait returned, which precedes this
+    # launch (as ``moe_decode._down_kernel`` reads the routing); an offloaded layer's routing launch
+    # (slots, claims) likewise.
     t = tl.program_id(0)
     dtype = out_ptr.dtype.element_ty
-    weight, experts, slots, fills = _choices(logits_ptr, l_st, topw_ptr, topi_ptr, map_ptr, fill_ptr, t, num_experts,
-                                             TOP_K, RENORMALIZE, BLOCK_E, BLOCK_C, FUSE_ROUTE, OFFLOAD, FILL)
+    weight, experts, slots, fills = _choices(topw_ptr, topi_ptr, map_ptr, fill_ptr, t, TOP_K, BLOCK_C, OFFLOAD, FILL)
     weight = cast(weight, dtype).to(tl.float32)  # as the reference holds them: rounded to the activations' dtype
     num_tiles = tl.cdiv(hidden, BLOCK_N)
     word = tl.arange(0, BLOCK_K // 8)[None, None, :]

@@ -168,17 +168,17 @@ NVFP4_TILE_CASES = [
     dict(gate_up_block_n=2, gate_up_block_k=4096, gate_up_pairs=16, down_block_n=2, down_block_k=4096, down_warps=1,
          pdl=False),
     # The stream kernels (nvfp4_decode_stream): one program a token on the interpreter's one "SM" or
-    # several, looping over tiles that do not divide the rows, prefetching or not, routing in the
-    # programs or not, beside a one-program-per-tile pass.
+    # several, looping over tiles that do not divide the rows, prefetching or not, beside a
+    # one-program-per-tile pass.
     dict(gate_up_per_sm=2, down_per_sm=3, gate_up_block_n=4, down_block_n=16, gate_up_warps=2, down_warps=2),
-    dict(gate_up_per_sm=1, down_per_sm=1, prefetch=False, fuse_route=True, gate_up_block_n=32, down_block_n=32),
-    dict(gate_up_per_sm=7, down_per_sm=5, fuse_route=True, pdl=False, gate_up_block_n=8, down_block_n=4),
+    dict(gate_up_per_sm=1, down_per_sm=1, prefetch=False, gate_up_block_n=32, down_block_n=32),
+    dict(gate_up_per_sm=7, down_per_sm=5, pdl=False, gate_up_block_n=8, down_block_n=4),
     dict(gate_up_per_sm=2, gate_up_block_n=16, down_block_n=8, gate_up_regs=128),
     # The shared expert's tiles first, some programs' first tile loaded before the routing: programs
-    # fewer than, equal to and more than its tiles, routing launched or in the programs.
+    # fewer than, equal to and more than its tiles.
     dict(gate_up_per_sm=2, gate_up_block_n=16, down_block_n=8, shared_first=True),
-    dict(gate_up_per_sm=3, gate_up_block_n=16, shared_first=True, fuse_route=True, down_per_sm=2, prefetch=False),
-    dict(gate_up_per_sm=9, gate_up_block_n=4, shared_first=True, fuse_route=True, down_per_sm=2, down_block_n=4),
+    dict(gate_up_per_sm=3, gate_up_block_n=16, shared_first=True, down_per_sm=2, prefetch=False),
+    dict(gate_up_per_sm=9, gate_up_block_n=4, shared_first=True, down_per_sm=2, down_block_n=4),
 ]
 
 
@@ -202,12 +202,12 @@ def test_decode_tiles_from_the_environment_text():
     from freetoken.kernels.triton.nvfp4_decode import NVFP4DecodeTiles, tiles_from_text
 
     assert tiles_from_text("") == NVFP4DecodeTiles()
-    assert tiles_from_text(" down_per_sm=3, fuse_route=True,pdl=0") == NVFP4DecodeTiles(down_per_sm=3, fuse_route=True,
-                                                                                       pdl=False)
+    assert tiles_from_text(" down_per_sm=3, shared_first=True,pdl=0") == NVFP4DecodeTiles(down_per_sm=3, shared_first=True,
+                                                                                         pdl=False)
     with pytest.raises(ValueError, match="not an NVFP4DecodeTiles field"):
         tiles_from_text("fused=2")
-    with pytest.raises(ValueError, match="fuse_route must be true or false"):
-        tiles_from_text("down_per_sm=1,fuse_route=yes")
+    with pytest.raises(ValueError, match="prefetch must be true or false"):
+        tiles_from_text("down_per_sm=1,prefetch=yes")
     with pytest.raises(ValueError, match="down_block_n must be an integer"):
         tiles_from_text("down_block_n=four")
 
@@ -222,8 +222,6 @@ def test_nvfp4_decode_tiles_reject_a_step_below_one_group():
 def test_nvfp4_decode_tiles_reject_bad_stream_fields():
     from freetoken.kernels.triton.nvfp4_decode import NVFP4DecodeTiles
 
-    with pytest.raises(ValueError, match="fuse_route"):
-        NVFP4DecodeTiles(gate_up_per_sm=2, down_per_sm=0, fuse_route=True)
     with pytest.raises(ValueError, match="down_regs"):
         NVFP4DecodeTiles(down_regs=300)
     with pytest.raises(ValueError, match="gate_up_per_sm"):
