@@ -349,8 +349,8 @@ def sparse_moe_decode_offload_nvfp4(
     )
     tiles = nvfp4_decode.TILES
     pdl = tiles.pdl and moe_decode._pdl_available()
-    stream = dict(TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=pow2(num_experts), BLOCK_C=pow2(top_k),
-                  PREFETCH=tiles.prefetch, PDL=pdl, OFFLOAD=True, FILL=fill, launch_pdl=pdl)
+    stream = dict(TOP_K=top_k, BLOCK_C=pow2(top_k), PREFETCH=tiles.prefetch, PDL=pdl, OFFLOAD=True, FILL=fill,
+                  launch_pdl=pdl)
     gate_up_parts = routed_parts((slot_w13_packed, slot_w13_scales, slot_w13_row_scales),
                                  (host_w13_packed, host_w13_scales, host_w13_row_scales))
     gate_up_tiles = (top_k + 1) * triton.cdiv(h_width, tiles.gate_up_block_n)
@@ -358,8 +358,7 @@ def sparse_moe_decode_offload_nvfp4(
                                                                       num_tokens, gate_up_tiles))](
         x, x.stride(0), *gate_up_parts, slot_map, fills_arg,
         *words(shared_gate_up_packed, shared_gate_up_scales, shared_gate_up_row_scales), top_w, routed,
-        gate_logits, gate_logits.stride(0), h, h_width, hidden, hidden // 8, hidden // GROUP, inter, shared_inter,
-        num_experts, BLOCK_N=tiles.gate_up_block_n, NB=triton.cdiv(h_width, tiles.gate_up_block_n),
+        h, h_width, hidden, hidden // 8, hidden // GROUP, inter, shared_inter, BLOCK_N=tiles.gate_up_block_n, NB=triton.cdiv(h_width, tiles.gate_up_block_n),
         BLOCK_K=pow2(hidden), SHARED_FIRST=tiles.shared_first, num_warps=tiles.gate_up_warps, **stream,
     )
     down_parts = routed_parts((slot_w2_packed, slot_w2_scales, slot_w2_row_scales),

@@ -334,8 +334,7 @@ def sparse_moe_decode_nvfp4_tiled(
     shared_gate_up = weight(shared_gate_up_packed, shared_gate_up_scales, shared_gate_up_row_scales)
     w2 = weight(w2_packed, w2_scales, w2_row_scales)
     shared_down = weight(shared_down_packed, shared_down_scales, shared_down_row_scales)
-    routing = dict(TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=pow2(num_experts), BLOCK_C=pow2(top_k),
-                   PREFETCH=tiles.prefetch, PDL=pdl, launch_pdl=pdl)
+    routing = dict(TOP_K=top_k, BLOCK_C=pow2(top_k), PREFETCH=tiles.prefetch, PDL=pdl, launch_pdl=pdl)
     stream = dict(routing, OFFLOAD=False, FILL=False)
     def words(weight):  # the packed codes as int32 words (8 codes each) for the stream kernels
         return (weight[0].view(torch.int32), *weight[1:])
@@ -347,8 +346,8 @@ def sparse_moe_decode_nvfp4_tiled(
     if tiles.gate_up_per_sm:
         tiles_per_token = (top_k + 1) * triton.cdiv(h_width, tiles.gate_up_block_n)
         _gate_up_stream_kernel[(num_tokens, _stream_programs(x.device, tiles.gate_up_per_sm, num_tokens, tiles_per_token))](
-            x, x.stride(0), *routed_parts(w13), *words(shared_gate_up), top_w, top_i, gate_logits, gate_logits.stride(0),
-            h, h_width, hidden, hidden // 8, hidden // GROUP, inter, shared_inter, num_experts,
+            x, x.stride(0), *routed_parts(w13), *words(shared_gate_up), top_w, top_i,
+            h, h_width, hidden, hidden // 8, hidden // GROUP, inter, shared_inter,
             BLOCK_N=tiles.gate_up_block_n, NB=triton.cdiv(h_width, tiles.gate_up_block_n), BLOCK_K=pow2(hidden),
             SHARED_FIRST=tiles.shared_first, num_warps=tiles.gate_up_warps, **stream, **_regs(tiles.gate_up_regs),
         )

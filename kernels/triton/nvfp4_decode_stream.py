@@ -165,9 +165,9 @@ def _fill_gate_up_tile(w13_ptr, w13_s_ptr, w13_r_ptr, es_w, es_s, es_r, fills, t
 @triton.jit
 def _gate_up_stream_kernel(
     x_ptr, x_st, w13_ptr, w13_s_ptr, w13_r_ptr, host_w_ptr, host_s_ptr, host_r_ptr, es_w, es_s, es_r, map_ptr,
-    fill_ptr, sw_ptr, sw_s_ptr, sw_r_ptr, topw_ptr, topi_ptr, logits_ptr, l_st,
-    h_ptr, h_width, hidden, w_row, s_row, inter, shared_inter, num_experts,
-    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
+    fill_ptr, sw_ptr, sw_s_ptr, sw_r_ptr, topw_ptr, topi_ptr,
+    h_ptr, h_width, hidden, w_row, s_row, inter, shared_inter,
+    TOP_K: tl.constexpr, BLOCK_C: tl.constexpr,
     BLOCK_N: tl.constexpr, NB: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
     SHARED_FIRST: tl.constexpr, PDL: tl.constexpr, OFFLOAD: tl.constexpr, FILL: tl.constexpr,
 ):
@@ -284,7 +284,7 @@ def _down_stream_kernel(
     h_ptr, h_width, w2_ptr, w2_s_ptr, w2_r_ptr, host_w_ptr, host_s_ptr, host_r_ptr, es_w, es_s, es_r, map_ptr,
     fill_ptr, sd_ptr, sd_s_ptr, sd_r_ptr, topw_ptr, topi_ptr,
     logits_ptr, l_st, out_ptr, hidden, inter, shared_inter, w_row, s_row, sw_row, ss_row, num_experts,
-    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_C: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
     OFFLOAD: tl.constexpr, FILL: tl.constexpr,
 ):
