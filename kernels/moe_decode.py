@@ -42,4 +42,3 @@ def sparse_moe_decode_reference(
 
 
 sparse_moe_decode = op("moe_decode")(sparse_moe_decode_reference)
-

@@ -334,8 +334,8 @@ def sparse_moe_decode_nvfp4_tiled(
     shared_gate_up = weight(shared_gate_up_packed, shared_gate_up_scales, shared_gate_up_row_scales)
     w2 = weight(w2_packed, w2_scales, w2_row_scales)
     shared_down = weight(shared_down_packed, shared_down_scales, shared_down_row_scales)
-    routing = dict(TOP_K=top_k, BLOCK_C=pow2(top_k), PREFETCH=tiles.prefetch, PDL=pdl, launch_pdl=pdl)
-    stream = dict(routing, OFFLOAD=False, FILL=False)
+    stream = dict(TOP_K=top_k, BLOCK_C=pow2(top_k), PREFETCH=tiles.prefetch, PDL=pdl, OFFLOAD=False, FILL=False,
+                  launch_pdl=pdl)
     def words(weight):  # the packed codes as int32 words (8 codes each) for the stream kernels
         return (weight[0].view(torch.int32), *weight[1:])
 
